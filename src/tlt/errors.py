@@ -1,0 +1,13 @@
+"""Project errors: one clear message naming the problem, never a stack trace from deep inside torch."""
+
+
+class TltError(ValueError):
+    """Base class of every error tlt raises on bad input."""
+
+
+class ModelLoadError(TltError):
+    """A model path, file or architecture that tlt cannot load."""
+
+
+class RequestError(TltError):
+    """A rollout request or sampling setting that cannot be served."""

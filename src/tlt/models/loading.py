@@ -1,0 +1,132 @@
+"""Load a supported causal LM (Llama, Qwen2, Qwen3) and its tokenizer, never from a model hub.
+
+Sources: the default model (None or "smollm2"), a local Hugging Face directory (config.json + safetensors),
+a .gguf file (dequantized by transformers), or an in-memory transformers causal LM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tlt.errors import ModelLoadError
+from tlt.models.spec import ModelSpec, check_supported
+
+DEFAULT_MODEL_ALIASES = ("smollm2", "default", "SmolLM2-135M-Instruct")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module          # a transformers *ForCausalLM, eval mode
+    tokenizer: object | None        # a transformers tokenizer (None for an in-memory model given without one)
+    spec: ModelSpec
+    source: str
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return eos_token_ids(self.model, self.tokenizer)
+
+
+def pick_device(device=None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(source=None, *, tokenizer=None, device=None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a model from any supported source. Raises ModelLoadError with one clear message on bad input."""
+    if isinstance(source, torch.nn.Module):
+        check_supported(getattr(source, "config", None))
+        model, label = source, f"in-memory {type(source).__name__}"
+    else:
+        model, tokenizer, label = _load_from_path(source)
+    model = model.to(device=pick_device(device), dtype=dtype).eval()
+    return LoadedModel(model, tokenizer, ModelSpec.from_config(model.config), label)
+
+
+def _load_from_path(source):
+    from tlt.models.default_model import default_model_dir
+
+    if source is None or str(source) in DEFAULT_MODEL_ALIASES:
+        path = default_model_dir()
+    else:
+        path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path not found: {source} (expected a Hugging Face model directory, "
+                             f"a .gguf file, or 'smollm2' for the default model)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; give a model directory or a .gguf file")
+        model, tokenizer = load_gguf(path)
+        return model, tokenizer, str(path)
+    return (*load_hf_dir(path), str(path))
+
+
+def load_hf_dir(path: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_supported(config)
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no .safetensors weights (tlt never loads pickled checkpoints)")
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True,
+                                                 use_safetensors=True, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if _has_tokenizer(path) else None
+    return model, tokenizer
+
+
+def load_gguf(path: Path):
+    """Read a GGUF with transformers' GGUF support, dequantized to fp32."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    kwargs = dict(gguf_file=path.name, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path.parent, **kwargs)
+    except (ValueError, KeyError, OSError) as error:
+        raise ModelLoadError(f"cannot read GGUF {path}: {error}") from error
+    check_supported(config)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    return model, tokenizer
+
+
+def save_model_dir(model, tokenizer, out: Path) -> None:
+    """Write config + model.safetensors (+ tokenizer, generation config) loadable by `load_hf_dir`.
+
+    transformers refuses save_pretrained on a GGUF-loaded model, so the state dict is written directly; tied
+    weights are stored once.
+    """
+    from safetensors.torch import save_model
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are plain fp32 now
+    config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Stop tokens: the generation config's EOS ids (may be a list) plus the tokenizer's EOS."""
+    ids: list[int] = []
+    generation = getattr(model, "generation_config", None)
+    for value in (getattr(generation, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None)):
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return ids
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))

@@ -1,0 +1,236 @@
+"""RolloutEngine: continuous batching over a preallocated KV cache.
+
+One loop: admit queued samples while rows are free (one prefill per prompt, shared by its n samples), decode
+one token for every running row, retire finished rows (the last running row moves into the hole, so running
+rows stay a dense, zero-copy slice of the cache). The per-step trace makes the long tail visible: the batch
+drains while a few long responses keep decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tlt.errors import RequestError
+from tlt.models.kv_cache import KVCache
+from tlt.models.lean_forward import LeanForward
+from tlt.rollout.request import Request, RolloutResult, SampleOutput, StepTrace
+from tlt.rollout.sampling import RowSampling, draw_uniforms, sample_generator, sample_next
+
+PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward: bounds its activation memory
+
+
+@dataclass
+class _Sequence:
+    """A sample in flight. Its cache row holds prompt + tokens[:-1]; tokens[-1] is the next input."""
+
+    request_index: int
+    sample_index: int
+    request: Request
+    stop_ids: frozenset
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def append(self, token: int, logprob: float) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.request.params.max_new_tokens:
+            self.finish_reason = "length"
+
+    def output(self) -> SampleOutput:
+        return SampleOutput(self.request_index, self.sample_index, self.request.prompt_ids, self.tokens,
+                            self.logprobs, self.finish_reason)
+
+
+@dataclass
+class _Pending:
+    """Samples [first, first + count) of a request, not yet admitted."""
+
+    request_index: int
+    first: int
+    count: int
+
+
+class RolloutEngine:
+    """Generates responses for many requests with continuous batching.
+
+    model: a transformers Llama/Qwen2/Qwen3 causal LM (or a `LoadedModel`); its parameters are used in place.
+    max_batch_size: rows decoded together; further samples wait in the queue and join as rows free up.
+    eos_token_ids: default stop tokens for requests that give none (default: the model's EOS tokens).
+    """
+
+    def __init__(self, model, *, max_batch_size: int = 64, eos_token_ids=None):
+        from tlt.models.loading import LoadedModel, eos_token_ids as model_eos
+
+        tokenizer = None
+        if isinstance(model, LoadedModel):
+            model, tokenizer = model.model, model.tokenizer
+        if max_batch_size < 1:
+            raise RequestError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.forward = LeanForward(model)
+        self.spec = self.forward.spec
+        self.max_batch_size = max_batch_size
+        self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else model_eos(model, tokenizer))
+        self._cache: KVCache | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.forward.device
+
+    def generate(self, requests: list[Request], *, progress: bool = False) -> RolloutResult:
+        start = time.perf_counter()
+        self._validate(requests)
+        cache = self._cache_for(requests)
+        queue = deque(_Pending(i, 0, r.n) for i, r in enumerate(requests))
+        running: list[_Sequence] = []
+        finished: list[_Sequence] = []
+        steps: list[StepTrace] = []
+        bar = _progress_bar(sum(r.n for r in requests), progress)
+        while queue or running:
+            if queue and len(running) < self.max_batch_size:
+                self._admit(requests, queue, running, cache, steps)
+            self._retire(running, cache, finished, bar)
+            if running:
+                self._decode(running, cache, steps)
+                self._retire(running, cache, finished, bar)
+        if bar is not None:
+            bar.close()
+        finished.sort(key=lambda s: (s.request_index, s.sample_index))
+        return RolloutResult([s.output() for s in finished], steps, time.perf_counter() - start)
+
+    # -- validation and cache -------------------------------------------------------------------------
+
+    def _validate(self, requests: list[Request]) -> None:
+        if not requests:
+            raise RequestError("no requests to generate")
+        for index, request in enumerate(requests):
+            if not isinstance(request, Request):
+                raise RequestError(f"requests[{index}] is a {type(request).__name__}, expected tlt Request")
+            ids = request.prompt_ids
+            if min(ids) < 0 or max(ids) >= self.spec.vocab_size:
+                raise RequestError(f"requests[{index}]: prompt token id out of range [0, {self.spec.vocab_size})")
+            total = len(ids) + request.params.max_new_tokens
+            if total > self.spec.max_positions:
+                raise RequestError(
+                    f"requests[{index}]: prompt of {len(ids)} tokens + max_new_tokens "
+                    f"{request.params.max_new_tokens} = {total} exceeds the model's context of "
+                    f"{self.spec.max_positions} tokens (nothing is truncated: shorten the prompt or the budget)")
+
+    def _cache_for(self, requests: list[Request]) -> KVCache:
+        rows = min(self.max_batch_size, sum(r.n for r in requests))
+        length = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
+        cache = self._cache
+        if cache is None or cache.max_rows < rows or cache.max_len < length:
+            self._cache = None  # free the old buffers before allocating the new ones
+            cache = KVCache(self.spec, rows, length, device=self.device, dtype=self.forward.dtype)
+            self._cache = cache
+        cache.lengths.zero_()
+        return cache
+
+    # -- the three phases of a step -------------------------------------------------------------------
+
+    def _admit(self, requests, queue: deque, running: list[_Sequence], cache: KVCache, steps) -> None:
+        """Prefill the prompts of queued samples that fit; every sample of a prompt shares one prefill."""
+        free = self.max_batch_size - len(running)
+        groups: list[_Pending] = []
+        while queue and free > 0:
+            pending = queue[0]
+            padded = max([len(requests[g.request_index].prompt_ids) for g in groups]
+                         + [len(requests[pending.request_index].prompt_ids)]) * (len(groups) + 1)
+            if groups and padded > PREFILL_TOKEN_BUDGET:
+                break
+            take = min(pending.count, free)
+            groups.append(_Pending(pending.request_index, pending.first, take))
+            if take == pending.count:
+                queue.popleft()
+            else:
+                queue[0] = _Pending(pending.request_index, pending.first + take, pending.count - take)
+            free -= take
+        started = time.perf_counter()
+        logits = self._prefill(requests, groups, len(running), cache)
+        new = self._spawn(requests, groups, len(running), cache, logits)
+        running.extend(new)
+        steps.append(StepTrace("prefill", len(groups), len(new), time.perf_counter() - started))
+
+    def _prefill(self, requests, groups: list[_Pending], first_row: int, cache: KVCache) -> torch.Tensor:
+        """Run each group's prompt in its own row; returns next-token logits [G, V]."""
+        prompts = [requests[g.request_index].prompt_ids for g in groups]
+        lengths = torch.tensor([len(p) for p in prompts])
+        ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = torch.tensor(prompt)
+        rows = cache.rows(first_row, len(groups))
+        rows.lengths.zero_()
+        out = self.forward(ids.to(self.device), rows, logits_at=(lengths - 1).to(self.device))
+        rows.advance(lengths)
+        return out.logits[:, 0]
+
+    def _spawn(self, requests, groups: list[_Pending], first_row: int, cache: KVCache, logits) -> list[_Sequence]:
+        """Create every group's sequences. Row order: the group leaders (rows first_row + g, prefilled), then
+        the siblings of each group in turn, whose rows receive a copy of their leader's prompt KV."""
+        leaders, siblings, leader_source, sibling_source = [], [], [], []
+        next_row = first_row + len(groups)
+        for g_index, group in enumerate(groups):
+            request = requests[group.request_index]
+            params = request.params
+            stop = frozenset(params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids)
+            for k in range(group.count):
+                sample_index = group.first + k
+                generator = sample_generator(params.seed, group.request_index, sample_index)
+                seq = _Sequence(group.request_index, sample_index, request, stop, generator)
+                if k == 0:
+                    leaders.append(seq)
+                    leader_source.append(g_index)
+                else:
+                    siblings.append(seq)
+                    sibling_source.append(g_index)
+            cache.copy_prefix(first_row + g_index, list(range(next_row, next_row + group.count - 1)))
+            next_row += group.count - 1
+        new = leaders + siblings
+        source = torch.tensor(leader_source + sibling_source, device=logits.device)
+        self._sample_into(new, logits[source])
+        return new
+
+    def _decode(self, running: list[_Sequence], cache: KVCache, steps) -> None:
+        started = time.perf_counter()
+        ids = torch.tensor([[s.tokens[-1]] for s in running], device=self.device)
+        rows = cache.rows(0, len(running))
+        out = self.forward(ids, rows, logits_at="all")
+        rows.advance(1)
+        self._sample_into(running, out.logits[:, 0])
+        steps.append(StepTrace("decode", len(running), len(running), time.perf_counter() - started))
+
+    def _sample_into(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        settings = RowSampling.from_params([s.request.params for s in seqs], self.device)
+        uniforms = draw_uniforms([s.generator for s in seqs])[:, 0]
+        tokens, logprobs = sample_next(logits, settings, uniforms)
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.append(token, logprob)
+
+    def _retire(self, running: list[_Sequence], cache: KVCache, finished: list[_Sequence], bar) -> None:
+        """Remove finished rows; the last running row fills each hole so the batch stays dense."""
+        done = [i for i, s in enumerate(running) if s.finish_reason is not None]
+        for index in reversed(done):
+            last = len(running) - 1
+            finished.append(running[index])
+            if index != last:
+                cache.move_row(last, index)
+                running[index] = running[last]
+            running.pop()
+        if bar is not None and done:
+            bar.update(len(done))
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="rollout", unit="sample")

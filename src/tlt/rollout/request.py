@@ -1,0 +1,64 @@
+"""What a caller asks the rollout engine for, and what it gets back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tlt.errors import RequestError
+from tlt.rollout.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to sample `n` responses for."""
+
+    prompt_ids: tuple[int, ...]
+    n: int = 1
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        if not self.prompt_ids:
+            raise RequestError("empty prompt: a request needs at least one prompt token")
+        if not (isinstance(self.n, int) and self.n >= 1):
+            raise RequestError(f"n (samples per prompt) must be an integer >= 1, got {self.n!r}")
+
+
+@dataclass
+class SampleOutput:
+    """One sampled response."""
+
+    request_index: int
+    sample_index: int
+    prompt_ids: tuple[int, ...]
+    token_ids: list[int]
+    logprobs: list[float]       # of each sampled token under the processed distribution
+    finish_reason: str          # "stop" (a stop token, included in token_ids) or "length"
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One engine forward: what the long tail looks like, step by step."""
+
+    kind: str          # "prefill" or "decode"
+    batch_size: int    # rows in the forward
+    new_tokens: int    # tokens emitted by this step
+    wall_s: float
+
+
+@dataclass
+class RolloutResult:
+    samples: list[SampleOutput]   # ordered by (request_index, sample_index)
+    steps: list[StepTrace]
+    wall_s: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def batch_size_trace(self) -> list[int]:
+        return [s.batch_size for s in self.steps if s.kind == "decode"]
