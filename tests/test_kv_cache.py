@@ -1,0 +1,54 @@
+import torch
+
+from conftest import tiny_model
+from tlt.models import KVCache, ModelSpec
+
+
+def filled_cache(rows=3, length=10):
+    spec = ModelSpec.from_config(tiny_model().config)
+    cache = KVCache(spec, rows, 16)
+    for layer in range(spec.num_layers):
+        cache.keys[layer].copy_(torch.randn_like(cache.keys[layer]))
+        cache.values[layer].copy_(torch.randn_like(cache.values[layer]))
+    cache.lengths[:rows] = length
+    return cache
+
+
+def test_keep_commits_selected_offsets_in_order():
+    cache = filled_cache()
+    rows = cache.rows(0, 3)
+    rows.lengths.copy_(torch.tensor([4, 6, 2]))
+    before = [k.clone() for k in cache.keys]
+    offsets = torch.tensor([[0, 2, 3], [1, 0, 0], [0, 0, 0]])
+    counts = torch.tensor([3, 1, 0])
+    rows.keep(offsets, counts)
+    assert rows.lengths.tolist() == [7, 7, 2]
+    for layer, old in enumerate(before):
+        new = cache.keys[layer]
+        assert torch.equal(new[0, :, 4:7], old[0, :, [4, 6, 7]])
+        assert torch.equal(new[1, :, 6], old[1, :, 7])
+        assert torch.equal(new[:, :, :2], old[:, :, :2])  # committed prefixes untouched
+
+
+def test_move_row_and_copy_prefix():
+    cache = filled_cache()
+    cache.lengths[2] = 5
+    cache.move_row(2, 0)
+    assert cache.lengths[0] == 5
+    assert torch.equal(cache.keys[0][0, :, :5], cache.keys[0][2, :, :5])
+    cache.copy_prefix(1, [0, 2])
+    assert cache.lengths.tolist() == [10, 10, 10]
+    assert torch.equal(cache.values[1][0, :, :10], cache.values[1][1, :, :10])
+
+
+def test_truncate_rolls_back_and_refuses_to_lengthen():
+    cache = filled_cache()
+    rows = cache.rows(0, 2)
+    rows.truncate(torch.tensor([3, 4]))
+    assert rows.lengths.tolist() == [3, 4]
+    try:
+        rows.truncate(torch.tensor([5, 4]))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("truncate lengthened a row")

@@ -1,0 +1,115 @@
+"""The lean forward must match the transformers forward (fp32, 1e-4) and share the module's parameters."""
+
+import pytest
+import torch
+
+from conftest import random_prompts, tiny_model
+from tlt.models import KVCache, LeanForward
+
+TOL = 1e-4
+
+
+def reference_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("lengths", [[7], [5, 9, 2], [3, 11, 6, 1, 8]])
+def test_prefill_and_decode_match_transformers(arch, lengths):
+    model = tiny_model(arch)
+    forward = LeanForward(model)
+    prompts = random_prompts(lengths)
+    batch, width = len(lengths), max(lengths)
+    cache = KVCache(forward.spec, batch, 64)
+    rows = cache.rows(0, batch)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        ids[b, :len(prompt)] = torch.tensor(prompt)
+    out = forward(ids, rows, logits_at="all")
+    for b, prompt in enumerate(prompts):
+        assert (out.logits[b, :len(prompt)] - reference_logits(model, prompt)).abs().max() < TOL
+    rows.advance(torch.tensor(lengths))
+    continuations = random_prompts([12] * batch, seed=1)
+    for step in range(12):
+        out = forward(torch.tensor([[c[step]] for c in continuations]), rows)
+        rows.advance(1)
+        for b in range(batch):
+            sequence = prompts[b] + continuations[b][:step + 1]
+            assert (out.logits[b, 0] - reference_logits(model, sequence)[-1]).abs().max() < TOL
+
+
+def test_hidden_states_are_final_normed_states(arch):
+    model = tiny_model(arch)
+    forward = LeanForward(model)
+    prompt = random_prompts([9])[0]
+    rows = KVCache(forward.spec, 1, 16).rows(0, 1)
+    out = forward(torch.tensor([prompt]), rows, logits_at=None)
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
+    assert out.logits is None
+    assert (out.hidden[0] - expected).abs().max() < TOL
+
+
+def test_multi_token_step_on_a_ragged_cache_with_explicit_mask(arch):
+    """T new tokens on rows of different lengths, causal given as an explicit mask == default causal."""
+    model = tiny_model(arch)
+    forward = LeanForward(model)
+    prompts = random_prompts([4, 8])
+    extra = random_prompts([5, 5], seed=2)
+    for mask in (None, torch.tril(torch.ones(2, 5, 5, dtype=torch.bool))):
+        cache = KVCache(forward.spec, 2, 32)
+        rows = cache.rows(0, 2)
+        ids = torch.zeros(2, 8, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, :len(p)] = torch.tensor(p)
+        forward(ids, rows, logits_at=None)
+        rows.advance(torch.tensor([4, 8]))
+        out = forward(torch.tensor(extra), rows, new_token_mask=mask)
+        for b in range(2):
+            ref = reference_logits(model, prompts[b] + extra[b])[-5:]
+            assert (out.logits[b] - ref).abs().max() < TOL
+
+
+def test_tree_mask_and_positions_equal_separate_branches():
+    """Two sibling branches verified in one pass see only their own ancestors (what tree verification needs)."""
+    model = tiny_model("llama")
+    forward = LeanForward(model)
+    prompt = random_prompts([6])[0]
+    a, b = 11, 12
+    rows = KVCache(forward.spec, 1, 32).rows(0, 1)
+    forward(torch.tensor([prompt]), rows, logits_at=None)
+    rows.advance(6)
+    # nodes: 0 = a (depth 0), 1 = b (depth 0, sibling of a)
+    mask = torch.tensor([[[True, False], [False, True]]])
+    positions = torch.tensor([[6, 6]])
+    out = forward(torch.tensor([[a, b]]), rows, positions=positions, new_token_mask=mask)
+    assert (out.logits[0, 0] - reference_logits(model, prompt + [a])[-1]).abs().max() < TOL
+    assert (out.logits[0, 1] - reference_logits(model, prompt + [b])[-1]).abs().max() < TOL
+
+
+def test_in_place_parameter_updates_are_seen_without_rebuilding():
+    model = tiny_model("llama")
+    forward = LeanForward(model)
+    prompt = random_prompts([5])[0]
+
+    def lean_logits():
+        rows = KVCache(forward.spec, 1, 8).rows(0, 1)
+        return forward(torch.tensor([prompt]), rows, logits_at="last").logits[0, 0]
+
+    before = lean_logits()
+    with torch.no_grad():  # what an optimizer step does: in-place updates of the module's own tensors
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    after = lean_logits()
+    assert (after - before).abs().max() > 1e-3
+    assert (after - reference_logits(model, prompt)[-1]).abs().max() < TOL
+
+
+def test_logits_at_index_picks_positions():
+    model = tiny_model("qwen3")
+    forward = LeanForward(model)
+    prompts = random_prompts([6, 6])
+    rows = KVCache(forward.spec, 2, 8).rows(0, 2)
+    full = forward(torch.tensor(prompts), rows, logits_at="all").logits
+    picked = forward(torch.tensor(prompts), rows, logits_at=torch.tensor([2, 5])).logits
+    assert torch.allclose(picked[0, 0], full[0, 2]) and torch.allclose(picked[1, 0], full[1, 5])

@@ -1,0 +1,63 @@
+"""Model loading from a local directory and from memory; bad sources get one clear error."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from conftest import random_prompts, tiny_model
+from tlt.errors import ModelLoadError
+from tlt.models import LeanForward, load_model, save_model_dir
+
+
+def test_directory_round_trip_keeps_weights_and_outputs(tmp_path, arch):
+    model = tiny_model(arch, tie_word_embeddings=True)
+    save_model_dir(model, None, tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
+    loaded = load_model(tmp_path, device="cpu")
+    prompt = torch.tensor([random_prompts([6])[0]])
+    with torch.no_grad():
+        assert torch.allclose(loaded.model(prompt).logits, model(prompt).logits, atol=1e-6)
+    assert loaded.spec.model_type == arch
+    assert loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_in_memory_model_is_used_as_is():
+    model = tiny_model("qwen3")
+    loaded = load_model(model, device="cpu")
+    assert loaded.model is model
+    assert LeanForward(loaded.model).lm_head.weight is model.lm_head.weight
+
+
+def test_unknown_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="model path not found"):
+        load_model(tmp_path / "nope")
+
+
+def test_directory_without_config_or_weights(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(tmp_path)
+    tiny_model().config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load_model(tmp_path)
+
+
+def test_non_gguf_file_is_rejected(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        load_model(path)
+
+
+def test_unsupported_architecture(tmp_path):
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        load_model(gpt2)
+    gpt2.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        load_model(tmp_path)
+
+
+def test_sliding_window_is_refused():
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=16)
+    with pytest.raises(ModelLoadError, match="sliding"):
+        load_model(model)

@@ -1,0 +1,70 @@
+"""The processed distribution matches transformers' warpers; draws follow it and never pick removed tokens."""
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from tlt.errors import RequestError
+from tlt.rollout.sampling import (RowSampling, SamplingParams, processed_logprobs, sample_from_logprobs,
+                                  sample_next)
+
+
+def hf_processed(logits, temperature, top_k, top_p):
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.log_softmax(scores, dim=-1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
+                                                     (0.9, 10, 0.6), (1.0, 1, 1.0), (2.0, 0, 0.05)])
+def test_matches_transformers_warpers(temperature, top_k, top_p):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 3
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    ours = processed_logprobs(logits, RowSampling.from_params([params] * 4, "cpu"))
+    ref = hf_processed(logits, temperature, top_k, top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    finite = ~torch.isinf(ref)
+    assert (ours[finite] - ref[finite]).abs().max() < 1e-5
+
+
+def test_rows_use_their_own_settings():
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(top_k=3), SamplingParams(temperature=0.5, top_p=0.5)]
+    ours = processed_logprobs(logits, RowSampling.from_params(params, "cpu"))
+    assert torch.isfinite(ours[0]).sum() == 3
+    ref = hf_processed(logits[1:], 0.5, 0, 0.5)[0]
+    assert torch.equal(torch.isinf(ours[1]), torch.isinf(ref))
+    assert (ours[1][torch.isfinite(ref)] - ref[torch.isfinite(ref)]).abs().max() < 1e-5
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_skip_removed_tokens():
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.0, 0.3])
+    logprobs = probs.log().expand(200_000, -1)
+    uniforms = torch.rand(200_000, generator=torch.Generator().manual_seed(3))
+    counts = torch.bincount(sample_from_logprobs(logprobs, uniforms), minlength=5).double() / 200_000
+    assert counts[1] == 0 and counts[3] == 0
+    # 5 standard errors of a binomial proportion at n = 200k is < 0.006
+    assert (counts - probs.double()).abs().max() < 5 * math.sqrt(0.25 / 200_000)
+    assert sample_from_logprobs(probs.log()[None], torch.tensor([0.9999999]))[0] == 4
+
+
+def test_greedy_rows_take_the_argmax_and_report_untempered_logprob():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    rows = RowSampling.from_params([SamplingParams(temperature=0), SamplingParams(temperature=0)], "cpu")
+    tokens, logprobs = sample_next(logits, rows, torch.tensor([0.01, 0.99]))
+    assert tokens.tolist() == [1, 0]
+    assert torch.allclose(logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
+                                 dict(top_p=1.5), dict(top_k=-1), dict(max_new_tokens=0)])
+def test_invalid_sampling_values_are_rejected(bad):
+    with pytest.raises(RequestError) as error:
+        SamplingParams(**bad)
+    assert next(iter(bad)) in str(error.value)
