@@ -1,0 +1,116 @@
+"""Rollout throughput: tlt's RolloutEngine vs transformers `generate` on SmolLM2-135M-Instruct.
+
+Same prompts (chat template, a mix whose answers range from one word to many paragraphs), same
+max_new_tokens, same sampling (greedy by default, so both produce the same tokens), batch 1, 8, 32, 64.
+Throughput counts useful tokens only (up to and including EOS): padding that `generate` keeps decoding
+for finished rows is work, not output. Also measures the batch-1 decode step against the memory floor
+(fp32 weight bytes / measured memory bandwidth).
+
+    python benchmarks/rollout_throughput.py --json benchmarks/results/rollout_throughput.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import MIXED_PROMPTS, environment, memory_bandwidth, unique_parameter_bytes, write_json  # noqa: E402
+
+from tlt.models import load_model  # noqa: E402
+from tlt.rollout.engine import RolloutEngine  # noqa: E402
+from tlt.rollout.request import Request  # noqa: E402
+from tlt.rollout.sampling import SamplingParams  # noqa: E402
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    texts = [MIXED_PROMPTS[i % len(MIXED_PROMPTS)] for i in range(count)]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for t in texts]
+
+
+def useful_tokens(row: list[int], eos: set[int]) -> int:
+    for index, token in enumerate(row):
+        if token in eos:
+            return index + 1
+    return len(row)
+
+
+def run_hf_generate(model, tokenizer, prompts, max_new_tokens, temperature, eos) -> tuple[float, int]:
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
+                  if tokenizer.pad_token_id is not None else sorted(eos)[0], eos_token_id=sorted(eos))
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**batch, **kwargs)
+    wall = time.perf_counter() - start
+    width = batch["input_ids"].shape[1]
+    return wall, sum(useful_tokens(row[width:].tolist(), eos) for row in out)
+
+
+def run_engine(engine, prompts, max_new_tokens, temperature) -> tuple[float, int, list[float]]:
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=0)
+    result = engine.generate([Request(p, n=1, params=params) for p in prompts])
+    decode_ms = [s.wall_s * 1000 for s in result.steps if s.kind == "decode"]
+    return result.wall_s, result.generated_tokens, decode_ms
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="shorter responses (finishes in < 3 minutes)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--batches", default="1,8,32,64")
+    args = parser.parse_args(argv)
+    max_new = args.max_new_tokens or (96 if args.quick else 256)
+
+    loaded = load_model()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    eos = set(loaded.eos_token_ids)
+    results = {"engine_tok_s": {}, "hf_generate_tok_s": {}, "speedup_vs_hf": {}, "tokens": {}}
+    batch1_steps: list[float] = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        # batch 1 uses a long-answer prompt: the steady-state decode step is what is being measured
+        prompts = chat_prompts(tokenizer, batch) if batch > 1 else chat_prompts(tokenizer, 2)[1:]
+        engine = RolloutEngine(loaded, max_batch_size=batch)
+        run_engine(engine, prompts[:1], 4, args.temperature)  # warm-up: allocator, oneDNN primitives
+        engine_s, engine_tokens, decode_ms = run_engine(engine, prompts, max_new, args.temperature)
+        hf_s, hf_tokens = run_hf_generate(model, tokenizer, prompts, max_new, args.temperature, eos)
+        key = str(batch)
+        results["engine_tok_s"][key] = engine_tokens / engine_s
+        results["hf_generate_tok_s"][key] = hf_tokens / hf_s
+        results["speedup_vs_hf"][key] = results["engine_tok_s"][key] / results["hf_generate_tok_s"][key]
+        results["tokens"][key] = {"engine": engine_tokens, "hf_generate": hf_tokens}
+        if batch == 1:
+            batch1_steps = decode_ms
+        print(f"batch {batch:3d}: engine {results['engine_tok_s'][key]:8.1f} tok/s  generate "
+              f"{results['hf_generate_tok_s'][key]:8.1f} tok/s  x{results['speedup_vs_hf'][key]:.2f}",
+              file=sys.stderr)
+
+    bandwidth = memory_bandwidth()
+    weight_bytes = unique_parameter_bytes(model)
+    results.update({
+        "batch1_step_ms": statistics.median(batch1_steps) if batch1_steps else None,
+        "batch1_floor_ms": weight_bytes / (bandwidth["copy_gbs"] * 1e9) * 1000,
+        "batch1_read_floor_ms": weight_bytes / (bandwidth["read_gbs"] * 1e9) * 1000,
+        "weight_bytes": weight_bytes,
+        "bandwidth": bandwidth,
+        "max_new_tokens": max_new,
+        "temperature": args.temperature,
+        "environment": environment(),
+    })
+    write_json(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
