@@ -68,3 +68,14 @@ def test_invalid_sampling_values_are_rejected(bad):
     with pytest.raises(RequestError) as error:
         SamplingParams(**bad)
     assert next(iter(bad)) in str(error.value)
+
+
+@pytest.mark.parametrize("scale,top_k,top_p", [(0.1, 0, 0.95), (8.0, 0, 0.9), (1.0, 3000, 0.97), (0.5, 700, 1.0)])
+def test_large_vocabulary_nucleus_search_is_exact(scale, top_k, top_p):
+    """Flat rows force the candidate set to widen (to a full sort); peaked rows stop at the first 256."""
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(4)) * scale
+    ours = processed_logprobs(logits, RowSampling.from_params([SamplingParams(top_k=top_k, top_p=top_p)] * 3, "cpu"))
+    ref = hf_processed(logits, 1.0, top_k, top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    finite = ~torch.isinf(ref)
+    assert (ours[finite] - ref[finite]).abs().max() < 1e-4
