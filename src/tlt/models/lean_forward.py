@@ -80,19 +80,27 @@ def attention_mask(lengths: torch.Tensor, num_new: int, new_token_mask: torch.Te
     return (committed | new)[:, None]                                                 # [B, 1, T, S]
 
 
-def grouped_query_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+def grouped_attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Turn a boolean [B, 1, T, S] mask into the additive bias of `grouped_query_attention`, once per forward
+    (SDPA would otherwise convert the boolean mask in every layer: measured 6% of a batch-64 decode step)."""
+    batch, _, num_new, kv_len = mask.shape
+    if groups > 1 and num_new > 1:
+        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * num_new, kv_len)
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(~mask, float("-inf"))
+
+
+def grouped_query_attention(q, k, v, bias, scale: float) -> torch.Tensor:
     """SDPA for GQA without expanding K/V: the G query heads that share a KV head become G x T queries
-    of that head (q [B, H, T, D], k/v [B, Hkv, S, D], mask [B, 1, T, S] -> [B, H, T, D]).
+    of that head (q [B, H, T, D], k/v [B, Hkv, S, D], bias from `grouped_attention_bias` -> [B, H, T, D]).
 
     Measured ~20% faster than SDPA's enable_gqa at batch 64 on CPU, and it never copies the cache.
     """
     batch, heads, num_new, dim = q.shape
     kv_heads = k.shape[1]
-    groups = heads // kv_heads
-    if groups > 1:
-        q = q.reshape(batch, kv_heads, groups * num_new, dim)  # head h = kv * G + g, as in repeat_kv
-        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * num_new, -1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if heads > kv_heads:
+        q = q.reshape(batch, kv_heads, heads // kv_heads * num_new, dim)  # head h = kv * G + g, as in repeat_kv
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     return out.view(batch, heads, num_new, dim)
 
 
@@ -136,10 +144,11 @@ class LeanForward:
         if positions is None:
             positions = slots
         mask = attention_mask(lengths, num_new, new_token_mask, device)
+        bias = grouped_attention_bias(mask, self.spec.num_heads // self.spec.num_kv_heads, self.dtype)
         x = self.embed(input_ids.to(device))
         cos, sin = self.rope(x, positions.to(device))
         for index, layer in enumerate(self.decoder.layers):
-            x = self.layer(layer, index, x, rms_norm(x, layer.input_layernorm), cos, sin, cache, slots, mask)
+            x = self.layer(layer, index, x, rms_norm(x, layer.input_layernorm), cos, sin, cache, slots, bias)
         hidden = rms_norm(x, self.decoder.norm)
         return ForwardOutput(self._logits_at(hidden, logits_at), hidden)
 
@@ -149,13 +158,13 @@ class LeanForward:
         return cos[:, None], sin[:, None]
 
     def layer(self, layer, index: int, residual: torch.Tensor, normed: torch.Tensor, cos, sin,
-              cache: CacheRows, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+              cache: CacheRows, slots: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """One decoder layer: residual + attention(normed), then + MLP. The EAGLE drafter reuses it with an
-        identity input norm (normed = residual) and its own cache."""
-        x = residual + self._attention(layer, index, normed, cos, sin, cache, slots, mask)
+        identity input norm (normed = residual) and its own cache; bias comes from `grouped_attention_bias`."""
+        x = residual + self._attention(layer, index, normed, cos, sin, cache, slots, bias)
         return x + self._mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm))
 
-    def _attention(self, layer, index: int, h: torch.Tensor, cos, sin, cache: CacheRows, slots, mask):
+    def _attention(self, layer, index: int, h: torch.Tensor, cos, sin, cache: CacheRows, slots, bias):
         attn, spec = layer.self_attn, self.spec
         batch, num_new, _ = h.shape
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -167,9 +176,9 @@ class LeanForward:
         q = apply_rope(q.transpose(1, 2), cos, sin)   # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)   # [B, Hkv, T, D]
         cache.write(index, slots, k, v.transpose(1, 2))
-        kv_len = mask.shape[-1]
+        kv_len = bias.shape[-1]
         out = grouped_query_attention(q, cache.keys(index)[:, :, :kv_len], cache.values(index)[:, :, :kv_len],
-                                      mask, attn.scaling)
+                                      bias, attn.scaling)
         out = out.transpose(1, 2).reshape(batch, num_new, spec.num_heads * spec.head_dim)
         return self.linear(out, attn.o_proj.weight, attn.o_proj.bias)
 
