@@ -1,0 +1,165 @@
+"""`tlt train` settings: small frozen sections, every field documented, YAML files plus `key=value` overrides.
+
+Unknown keys are an error that lists the valid keys closest to the typo; values are type-checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tlt.errors import TltError
+
+
+class ConfigError(TltError):
+    """A config file or override that cannot be applied."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None        # HF directory, .gguf file, or None/'smollm2' for SmolLM2-135M-Instruct
+    device: str | None = None      # None: CUDA when available, else CPU
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "arithmetic"       # "arithmetic" (built-in, graded difficulty) or "jsonl" / "parquet" (needs path)
+    path: str | None = None        # dataset file for jsonl/parquet
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    system_prompt: str | None = None
+    reward: str = "auto"           # "auto" (exact integer for arithmetic, math-verify otherwise) or "pkg.mod:fn"
+    format_reward: float = 0.0     # extra reward for a well-formed final answer (0 = off)
+    min_operations: int = 1        # built-in task: easiest problems use this many operations
+    max_operations: int = 6        # built-in task: hardest problems (the long tail of response lengths)
+    eval_size: int = 0             # held-out problems scored greedily every eval_every steps (0 = none)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    prompts_per_step: int = 4      # distinct prompts per RL step
+    samples_per_prompt: int = 4    # GRPO group size n
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_batch_size: int = 64       # rows decoded together by the engine
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    loss: str = "grpo"             # "grpo" (sequence mean), "dapo" (token mean), "dr_grpo" (constant normalizer)
+    clip_low: float = 0.2          # PPO ratio clip below 1
+    clip_high: float = 0.2         # above 1 (DAPO uses 0.28)
+    scale_rewards: bool = True     # divide advantages by the group std (False = Dr. GRPO)
+    kl_coef: float = 0.0           # KL to the frozen initial policy (k3 estimator); 0 = no reference model
+    updates_per_step: int = 1      # optimizer passes over each rollout (PPO epochs)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    micro_batch_size: int = 4      # sequences per forward/backward; gradients accumulate over the step
+    grad_clip: float = 1.0         # max global grad norm (0 = off)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 3
+    seed: int = 0
+    out_dir: str = "runs/default"
+    checkpoint_every: int = 1      # save policy + optimizer + RNG every K steps (0 = only at the end)
+    tensorboard: bool = True       # write TensorBoard scalars when tensorboard is installed
+    speculative: str = "off"       # "off" = the baseline; TLT modes arrive with speculative decoding
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def override(self, key: str, value) -> "TrainConfig":
+        section_name, _, name = key.partition(".")
+        if not name:
+            raise ConfigError(f"config key {key!r} needs a section: one of {', '.join(_section_names())}")
+        section = getattr(self, _check_key(section_name, _section_names(), "section"))
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        name = _check_key(name, list(fields), f"key in [{section_name}]", prefix=f"{section_name}.")
+        coerced = _coerce(key, value, typing.get_type_hints(type(section))[name])
+        return dataclasses.replace(self, **{section_name: dataclasses.replace(section, **{name: coerced})})
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Defaults, then the YAML file (nested sections), then `section.key=value` overrides."""
+    config = TrainConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: section {section!r} must be a mapping of keys to values")
+            for name, value in values.items():
+                config = config.override(f"{section}.{name}", value)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        config = config.override(key.strip(), yaml.safe_load(raw))
+    return config
+
+
+def _section_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def _check_key(name: str, valid: list[str], what: str, prefix: str = "") -> str:
+    if name in valid:
+        return name
+    near = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(prefix + n for n in near)}?" if near else ""
+    raise ConfigError(f"unknown config {what} {prefix + name!r}{hint} (valid: {', '.join(prefix + v for v in valid)})")
+
+
+def _coerce(key: str, value, annotation):
+    """Check a value against a field's annotation (int, float, bool, str, optional, tuple of floats)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
+        if value is None:
+            return None
+        annotation = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key} must be a list of {len(args)} numbers, got {value!r}")
+        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key} expects {getattr(annotation, '__name__', annotation)}, got {value!r}")
