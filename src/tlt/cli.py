@@ -14,8 +14,18 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="sample responses with the rollout engine"))
     _add_generate(commands.add_parser("demo", help="the default demo: a mixed-length rollout on SmolLM2"))
+    _add_train(commands.add_parser("train", help="GRPO training (no arguments: the embedded default run)"))
     args = parser.parse_args(argv)
     try:
+        if args.command == "train":
+            from tlt.rl.config import load_config
+            from tlt.rl.run import train
+
+            config_path, overrides = args.config, list(args.overrides)
+            if config_path is not None and "=" in config_path:  # `tlt train key=value ...` without a file
+                config_path, overrides = None, [config_path] + overrides
+            train(load_config(config_path, overrides), resume=args.resume)
+            return 0
         if args.command in ("generate", "demo"):
             from tlt.generate_cli import run_generate
 
@@ -24,6 +34,13 @@ def main(argv=None) -> int:
         print(f"tlt: error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _add_train(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default=None, help="YAML file with [model], [task], [rollout], "
+                        "[grpo], [optim], [run] sections (default: the embedded default)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. rollout.max_new_tokens=128")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.out_dir")
 
 
 def _add_generate(parser: argparse.ArgumentParser) -> None:

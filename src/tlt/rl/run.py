@@ -1,0 +1,49 @@
+"""`tlt train`: the run loop around GRPOTrainer — progress, a metrics line per step, checkpoints, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from tlt.rl.checkpoint import CheckpointError, latest_checkpoint
+from tlt.rl.config import TrainConfig
+
+METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  len p50/p90/max "
+                "{response_len_p50:.0f}/{response_len_p90:.0f}/{response_len_max}  rollout {rollout_s:.1f}s  "
+                "train {train_s:.1f}s  {rollout_tok_s:.0f} tok/s")
+
+
+def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None, trainer=None):
+    """Run config.run.steps RL steps (continuing from the latest checkpoint with resume=True)."""
+    from tlt.metrics.logger import MetricsLogger
+    from tlt.rl.trainer import GRPOTrainer
+
+    console = console or Console()
+    run_dir = Path(config.run.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with console.status("loading the policy"):
+        trainer = trainer or GRPOTrainer(config)
+    logger = MetricsLogger(run_dir, tensorboard=config.run.tensorboard)
+    if resume:
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise CheckpointError(f"--resume: no checkpoint in {run_dir}")
+        trainer.resume(checkpoint)
+        logger.truncate_after(trainer.step)
+        console.print(f"resumed from {checkpoint.name} (step {trainer.step})")
+    else:
+        logger.truncate_after(-1)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    history = []
+    while trainer.step < config.run.steps:
+        metrics = trainer.train_step()
+        logger.log(trainer.step, metrics)
+        history.append(metrics)
+        console.print(METRICS_LINE.format(step=trainer.step, **metrics))
+        every = config.run.checkpoint_every
+        if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
+            trainer.save(run_dir)
+    logger.close()
+    return history

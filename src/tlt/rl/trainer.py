@@ -1,0 +1,196 @@
+"""GRPO with verifiable rewards: the RL step that TLT accelerates.
+
+One step reads top to bottom: sample prompts → rollout (n samples per prompt) → rewards → group-normalized
+advantages → old log-probs recomputed by the actor (no grad) → PPO-clip update over micro-batches with gradient
+accumulation and clipping. The rollout engine shares the policy's parameter tensors, so the update is seen by
+the next rollout with no weight copy. Every random choice derives from (run seed, step), so a resumed run
+repeats exactly what an uninterrupted one would have done.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tlt.models.loading import LoadedModel, load_model
+from tlt.rl.actor import PackedSamples, token_logprobs
+from tlt.rl.config import TrainConfig
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.request import Request, RolloutResult
+from tlt.rollout.sampling import SamplingParams
+
+
+@dataclass
+class StepBatch:
+    """Everything one RL step learns from, flattened sample-major (prompt p's samples are rows p*n .. p*n+n-1)."""
+
+    packed: PackedSamples
+    rewards: torch.Tensor        # [N]
+    correct: torch.Tensor        # [N] bool
+    advantages: torch.Tensor     # [N]
+    old_logprobs: torch.Tensor   # [N, L - 1]
+    ref_logprobs: torch.Tensor | None
+
+
+class GRPOTrainer:
+    def __init__(self, config: TrainConfig, *, loaded: LoadedModel | None = None, task=None, reward=None):
+        from tlt.rl.rewards import build_reward
+        from tlt.tasks import build_task
+
+        self.config = config
+        torch.manual_seed(config.run.seed)
+        self.loaded = loaded or load_model(config.model.path, device=config.model.device)
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        self.device = next(self.model.parameters()).device
+        self.engine = RolloutEngine(self.loaded, max_batch_size=config.rollout.max_batch_size)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.optim.lr, betas=config.optim.betas,
+                                           weight_decay=config.optim.weight_decay)
+        self.reference = self._frozen_reference() if config.grpo.kl_coef > 0 else None
+        self.task = task if task is not None else build_task(config.task, self.tokenizer)
+        self.reward = reward if reward is not None else build_reward(config.task)
+        self.step = 0
+
+    # -- one RL step ----------------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        started = time.perf_counter()
+        examples = self.task.sample(self.config.rollout.prompts_per_step, seed=self._step_seed())
+        rollout = self._rollout(examples)
+        rollout_s = time.perf_counter() - started
+        batch = self._score(examples, rollout)
+        update = self._update(batch)
+        self.step += 1
+        return self._metrics(rollout, batch, update, rollout_s, time.perf_counter() - started - rollout_s)
+
+    def _step_seed(self) -> int:
+        return self.config.run.seed * 1_000_003 + self.step
+
+    def _rollout(self, examples) -> RolloutResult:
+        cfg = self.config.rollout
+        params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                max_new_tokens=cfg.max_new_tokens, seed=self._step_seed())
+        requests = [Request(self.task.prompt_ids(example), n=cfg.samples_per_prompt, params=params)
+                    for example in examples]
+        self.model.eval()
+        return self.engine.generate(requests)
+
+    def _score(self, examples, rollout: RolloutResult) -> StepBatch:
+        from tlt.rl.grpo import group_advantages
+
+        n = self.config.rollout.samples_per_prompt
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in rollout.samples]
+        scored = self.reward.score(texts, [examples[s.request_index] for s in rollout.samples])
+        rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+        advantages = group_advantages(rewards.view(-1, n), scale_rewards=self.config.grpo.scale_rewards).view(-1)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        packed = PackedSamples.build([list(s.prompt_ids) for s in rollout.samples],
+                                     [s.token_ids for s in rollout.samples], pad, self.device)
+        old = self._no_grad_logprobs(self.model, packed)
+        ref = self._no_grad_logprobs(self.reference, packed) if self.reference is not None else None
+        self._reward_failures = scored.failures
+        return StepBatch(packed, rewards, torch.tensor(scored.correct), advantages.to(self.device), old, ref)
+
+    def _no_grad_logprobs(self, model, packed: PackedSamples) -> torch.Tensor:
+        rows = list(range(packed.input_ids.shape[0]))
+        width = packed.input_ids.shape[1] - 1
+        out = torch.zeros(len(rows), width, device=self.device)
+        with torch.no_grad():
+            for chunk in _chunks(rows, self.config.optim.micro_batch_size):
+                micro = packed.select(chunk)
+                logprobs = token_logprobs(model, micro, self.config.rollout.temperature).logprobs
+                out[chunk, :logprobs.shape[1]] = logprobs
+        return out
+
+    def _update(self, batch: StepBatch) -> dict:
+        """PPO-clip over micro-batches; each micro-batch's loss is weighted so the accumulated gradient equals
+        the full-batch loss's gradient (micro 1 x accumulation 8 == micro 8 x accumulation 1)."""
+        from tlt.rl.grpo import policy_loss
+
+        cfg, grpo = self.config.optim, self.config.grpo
+        rows = list(range(batch.rewards.shape[0]))
+        totals = {"tokens": float(batch.packed.response_mask.sum()), "sequences": float(len(rows)),
+                  "max_tokens": float(max(batch.packed.response_lengths))}
+        self.model.train()
+        stats: dict[str, list[float]] = {}
+        grad_norms = []
+        for _ in range(grpo.updates_per_step):
+            self.optimizer.zero_grad(set_to_none=True)
+            for chunk in _chunks(rows, cfg.micro_batch_size):
+                micro = batch.packed.select(chunk)
+                width = micro.response_mask.shape[1]
+                logprobs = token_logprobs(self.model, micro, self.config.rollout.temperature).logprobs
+                ref = batch.ref_logprobs[chunk, :width] if batch.ref_logprobs is not None else None
+                loss, parts = policy_loss(grpo.loss, logprobs, batch.old_logprobs[chunk, :width],
+                                          batch.advantages[chunk], micro.response_mask, totals,
+                                          clip_low=grpo.clip_low, clip_high=grpo.clip_high,
+                                          ref_logprobs=ref, kl_coef=grpo.kl_coef)
+                loss.backward()
+                for key, value in parts.items():
+                    stats.setdefault(key, []).append(float(value))
+            if cfg.grad_clip > 0:
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        summary = {key: statistics.fmean(values) for key, values in stats.items()}
+        summary["loss"] = sum(stats.get("loss", [0.0]))
+        if grad_norms:
+            summary["grad_norm"] = statistics.fmean(grad_norms)
+        return summary
+
+    # -- metrics and helpers ----------------------------------------------------------------------------
+
+    def _metrics(self, rollout: RolloutResult, batch: StepBatch, update: dict, rollout_s: float,
+                 train_s: float) -> dict:
+        lengths = sorted(len(s.token_ids) for s in rollout.samples)
+        decode_batches = rollout.batch_size_trace()
+        return {
+            "reward_mean": float(batch.rewards.mean()),
+            "accuracy": float(batch.correct.float().mean()),
+            "response_len_p50": _percentile(lengths, 50),
+            "response_len_p90": _percentile(lengths, 90),
+            "response_len_max": lengths[-1],
+            "truncated_fraction": sum(s.finish_reason == "length" for s in rollout.samples) / len(lengths),
+            "rollout_s": rollout_s,
+            "train_s": train_s,
+            "rollout_tok_s": rollout.tokens_per_s,
+            "decode_steps": len(decode_batches),
+            "tail_steps_fraction": (sum(b <= max(decode_batches) // 4 for b in decode_batches) / len(decode_batches)
+                                    if decode_batches else 0.0),
+            "reward_failures": self._reward_failures,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            **{f"train/{k}": v for k, v in update.items()},
+        }
+
+    def _frozen_reference(self):
+        reference = copy.deepcopy(self.model).eval()
+        for param in reference.parameters():
+            param.requires_grad_(False)
+        return reference
+
+    def save(self, run_dir: Path) -> Path:
+        from tlt.rl.checkpoint import save_checkpoint
+
+        return save_checkpoint(run_dir, self.step, self.model, self.optimizer, {"config": self.config.to_dict()})
+
+    def resume(self, checkpoint: Path) -> None:
+        from tlt.rl.checkpoint import load_checkpoint
+
+        self.step = load_checkpoint(checkpoint, self.model, self.optimizer)["step"]
+
+
+def _chunks(rows: list[int], size: int):
+    for start in range(0, len(rows), max(1, size)):
+        yield rows[start:start + size]
+
+
+def _percentile(sorted_values: list[int], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return float(sorted_values[index])

@@ -1,0 +1,183 @@
+"""When to speculate and how: a batch-size gate with hysteresis and an ε-greedy bandit per batch-size bucket.
+
+Pure policy logic, no engine or torch: the engine asks `choose(batch_size)` before a decode step and reports
+`observe(...)` after it. Speculation pays only at small batch (verifying N tokens costs far more than one
+token at batch 64, barely more at batch 1), so the gate keeps it off while the batch is large, and the bandit
+learns, per bucket of batch sizes, which arm (a draft strategy, or "off") emits the most tokens per second.
+
+Reward model: tokens/s of arm a at batch B = B * τ(a) / t(bucket, a). The step time t is learned per bucket,
+but the acceptance length τ depends on the drafter and the policy, not on the batch size, so it is pooled
+across buckets: a bucket seen rarely still gets a good τ estimate from the others.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from tlt.errors import TltError
+
+OFF = "off"  # the arm that decodes one token per step without a drafter
+
+
+class PolicyError(TltError):
+    """Invalid gate or bandit settings."""
+
+
+@dataclass
+class BatchSizeGate:
+    """SD is off while the running batch exceeds `threshold`; it turns on once the batch has stayed at or
+    below it for `hysteresis` consecutive steps, and off again as soon as it rises above (e.g. new prompts
+    joined the batch)."""
+
+    threshold: int = 16
+    hysteresis: int = 2
+    _below: int = 0
+
+    def __post_init__(self):
+        if self.threshold < 1 or self.hysteresis < 1:
+            raise PolicyError(f"gate needs threshold >= 1 and hysteresis >= 1, got {self.threshold}, "
+                              f"{self.hysteresis}")
+
+    def update(self, batch_size: int) -> bool:
+        self._below = self._below + 1 if batch_size <= self.threshold else 0
+        return self._below >= self.hysteresis
+
+    def reset(self) -> None:
+        self._below = 0
+
+
+@dataclass(frozen=True)
+class BanditConfig:
+    bucket_bounds: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # bucket i holds batch sizes in (bounds[i-1], bounds[i]]
+    epsilon: float = 0.1       # exploration rate per bucket once every arm has been tried
+    window: int = 32           # observations kept per (bucket, arm) step time and per arm τ
+    min_trials: int = 2        # tries of every arm in a bucket before exploiting
+    seed: int = 0
+
+    def __post_init__(self):
+        bounds = self.bucket_bounds
+        if not bounds or list(bounds) != sorted(set(bounds)) or bounds[0] < 1:
+            raise PolicyError(f"bucket_bounds must be strictly increasing positive ints, got {bounds}")
+        if not 0 <= self.epsilon <= 1:
+            raise PolicyError(f"epsilon must be in [0, 1], got {self.epsilon}")
+        if self.window < 1 or self.min_trials < 0:
+            raise PolicyError("window must be >= 1 and min_trials >= 0")
+
+
+@dataclass
+class ArmStats:
+    """What one arm did: for metrics (τ and tokens/s per arm)."""
+
+    steps: int = 0
+    emitted: int = 0
+    verify_steps: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.emitted / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class StrategyBandit:
+    """ε-greedy per batch-size bucket over `arms` (hashable strategies; include OFF to let it win)."""
+
+    arms: list[Hashable]
+    config: BanditConfig = field(default_factory=BanditConfig)
+
+    def __post_init__(self):
+        if not self.arms or len(set(self.arms)) != len(self.arms):
+            raise PolicyError(f"arms must be non-empty and distinct, got {self.arms}")
+        self._rng = random.Random(self.config.seed)
+        self._step_time = defaultdict(lambda: deque(maxlen=self.config.window))  # (bucket, arm) -> s per step
+        self._tau = defaultdict(lambda: deque(maxlen=self.config.window))        # arm -> tokens per row-step
+        self._trials = defaultdict(int)                                           # (bucket, arm) -> count
+        self.stats = defaultdict(ArmStats)                                        # arm -> totals
+        self.choices: list[tuple[int, Hashable]] = []                             # (bucket, arm) per step
+
+    def bucket(self, batch_size: int) -> int:
+        """Index of the smallest bound >= batch_size (sizes above the last bound share the last bucket)."""
+        if batch_size < 1:
+            raise PolicyError(f"batch_size must be >= 1, got {batch_size}")
+        return min(bisect.bisect_left(self.config.bucket_bounds, batch_size), len(self.config.bucket_bounds) - 1)
+
+    def choose(self, batch_size: int) -> Hashable:
+        bucket = self.bucket(batch_size)
+        untried = [a for a in self.arms if self._trials[bucket, a] < self.config.min_trials]
+        if untried:
+            arm = untried[0]
+        elif self._rng.random() < self.config.epsilon:
+            arm = self._rng.choice(self.arms)
+        else:
+            arm = max(self.arms, key=lambda a: self.estimate(batch_size, a))
+        self.choices.append((bucket, arm))
+        return arm
+
+    def observe(self, batch_size: int, arm: Hashable, emitted_tokens: int, wall_s: float,
+                verify_steps: int | None = None) -> None:
+        """Record one decode step: `emitted_tokens` over all rows; `verify_steps` = rows x steps (= batch size)."""
+        rows = verify_steps if verify_steps is not None else batch_size
+        bucket = self.bucket(batch_size)
+        self._trials[bucket, arm] += 1
+        self._step_time[bucket, arm].append(wall_s)
+        if arm != OFF and rows > 0:
+            self._tau[arm].append(emitted_tokens / rows)
+        totals = self.stats[arm]
+        totals.steps += 1
+        totals.emitted += emitted_tokens
+        totals.verify_steps += rows
+        totals.wall_s += wall_s
+
+    def estimate(self, batch_size: int, arm: Hashable) -> float:
+        """Expected tokens/s of `arm` at this batch size (0 if never tried in this bucket)."""
+        times = self._step_time[self.bucket(batch_size), arm]
+        if not times:
+            return 0.0
+        taus = self._tau[arm]
+        tau = 1.0 if arm == OFF else (sum(taus) / len(taus) if taus else 1.0)
+        return batch_size * tau / (sum(times) / len(times))
+
+    def best(self, batch_size: int) -> Hashable:
+        return max(self.arms, key=lambda a: self.estimate(batch_size, a))
+
+    # -- checkpointing: carried across RL steps ------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        index = {arm: i for i, arm in enumerate(self.arms)}
+        return {
+            "step_time": [[b, index[a], list(v)] for (b, a), v in self._step_time.items() if a in index],
+            "tau": [[index[a], list(v)] for a, v in self._tau.items() if a in index],
+            "trials": [[b, index[a], n] for (b, a), n in self._trials.items() if a in index],
+            "rng": list(self._rng.getstate()[1]),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for bucket, arm, values in state["step_time"]:
+            self._step_time[bucket, self.arms[arm]].extend(values)
+        for arm, values in state["tau"]:
+            self._tau[self.arms[arm]].extend(values)
+        for bucket, arm, count in state["trials"]:
+            self._trials[bucket, self.arms[arm]] = count
+        version, _, gauss = self._rng.getstate()
+        self._rng.setstate((version, tuple(state["rng"]), gauss))
+
+    def summary(self) -> dict:
+        """Metrics: share of steps with SD, the arm chosen most per bucket, τ and tokens/s per arm."""
+        sd_steps = sum(1 for _, arm in self.choices if arm != OFF)
+        per_bucket: dict[int, dict] = defaultdict(lambda: defaultdict(int))
+        for bucket, arm in self.choices:
+            per_bucket[bucket][str(arm)] += 1
+        return {
+            "sd_step_share": sd_steps / len(self.choices) if self.choices else 0.0,
+            "arm_counts_per_bucket": {str(self.config.bucket_bounds[b]): dict(c) for b, c in per_bucket.items()},
+            "arms": {str(a): {"steps": s.steps, "tau": s.tau, "tokens_per_s": s.tokens_per_s}
+                     for a, s in self.stats.items()},
+        }

@@ -1,0 +1,105 @@
+"""Gate and bandit against a simulated cost model whose best arm per bucket is known."""
+
+import random
+
+import pytest
+
+from tlt.rollout.policy import OFF, BanditConfig, BatchSizeGate, PolicyError, StrategyBandit
+
+# Simulated hardware: a known tokens/s per (batch size, arm), with clear margins between the best arm and the
+# runner-up; an arm's acceptance length tau does not depend on the batch size. Observations are noisy.
+ARMS = [OFF, "chain4", "tree16", "tree48"]
+TAU = {OFF: 1.0, "chain4": 2.4, "tree16": 3.2, "tree48": 4.2}
+RATE = {  # tokens/s
+    1: {OFF: 30, "chain4": 60, "tree16": 75, "tree48": 95},
+    2: {OFF: 60, "chain4": 110, "tree16": 140, "tree48": 115},
+    4: {OFF: 120, "chain4": 200, "tree16": 250, "tree48": 180},
+    8: {OFF: 240, "chain4": 330, "tree16": 270, "tree48": 200},
+    16: {OFF: 480, "chain4": 390, "tree16": 300, "tree48": 200},
+    32: {OFF: 900, "chain4": 600, "tree16": 400, "tree48": 250},
+}
+
+
+def step_time(batch, arm):
+    return batch * TAU[arm] / RATE[batch][arm]
+
+
+def true_best(batch):
+    return max(ARMS, key=lambda a: RATE[batch][a])
+
+
+def simulate(bandit, batch, steps, rng, taus=TAU):
+    for _ in range(steps):
+        arm = bandit.choose(batch)
+        tau = max(1.0, rng.gauss(taus[arm], 0.3)) if arm != OFF else 1.0
+        wall = step_time(batch, arm) * rng.uniform(0.9, 1.1)
+        bandit.observe(batch, arm, emitted_tokens=round(tau * batch), wall_s=wall)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32])
+def test_bandit_converges_to_the_best_arm_of_each_bucket(batch):
+    bandit = StrategyBandit(ARMS, BanditConfig(epsilon=0.1, seed=1))
+    simulate(bandit, batch, 120, random.Random(batch))
+    assert bandit.best(batch) == true_best(batch)
+    recent = [arm for _, arm in bandit.choices[-50:]]
+    assert recent.count(true_best(batch)) >= 35  # exploits it (epsilon 0.1 explores ~10%)
+
+
+def test_the_known_best_arms_differ_across_buckets():
+    """The cost model is not trivial: small batches want a big tree, large batches want no speculation."""
+    assert [true_best(b) for b in (1, 2, 4, 8, 16, 32)] == ["tree48", "tree16", "tree16", "chain4", OFF, OFF]
+
+
+def test_off_wins_when_every_speculative_arm_is_slower():
+    bandit = StrategyBandit(ARMS, BanditConfig(seed=2))
+    simulate(bandit, 4, 100, random.Random(0), taus={arm: 1.0 for arm in ARMS})  # drafter never accepted
+    assert bandit.best(4) == OFF
+
+
+def test_acceptance_is_pooled_across_buckets():
+    """A bucket with one observation per arm inherits tau learned elsewhere: an unlucky first try of the best
+    arm (nothing accepted) does not bury it, as it would with per-bucket acceptance estimates."""
+    bandit = StrategyBandit(ARMS, BanditConfig(epsilon=0.3, min_trials=1, seed=3))
+    simulate(bandit, 1, 300, random.Random(1))
+    for arm in ARMS:
+        bandit.choose(2)
+        unlucky = arm == true_best(2)
+        bandit.observe(2, arm, emitted_tokens=2 if unlucky else round(TAU[arm] * 2), wall_s=step_time(2, arm))
+    assert bandit.best(2) == true_best(2)
+    assert 2 * 1.0 / step_time(2, true_best(2)) < RATE[2][OFF]  # per-bucket tau would have ranked it last
+
+
+def test_bucket_boundaries():
+    bandit = StrategyBandit(ARMS, BanditConfig(bucket_bounds=(1, 2, 4, 8)))
+    assert [bandit.bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 100)] == [0, 1, 2, 2, 3, 3, 3, 3]
+    with pytest.raises(PolicyError):
+        bandit.bucket(0)
+
+
+def test_state_round_trip_resumes_the_same_decisions():
+    first = StrategyBandit(ARMS, BanditConfig(seed=4))
+    simulate(first, 2, 60, random.Random(2))
+    second = StrategyBandit(ARMS, BanditConfig(seed=99))
+    second.load_state_dict(first.state_dict())
+    assert [first.choose(2) for _ in range(30)] == [second.choose(2) for _ in range(30)]
+
+
+def test_summary_reports_share_and_per_arm_metrics():
+    bandit = StrategyBandit(ARMS, BanditConfig(seed=5))
+    simulate(bandit, 1, 40, random.Random(3))
+    summary = bandit.summary()
+    assert 0 < summary["sd_step_share"] <= 1
+    assert summary["arms"]["tree48"]["tau"] > 2 and summary["arms"][OFF]["tau"] == 1.0
+    assert sum(summary["arm_counts_per_bucket"]["1"].values()) == 40
+
+
+def test_gate_hysteresis():
+    gate = BatchSizeGate(threshold=8, hysteresis=3)
+    decisions = [gate.update(b) for b in [64, 32, 8, 8, 8, 6, 12, 8, 8, 8]]
+    assert decisions == [False, False, False, False, True, True, False, False, False, True]
+
+
+@pytest.mark.parametrize("bad", [dict(bucket_bounds=(4, 2)), dict(bucket_bounds=()), dict(epsilon=1.5)])
+def test_invalid_bandit_settings(bad):
+    with pytest.raises(PolicyError):
+        BanditConfig(**bad)
