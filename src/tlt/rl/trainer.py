@@ -114,7 +114,7 @@ class GRPOTrainer:
         cfg, grpo = self.config.optim, self.config.grpo
         rows = list(range(batch.rewards.shape[0]))
         totals = {"tokens": float(batch.packed.response_mask.sum()), "sequences": float(len(rows)),
-                  "max_tokens": float(max(batch.packed.response_lengths))}
+                  "max_tokens": float(self.config.rollout.max_new_tokens)}
         self.model.train()
         stats: dict[str, list[float]] = {}
         grad_norms = []

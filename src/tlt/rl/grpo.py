@@ -1,0 +1,77 @@
+"""GRPO math: group-normalized advantages and the policy losses, as short named functions.
+
+Each loss returns the contribution of one micro-batch to the full-batch loss; `totals` (sequences, tokens,
+max_tokens of the whole step) fixes the normalizer, so gradient accumulation over micro-batches gives exactly
+the gradient of the full batch (micro 1 x accumulation 8 == micro 8 x accumulation 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, *, scale_rewards: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [P, n] (n samples of each of P prompts) -> advantages [P, n].
+
+    GRPO: (r - mean_group) / (std_group + eps). Dr. GRPO (scale_rewards=False): r - mean_group, since dividing by
+    the std up-weights prompts that are nearly always solved or failed.
+    """
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if not scale_rewards:
+        return centered
+    return centered / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+
+
+def clipped_token_losses(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float):
+    """PPO-clip per token: -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A); A broadcast over tokens."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    return -torch.minimum(unclipped, clipped), ratio
+
+
+def k3_kl(logprobs, ref_logprobs):
+    """Low-variance, non-negative KL(pi || ref) estimator per token: exp(ref - logp) - (ref - logp) - 1."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+def aggregate_sequence_mean(token_losses, mask, totals):
+    """GRPO: mean over each sequence's tokens, then mean over the step's sequences."""
+    per_sequence = (token_losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_sequence.sum() / totals["sequences"]
+
+
+def aggregate_token_mean(token_losses, mask, totals):
+    """DAPO: every token of the step weighs the same (long responses are not down-weighted)."""
+    return (token_losses * mask).sum() / totals["tokens"]
+
+
+def aggregate_constant(token_losses, mask, totals):
+    """Dr. GRPO: a constant normalizer (sequences x generation budget), free of length bias."""
+    return (token_losses * mask).sum() / (totals["sequences"] * totals["max_tokens"])
+
+
+AGGREGATIONS = {"grpo": aggregate_sequence_mean, "dapo": aggregate_token_mean, "dr_grpo": aggregate_constant}
+
+
+def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dict, *, clip_low: float = 0.2,
+                clip_high: float = 0.2, ref_logprobs=None, kl_coef: float = 0.0):
+    """One micro-batch's share of the step loss, plus metrics. logprobs etc. [B, T]; mask [B, T] bool."""
+    if name not in AGGREGATIONS:
+        raise ValueError(f"unknown loss {name!r}: one of {', '.join(AGGREGATIONS)}")
+    mask = mask.float()
+    token_losses, ratio = clipped_token_losses(logprobs, old_logprobs, advantages, clip_low, clip_high)
+    parts = {}
+    if ref_logprobs is not None and kl_coef > 0:
+        kl = k3_kl(logprobs, ref_logprobs)
+        token_losses = token_losses + kl_coef * kl
+        parts["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+    loss = AGGREGATIONS[name](token_losses, mask, totals)
+    with torch.no_grad():
+        count = mask.sum().clamp(min=1)
+        clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
+        parts.update(loss=float(loss), clip_fraction=float((clipped * mask).sum() / count),
+                     ratio_mean=float((ratio * mask).sum() / count))
+    return loss, parts

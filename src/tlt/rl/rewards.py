@@ -1,0 +1,116 @@
+"""Verifiable rewards: extract the final answer, check it, optionally reward the format.
+
+Exact integer match for the built-in task; math-verify (symbolic/numeric equivalence) for general math answers;
+or any function `fn(completion, example) -> float` given by dotted path. A reward function that raises gives
+that sample reward 0; the failures are counted and reported, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from tlt.errors import TltError
+from tlt.tasks.example import TaskExample
+
+BOXED = re.compile(r"\\boxed\{")
+ANSWER_LINE = re.compile(r"answer\s*(?:is|:)\s*\$?([-+]?[\d,]*\.?\d+)", re.I)
+INTEGER = re.compile(r"^[-+]?\d+$")
+
+
+class RewardError(TltError):
+    """A reward function that cannot be loaded."""
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, with nested braces."""
+    starts = [m.end() for m in BOXED.finditer(text)]
+    if not starts:
+        return None
+    depth, start = 1, starts[-1]
+    for index in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[start:index].strip()
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    lines = ANSWER_LINE.findall(text)
+    return lines[-1] if lines else None
+
+
+def integer_match(completion: str, example: TaskExample) -> float:
+    answer = extract_answer(completion)
+    if answer is None:
+        return 0.0
+    answer = answer.replace(",", "").replace(" ", "").rstrip(".")
+    return float(bool(INTEGER.match(answer)) and int(answer) == int(example.answer))
+
+
+def math_verify_match(completion: str, example: TaskExample) -> float:
+    from math_verify import parse, verify
+
+    answer = extract_answer(completion)
+    if answer is None:
+        return 0.0
+    gold = parse(f"${example.answer}$")
+    return float(verify(gold, parse(f"${answer}$")))
+
+
+def load_reward_function(path: str) -> Callable[[str, TaskExample], float]:
+    """'pkg.module:function' or 'pkg.module.function'."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep:
+        module_name, _, attribute = path.rpartition(".")
+    if not module_name or not attribute:
+        raise RewardError(f"reward {path!r} must be a dotted path like 'my_pkg.rewards:score'")
+    try:
+        function = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise RewardError(f"cannot load reward function {path!r}: {error}") from error
+    if not callable(function):
+        raise RewardError(f"reward {path!r} is not callable")
+    return function
+
+
+@dataclass
+class RewardScores:
+    rewards: list[float]   # correctness + format bonus
+    correct: list[bool]
+    failures: int          # reward function calls that raised (those samples got 0)
+
+
+class Reward:
+    def __init__(self, check: Callable[[str, TaskExample], float], format_reward: float = 0.0):
+        self.check, self.format_reward = check, format_reward
+
+    def score(self, completions: list[str], examples: list[TaskExample]) -> RewardScores:
+        rewards, correct, failures = [], [], 0
+        for completion, example in zip(completions, examples):
+            try:
+                value = float(self.check(completion, example))
+            except Exception:  # noqa: BLE001 — a user's reward bug must not kill a long run; it is counted
+                value, failures = 0.0, failures + 1
+            bonus = self.format_reward if extract_boxed(completion) is not None else 0.0
+            rewards.append(value + bonus)
+            correct.append(value >= 1.0)
+        return RewardScores(rewards, correct, failures)
+
+
+def build_reward(config) -> Reward:
+    """From a `TaskConfig`: 'auto' = exact integer match for the built-in task, math-verify otherwise."""
+    if config.reward == "auto":
+        check = integer_match if config.name == "arithmetic" else math_verify_match
+    elif config.reward == "integer":
+        check = integer_match
+    elif config.reward == "math_verify":
+        check = math_verify_match
+    else:
+        check = load_reward_function(config.reward)
+    return Reward(check, config.format_reward)

@@ -1,0 +1,41 @@
+"""Tasks: the built-in long-tail arithmetic task and JSONL/parquet datasets, formatted with chat templates."""
+
+from __future__ import annotations
+
+from tlt.errors import TltError
+from tlt.tasks.arithmetic import ArithmeticTask, ArithmeticTaskConfig
+from tlt.tasks.chat import chat_prompt_ids
+from tlt.tasks.example import TaskExample
+from tlt.tasks.loaders import DatasetError, DatasetTask, load_examples
+
+
+class ChatTask:
+    """A task plus how its prompts become token ids (the chat template and optional system prompt)."""
+
+    def __init__(self, source, tokenizer, system_prompt: str | None = None):
+        self.source, self.tokenizer, self.system_prompt = source, tokenizer, system_prompt
+        self.kind = "integer" if isinstance(source, ArithmeticTask) else "math"
+
+    def sample(self, count: int, seed: int) -> list[TaskExample]:
+        return self.source.sample(count, seed)
+
+    def prompt_ids(self, example: TaskExample) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, example.prompt, self.system_prompt)
+
+
+def build_task(config, tokenizer) -> ChatTask:
+    """From a `TaskConfig` (tlt.rl.config)."""
+    if config.name == "arithmetic":
+        source = ArithmeticTask(ArithmeticTaskConfig(min_operations=config.min_operations,
+                                                     max_operations=config.max_operations))
+    elif config.name in ("jsonl", "parquet"):
+        if not config.path:
+            raise TltError(f"task.name={config.name} needs task.path")
+        source = DatasetTask(load_examples(config.path, config.prompt_field, config.answer_field))
+    else:
+        raise TltError(f"unknown task.name {config.name!r}: use arithmetic, jsonl or parquet")
+    return ChatTask(source, tokenizer, config.system_prompt)
+
+
+__all__ = ["ArithmeticTask", "ArithmeticTaskConfig", "ChatTask", "DatasetError", "DatasetTask", "TaskExample",
+           "build_task", "chat_prompt_ids", "load_examples"]

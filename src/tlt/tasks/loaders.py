@@ -1,0 +1,81 @@
+"""Datasets of prompt/answer records from JSONL or parquet files (GSM8K-style)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+from tlt.errors import TltError
+from tlt.tasks.example import TaskExample
+
+GSM8K_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
+
+
+class DatasetError(TltError):
+    """A dataset file or record that cannot be used."""
+
+
+def normalize_answer(answer) -> str:
+    """GSM8K answers end with '#### N' after the worked solution: keep N (without thousands separators)."""
+    text = str(answer).strip()
+    match = GSM8K_ANSWER.search(text)
+    return match.group(1).replace(",", "").strip() if match else text
+
+
+def load_examples(path: str | Path, prompt_field: str = "question", answer_field: str = "answer"
+                  ) -> list[TaskExample]:
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"dataset not found: {path}")
+    if path.suffix == ".parquet":
+        records = _parquet_records(path)
+    elif path.suffix in (".jsonl", ".json"):
+        records = _jsonl_records(path)
+    else:
+        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
+    examples = []
+    for line, record in records:
+        for name in (prompt_field, answer_field):
+            if name not in record or record[name] is None:
+                raise DatasetError(f"{path}, line {line}: missing field {name!r} "
+                                   f"(fields present: {', '.join(sorted(record)) or 'none'})")
+        examples.append(TaskExample(str(record[prompt_field]), normalize_answer(record[answer_field]),
+                                    {"source": str(path), "line": line}))
+    if not examples:
+        raise DatasetError(f"{path}: no records")
+    return examples
+
+
+def _jsonl_records(path: Path):
+    for number, text in enumerate(path.read_text().splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise DatasetError(f"{path}, line {number}: not valid JSON ({error.msg})") from error
+        if not isinstance(record, dict):
+            raise DatasetError(f"{path}, line {number}: expected a JSON object")
+        yield number, record
+
+
+def _parquet_records(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as error:
+        raise DatasetError("reading parquet needs pyarrow: pip install 'tlt-rl[data]'") from error
+    for number, record in enumerate(pq.read_table(path).to_pylist(), start=1):
+        yield number, record
+
+
+class DatasetTask:
+    """A fixed list of examples, sampled without replacement within an epoch, reshuffled per epoch by seed."""
+
+    def __init__(self, examples: list[TaskExample]):
+        self.examples = examples
+
+    def sample(self, count: int, seed: int) -> list[TaskExample]:
+        rng = random.Random(seed)
+        return [self.examples[i] for i in rng.sample(range(len(self.examples)), min(count, len(self.examples)))]

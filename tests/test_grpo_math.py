@@ -1,0 +1,80 @@
+"""GRPO advantages and losses against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from tlt.rl.grpo import group_advantages, k3_kl, policy_loss
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    adv = group_advantages(rewards, eps=0.0 + 1e-12)
+    assert torch.allclose(adv[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-6)  # mean .5, std .5
+    assert torch.equal(adv[1], torch.zeros(4))  # a solved group teaches nothing
+    assert torch.allclose(group_advantages(rewards, scale_rewards=False)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def setup():
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.2, 0.9, 0.1]]))
+    old = torch.log(torch.tensor([[0.25, 0.5, 0.5], [0.4, 0.9, 0.1]]))   # ratios: [2, 1, 1], [0.5, 1, 1]
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    adv = torch.tensor([1.0, -2.0])
+    return logp, old, adv, mask
+
+
+def test_ppo_clip_by_hand_each_aggregation():
+    logp, old, adv, mask = setup()
+    # token loss = -min(r * A, clip(r) * A). Row 0 (A = 1): r = 2 -> -min(2, 1.2) = -1.2; r = 1 -> -1 (third token
+    # masked). Row 1 (A = -2): r = .5 -> -min(-1, -1.6) = 1.6; r = 1 -> 2; r = 1 -> 2.
+    totals = {"sequences": 2, "tokens": 5, "max_tokens": 4}
+    expected = {
+        "grpo": ((-1.2 - 1.0) / 2 + (1.6 + 2 + 2) / 3) / 2,
+        "dapo": (-1.2 - 1.0 + 1.6 + 2 + 2) / 5,
+        "dr_grpo": (-1.2 - 1.0 + 1.6 + 2 + 2) / (2 * 4),
+    }
+    for name, value in expected.items():
+        loss, parts = policy_loss(name, logp, old, adv, mask, totals, clip_low=0.2, clip_high=0.2)
+        assert math.isclose(float(loss), value, rel_tol=1e-5), name
+        assert math.isclose(parts["clip_fraction"], 2 / 5, rel_tol=1e-6)  # ratios 2 and .5 are outside
+
+
+def test_asymmetric_clip_and_unclipped_side():
+    logp, old, adv, mask = setup()
+    loss, _ = policy_loss("dapo", logp, old, adv, mask, {"sequences": 2, "tokens": 5, "max_tokens": 4},
+                          clip_low=0.2, clip_high=0.28)
+    assert math.isclose(float(loss), (-1.28 - 1.0 + 1.6 + 2 + 2) / 5, rel_tol=1e-5)
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, requires_grad=True)
+    old = torch.randn(4, 6) * 0.1 - 1
+    adv = torch.randn(4)
+    mask = torch.rand(4, 6) > 0.3
+    totals = {"sequences": 4, "tokens": float(mask.sum()), "max_tokens": 6}
+    for name in ("grpo", "dapo", "dr_grpo"):
+        full = torch.autograd.grad(policy_loss(name, logits * 0.1 - 1, old, adv, mask, totals)[0], logits)[0]
+        parts = sum(policy_loss(name, logits[i:i + 1] * 0.1 - 1, old[i:i + 1], adv[i:i + 1], mask[i:i + 1],
+                                totals)[0] for i in range(4))
+        assert torch.allclose(torch.autograd.grad(parts, logits)[0], full, atol=1e-7), name
+
+
+def test_k3_kl_by_hand_and_in_the_loss():
+    logp = torch.log(torch.tensor([[0.5, 0.25]]))
+    ref = torch.log(torch.tensor([[0.25, 0.25]]))
+    delta = math.log(0.5)
+    assert torch.allclose(k3_kl(logp, ref), torch.tensor([[0.5 - delta - 1, 0.0]]))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    base, _ = policy_loss("dapo", logp, logp, torch.zeros(1), mask, {"sequences": 1, "tokens": 2, "max_tokens": 2})
+    with_kl, parts = policy_loss("dapo", logp, logp, torch.zeros(1), mask,
+                                 {"sequences": 1, "tokens": 2, "max_tokens": 2}, ref_logprobs=ref, kl_coef=0.1)
+    assert math.isclose(float(with_kl - base), 0.1 * (0.5 - delta - 1) / 2, rel_tol=1e-5)
+    assert parts["kl"] > 0
+
+
+def test_unknown_loss_is_rejected():
+    logp, old, adv, mask = setup()
+    with pytest.raises(ValueError, match="unknown loss"):
+        policy_loss("ppo2", logp, old, adv, mask, {"sequences": 2, "tokens": 5, "max_tokens": 4})

@@ -1,0 +1,56 @@
+import pytest
+
+from tlt.rl.config import TaskConfig
+from tlt.rl.rewards import (Reward, RewardError, build_reward, extract_answer, extract_boxed, integer_match,
+                            load_reward_function, math_verify_match)
+from tlt.tasks.example import TaskExample
+
+
+def example(answer):
+    return TaskExample("q", str(answer))
+
+
+def test_extraction():
+    assert extract_boxed(r"so \boxed{12} or rather \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert extract_answer("The answer is 1,234.") == "1,234"
+    assert extract_answer("no answer here") is None
+    assert extract_boxed(r"\boxed{unclosed") is None
+
+
+def test_integer_match():
+    assert integer_match(r"steps... \boxed{-42}", example(-42)) == 1.0
+    assert integer_match(r"\boxed{1,000}", example(1000)) == 1.0
+    assert integer_match(r"\boxed{41}", example(42)) == 0.0
+    assert integer_match(r"\boxed{4.5}", example(4)) == 0.0
+    assert integer_match("I don't know", example(4)) == 0.0
+
+
+def test_math_verify_equivalence():
+    assert math_verify_match(r"\boxed{\frac{1}{2}}", example("0.5")) == 1.0
+    assert math_verify_match(r"\boxed{\frac{1}{3}}", example("0.5")) == 0.0
+
+
+def test_format_reward_and_failures_are_counted():
+    def flaky(completion, ex):
+        if "boom" in completion:
+            raise RuntimeError("user bug")
+        return integer_match(completion, ex)
+
+    scores = Reward(flaky, format_reward=0.1).score([r"\boxed{3}", "boom", r"\boxed{5}", "3"], [example(3)] * 4)
+    assert scores.rewards == [1.1, 0.0, 0.1, 0.0]
+    assert scores.correct == [True, False, False, False]
+    assert scores.failures == 1
+
+
+def test_dotted_path_loading():
+    assert load_reward_function("tlt.rl.rewards:integer_match") is integer_match
+    assert load_reward_function("tlt.rl.rewards.integer_match") is integer_match
+    with pytest.raises(RewardError, match="cannot load"):
+        load_reward_function("tlt.rl.rewards:nope")
+    with pytest.raises(RewardError, match="dotted path"):
+        load_reward_function("nodots")
+
+
+def test_build_reward_auto():
+    assert build_reward(TaskConfig()).check is integer_match
+    assert build_reward(TaskConfig(name="jsonl", path="x")).check is math_verify_match

@@ -1,0 +1,53 @@
+import json
+import statistics
+
+import pytest
+
+from tlt.rl.rewards import integer_match
+from tlt.tasks import ArithmeticTask, ArithmeticTaskConfig, DatasetError, load_examples
+
+
+def test_arithmetic_is_deterministic_correct_and_graded():
+    task = ArithmeticTask(ArithmeticTaskConfig(min_operations=1, max_operations=6))
+    problems = task.sample(400, seed=3)
+    assert problems == task.sample(400, seed=3) and problems != task.sample(400, seed=4)
+    for p in problems:
+        assert int(p.answer) == eval(p.meta["expression"])  # noqa: S307 — generated arithmetic only
+        assert r"\boxed" in p.prompt and p.meta["expression"] in p.prompt
+        assert integer_match(rf"\boxed{{{p.answer}}}", p) == 1.0
+    levels = [p.meta["operations"] for p in problems]
+    assert levels.count(1) > levels.count(3) > levels.count(6) > 0  # few hard problems: a long tail
+    easy = statistics.mean(len(p.meta["expression"]) for p in problems if p.meta["operations"] == 1)
+    hard = statistics.mean(len(p.meta["expression"]) for p in problems if p.meta["operations"] == 6)
+    assert hard > 3 * easy
+
+
+def test_bad_task_config():
+    with pytest.raises(ValueError, match="min_operations"):
+        ArithmeticTaskConfig(min_operations=4, max_operations=2)
+
+
+def test_jsonl_gsm8k_answers_and_missing_fields(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"question": "2+2?", "answer": "2 plus 2\n#### 4"}) + "\n\n"
+                    + json.dumps({"question": "big?", "answer": "#### 1,200"}) + "\n")
+    examples = load_examples(path)
+    assert [e.answer for e in examples] == ["4", "1200"]
+    path.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n" + json.dumps({"question": "q2"}) + "\n")
+    with pytest.raises(DatasetError, match=r"data.jsonl, line 2: missing field 'answer'"):
+        load_examples(path)
+    path.write_text("{not json\n")
+    with pytest.raises(DatasetError, match="line 1: not valid JSON"):
+        load_examples(path)
+
+
+def test_parquet_round_trip(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "solution": ["1", "2"]}), path)
+    examples = load_examples(path, prompt_field="prompt", answer_field="solution")
+    assert [(e.prompt, e.answer) for e in examples] == [("a", "1"), ("b", "2")]
+    with pytest.raises(DatasetError, match="line 1: missing field 'question'"):
+        load_examples(path)
