@@ -67,7 +67,7 @@ def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dic
     if ref_logprobs is not None and kl_coef > 0:
         kl = k3_kl(logprobs, ref_logprobs)
         token_losses = token_losses + kl_coef * kl
-        parts["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+        parts["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
     loss = AGGREGATIONS[name](token_losses, mask, totals)
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
