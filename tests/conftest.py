@@ -39,3 +39,42 @@ def random_prompts(lengths, vocab_size=97, seed=0):
     generator = torch.Generator().manual_seed(seed)
     # ids >= 4 keep prompts free of the special tokens (0 pad, 1 bos, 3 eos)
     return [torch.randint(4, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def markov_model(vocab_size: int = 8, *, sharpness: float = 2.0, context: float = 0.0, seed: int = 0):
+    """A Llama whose next-token distribution depends only on the current token (exactly, when context=0):
+    every layer's attention and MLP output projections are zero, so the final hidden state is the token's
+    embedding, chosen with RMS 1 so the final norm leaves it unchanged. context > 0 adds small random attention
+    outputs, so the prefix matters a little (tree masks and positions then change the logits).
+
+    Returns (model, transition): transition[a, b] = logit of b after a (before temperature).
+    """
+    hidden = vocab_size
+    model = tiny_model("llama", vocab_size=vocab_size, seed=seed, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2)
+    generator = torch.Generator().manual_seed(seed)
+    transition = torch.randn(vocab_size, vocab_size, generator=generator) * sharpness
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab_size) * hidden ** 0.5)  # RMS 1 rows
+        # logits = lm_head @ e_a = sqrt(H) * lm_head[:, a]  ->  choose lm_head[:, a] = transition[a] / sqrt(H)
+        model.lm_head.weight.copy_(transition.t() / hidden ** 0.5)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.normal_(0, context, generator=generator) if context else \
+                layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model, transition
+
+
+def oracle_drafter(model):
+    """An EagleDrafter that is exact for a context-free `markov_model`: fc keeps the token embedding, its layer
+    adds nothing, so ĥ_{t+1} = e_{x_{t+1}} = f_{t+1} and its draft distribution is the target's."""
+    from tlt.models.eagle import EagleDrafter
+
+    drafter = EagleDrafter(model.config)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, :hidden] = torch.eye(hidden)
+        drafter.layer.self_attn.o_proj.weight.zero_()
+        drafter.layer.mlp.down_proj.weight.zero_()
+    return drafter

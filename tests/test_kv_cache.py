@@ -52,3 +52,22 @@ def test_truncate_rolls_back_and_refuses_to_lengthen():
         pass
     else:
         raise AssertionError("truncate lengthened a row")
+
+
+def test_slot_data_follows_moves_copies_and_keep():
+    cache = filled_cache()
+    tokens = cache.add_slot_data("tokens", dtype=torch.long)
+    features = cache.add_slot_data("features", (2,))
+    tokens.copy_(torch.arange(3 * 16).view(3, 16))
+    features.copy_(torch.randn(3, 16, 2))
+    cache.lengths[:] = torch.tensor([4, 6, 5])
+    reference = features.clone()
+    cache.move_row(2, 0)
+    assert tokens[0, :5].tolist() == list(range(32, 37)) and torch.equal(features[0, :5], reference[2, :5])
+    cache.copy_prefix(1, [2])
+    assert tokens[2, :6].tolist() == list(range(16, 22))
+    rows = cache.rows(0, 2)
+    rows.write_slots("tokens", torch.tensor([[5, 6, 7], [6, 7, 8]]), torch.tensor([[90, 91, 92], [80, 81, 82]]))
+    rows.keep(torch.tensor([[0, 2], [1, 0]]), torch.tensor([2, 1]))
+    assert tokens[0, 5:7].tolist() == [90, 92] and tokens[1, 6] == 81
+    assert cache.lengths[:2].tolist() == [7, 7]

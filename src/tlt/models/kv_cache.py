@@ -28,6 +28,19 @@ class KVCache:
         self.max_rows = max_rows
         self.max_len = max_len
         self.device = self.keys[0].device if layers else torch.device(device or "cpu")
+        # Per-slot side data that follows the KV through every row move and `keep` (e.g. the token ids and
+        # the target's hidden states of committed tokens, from which a drafter's state can be rebuilt).
+        self.slot_data: dict[str, torch.Tensor] = {}
+
+    def add_slot_data(self, name: str, trailing_shape: tuple = (), dtype=torch.float32) -> torch.Tensor:
+        """Allocate a [R, S, *trailing_shape] buffer aligned with the cache slots."""
+        self.slot_data[name] = torch.zeros(self.max_rows, self.max_len, *trailing_shape, dtype=dtype,
+                                           device=self.device)
+        return self.slot_data[name]
+
+    def _row_tensors(self):
+        """Every [R, ...] tensor whose dim 2 (KV) or dim 1 (slot data) is the slot axis."""
+        return [(t, 2) for t in self.keys + self.values] + [(t, 1) for t in self.slot_data.values()]
 
     def rows(self, start: int, count: int) -> "CacheRows":
         if start < 0 or start + count > self.max_rows:
@@ -41,9 +54,11 @@ class KVCache:
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src's committed tokens onto row dst (used to keep running rows dense)."""
         n = int(self.lengths[src])
-        for k, v in zip(self.keys, self.values):
-            k[dst, :, :n] = k[src, :, :n]
-            v[dst, :, :n] = v[src, :, :n]
+        for tensor, axis in self._row_tensors():
+            if axis == 2:
+                tensor[dst, :, :n] = tensor[src, :, :n]
+            else:
+                tensor[dst, :n] = tensor[src, :n]
         self.lengths[dst] = n
 
     def copy_prefix(self, src: int, dsts: list[int]) -> None:
@@ -52,9 +67,11 @@ class KVCache:
             return
         n = int(self.lengths[src])
         index = torch.tensor(dsts, device=self.device)
-        for k, v in zip(self.keys, self.values):
-            k[index, :, :n] = k[src, :, :n]
-            v[index, :, :n] = v[src, :, :n]
+        for tensor, axis in self._row_tensors():
+            if axis == 2:
+                tensor[index, :, :n] = tensor[src, :, :n]
+            else:
+                tensor[index, :n] = tensor[src, :n]
         self.lengths[dsts] = n
 
 
@@ -81,6 +98,14 @@ class CacheRows:
         rows = torch.arange(self.count, device=slots.device)[:, None]
         self.keys(layer)[rows, :, slots] = k.transpose(1, 2)  # indexed view is [B, T, Hkv, D]
         self.values(layer)[rows, :, slots] = v.transpose(1, 2)
+
+    def slots(self, name: str) -> torch.Tensor:  # [B, S, ...] view of a slot-data buffer
+        return self.cache.slot_data[name][self.start:self.start + self.count]
+
+    def write_slots(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store per-slot values [B, T, ...] at per-row slots [B, T] (uncommitted, like `write`)."""
+        rows = torch.arange(self.count, device=slots.device)[:, None]
+        self.slots(name)[rows, slots] = values
 
     def advance(self, counts: torch.Tensor | int) -> None:
         """Commit the first `counts` written tokens of each row."""
@@ -110,4 +135,7 @@ class CacheRows:
             k, v = self.keys(layer), self.values(layer)
             k[rows, :, dst] = k[rows, :, src]
             v[rows, :, dst] = v[rows, :, src]
+        for name in self.cache.slot_data:
+            data = self.slots(name)
+            data[rows, dst] = data[rows, src]
         self.advance(counts)

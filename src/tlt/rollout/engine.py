@@ -8,6 +8,7 @@ drains while a few long responses keep decoding.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -64,9 +65,14 @@ class RolloutEngine:
     model: a transformers Llama/Qwen2/Qwen3 causal LM (or a `LoadedModel`); its parameters are used in place.
     max_batch_size: rows decoded together; further samples wait in the queue and join as rows free up.
     eos_token_ids: default stop tokens for requests that give none (default: the model's EOS tokens).
+    drafter: an `EagleDrafter` for speculative decoding (attached to this model on construction).
+    speculation: when and how to speculate, decided before every decode step: None (never), a `SpecStrategy`
+        (always), a callable batch_size -> SpecStrategy | None, or a policy object with
+        `choose(batch_size)` / `observe(batch_size, arm, emitted_tokens, wall_s, verify_steps)`.
     """
 
-    def __init__(self, model, *, max_batch_size: int = 64, eos_token_ids=None):
+    def __init__(self, model, *, max_batch_size: int = 64, eos_token_ids=None, drafter=None, speculation=None,
+                 max_tree_size: int = 64):
         from tlt.models.loading import LoadedModel, eos_token_ids as model_eos
 
         tokenizer = None
@@ -79,6 +85,21 @@ class RolloutEngine:
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else model_eos(model, tokenizer))
         self._cache: KVCache | None = None
+        self.speculation = speculation
+        self.max_tree_size = max_tree_size
+        self.speculative = None
+        if drafter is not None:
+            self.set_drafter(drafter)
+
+    def set_drafter(self, drafter) -> None:
+        """Use (or hot-swap to) this drafter; its state is rebuilt from the cached features at the next SD step."""
+        from tlt.speculative.decoder import SpeculativeDecoder
+
+        previous = self.speculative.cache if self.speculative is not None else None
+        self.speculative = SpeculativeDecoder(self.forward, drafter.attach(self.forward))
+        if previous is not None:
+            self.speculative.cache = previous
+            previous.lengths.zero_()
 
     @property
     def device(self) -> torch.device:
@@ -126,11 +147,18 @@ class RolloutEngine:
     def _cache_for(self, requests: list[Request]) -> KVCache:
         rows = min(self.max_batch_size, sum(r.n for r in requests))
         length = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
+        if self.speculative is not None:
+            length += self.max_tree_size + 1  # a verified tree sits past the committed tokens
         cache = self._cache
         if cache is None or cache.max_rows < rows or cache.max_len < length:
             self._cache = None  # free the old buffers before allocating the new ones
             cache = KVCache(self.spec, rows, length, device=self.device, dtype=self.forward.dtype)
             self._cache = cache
+        if self.speculative is not None:
+            if "tokens" not in cache.slot_data:
+                cache.add_slot_data("tokens", dtype=torch.long)
+                cache.add_slot_data("features", (self.spec.hidden_size,), dtype=self.forward.dtype)
+            self.speculative.allocate(cache.max_rows, cache.max_len)
         cache.lengths.zero_()
         return cache
 
@@ -168,9 +196,21 @@ class RolloutEngine:
             ids[row, :len(prompt)] = torch.tensor(prompt)
         rows = cache.rows(first_row, len(groups))
         rows.lengths.zero_()
-        out = self.forward(ids.to(self.device), rows, logits_at=(lengths - 1).to(self.device))
+        ids = ids.to(self.device)
+        out = self.forward(ids, rows, logits_at=(lengths - 1).to(self.device))
+        self._store_slot_data(rows, ids, out.hidden)
         rows.advance(lengths)
+        if self.speculative is not None:
+            self.speculative.forget_rows(first_row, self.speculative.cache.max_rows - first_row)
         return out.logits[:, 0]
+
+    def _store_slot_data(self, rows, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Keep token ids and target features of the tokens just written: the drafter is built from them."""
+        if self.speculative is None:
+            return
+        slots = rows.lengths.to(self.device)[:, None] + torch.arange(ids.shape[1], device=self.device)[None, :]
+        rows.write_slots("tokens", slots, ids)
+        rows.write_slots("features", slots, hidden)
 
     def _spawn(self, requests, groups: list[_Pending], first_row: int, cache: KVCache, logits) -> list[_Sequence]:
         """Create every group's sequences. Row order: the group leaders (rows first_row + g, prefilled), then
@@ -200,12 +240,50 @@ class RolloutEngine:
 
     def _decode(self, running: list[_Sequence], cache: KVCache, steps) -> None:
         started = time.perf_counter()
-        ids = torch.tensor([[s.tokens[-1]] for s in running], device=self.device)
+        arm = self._choose(len(running))
+        strategy = None if arm in (None, "off") else arm
+        if strategy is not None and self.speculative is not None:
+            trace = self._speculative_step(running, cache, strategy)
+        else:
+            ids = torch.tensor([[s.tokens[-1]] for s in running], device=self.device)
+            rows = cache.rows(0, len(running))
+            out = self.forward(ids, rows, logits_at="all")
+            self._store_slot_data(rows, ids, out.hidden)
+            rows.advance(1)
+            self._sample_into(running, out.logits[:, 0])
+            trace = StepTrace("decode", len(running), len(running), 0.0)
+        trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started)
+        steps.append(trace)
+        if hasattr(self.speculation, "observe"):
+            self.speculation.observe(trace.batch_size, arm if arm is not None else "off", trace.new_tokens,
+                                     trace.wall_s, verify_steps=trace.batch_size)
+
+    def _choose(self, batch_size: int):
+        policy = self.speculation
+        if policy is None or self.speculative is None:
+            return None
+        if hasattr(policy, "choose"):
+            return policy.choose(batch_size)
+        return policy(batch_size) if callable(policy) else policy
+
+    def _speculative_step(self, running: list[_Sequence], cache: KVCache, strategy) -> StepTrace:
         rows = cache.rows(0, len(running))
-        out = self.forward(ids, rows, logits_at="all")
-        rows.advance(1)
-        self._sample_into(running, out.logits[:, 0])
-        steps.append(StepTrace("decode", len(running), len(running), time.perf_counter() - started))
+        pending = torch.tensor([s.tokens[-1] for s in running], device=self.device)
+        settings = RowSampling.from_params([s.request.params for s in running], self.device)
+        uniforms = draw_uniforms([s.generator for s in running], 2 * (strategy.depth + 1))
+        outcome = self.speculative.step(rows, pending, settings, uniforms, strategy)
+        result = outcome.acceptance
+        emitted = 0
+        for seq, tokens, logprobs, count in zip(running, result.tokens.tolist(), result.logprobs.tolist(),
+                                                result.emitted.tolist()):
+            for token, logprob in zip(tokens[:count], logprobs[:count]):
+                seq.append(token, logprob)
+                emitted += 1
+                if seq.finish_reason is not None:
+                    break  # nothing after a stop token or past the length budget is emitted
+        accepted = torch.bincount(result.accepted, minlength=strategy.depth + 1).tolist()
+        return StepTrace("decode", len(running), emitted, 0.0, mode="sd", strategy=strategy.name,
+                         accepted_hist=tuple(accepted), draft_s=outcome.draft_s, verify_s=outcome.verify_s)
 
     def _sample_into(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         settings = RowSampling.from_params([s.request.params for s in seqs], self.device)
@@ -222,6 +300,8 @@ class RolloutEngine:
             finished.append(running[index])
             if index != last:
                 cache.move_row(last, index)
+                if self.speculative is not None:
+                    self.speculative.move_row(last, index)
                 running[index] = running[last]
             running.pop()
         if bar is not None and done:

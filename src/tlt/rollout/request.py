@@ -44,6 +44,11 @@ class StepTrace:
     batch_size: int    # rows in the forward
     new_tokens: int    # tokens emitted by this step
     wall_s: float
+    mode: str = "plain"              # "plain" or "sd"
+    strategy: str | None = None      # the SpecStrategy name of an SD step
+    accepted_hist: tuple = ()        # SD: rows that accepted 0, 1, 2, ... draft tokens
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
 
 @dataclass
@@ -62,3 +67,20 @@ class RolloutResult:
 
     def batch_size_trace(self) -> list[int]:
         return [s.batch_size for s in self.steps if s.kind == "decode"]
+
+    def speculation_summary(self) -> dict:
+        """τ (emitted tokens per row per verify step, bonus included), per-depth acceptance, SD share, timing."""
+        decode = [s for s in self.steps if s.kind == "decode"]
+        sd = [s for s in decode if s.mode == "sd"]
+        row_steps = sum(s.batch_size for s in sd)
+        depth = max((len(s.accepted_hist) for s in sd), default=0)
+        hist = [sum(s.accepted_hist[d] if d < len(s.accepted_hist) else 0 for s in sd) for d in range(depth)]
+        reached = [sum(hist[d:]) for d in range(depth)]  # rows that accepted at least d draft tokens
+        return {
+            "sd_step_share": len(sd) / len(decode) if decode else 0.0,
+            "tau": sum(s.new_tokens for s in sd) / row_steps if row_steps else 0.0,
+            "acceptance_by_depth": [reached[d] / reached[d - 1] if reached[d - 1] else 0.0
+                                    for d in range(1, depth)],
+            "draft_s": sum(s.draft_s for s in sd),
+            "verify_s": sum(s.verify_s for s in sd),
+        }

@@ -1,0 +1,171 @@
+"""EagleDrafter: a one-layer EAGLE-style drafter that reads the target's hidden states.
+
+Input at position t: fc([embed(x_{t+1}); f_t]) where f_t is the target's final normed hidden state; one decoder
+layer of the target's family with an identity input norm; no final norm; logits through the target's lm_head.
+The embedding and lm_head are the target's own tensors: they are never parameters of the drafter, never saved,
+exported or pushed with it (the reference code pushed them and overwrote the policy's embedding).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tlt.errors import TltError
+from tlt.models.kv_cache import CacheRows, KVCache
+from tlt.models.lean_forward import LeanForward, attention_mask, grouped_attention_bias
+from tlt.models.spec import ModelSpec, check_supported
+
+CONFIG_FILE = "drafter_config.json"
+WEIGHTS_FILE = "drafter.safetensors"
+
+
+class DrafterError(TltError):
+    """A drafter that does not fit its target, or a bad drafter file."""
+
+
+def _decoder_layer_class(model_type: str):
+    if model_type == "llama":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as layer
+    elif model_type == "qwen2":
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer as layer
+    else:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer as layer
+    return layer
+
+
+class EagleDrafter(nn.Module):
+    def __init__(self, target_config, draft_vocab: torch.Tensor | None = None):
+        super().__init__()
+        check_supported(target_config)
+        config = copy.deepcopy(target_config)
+        config.num_hidden_layers = 1
+        if hasattr(config, "layer_types") and config.layer_types is not None:
+            config.layer_types = config.layer_types[:1]
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = _decoder_layer_class(config.model_type)(config, layer_idx=0)
+        self.layer.input_layernorm = nn.Identity()  # EAGLE: the fused input is not normalized again
+        if draft_vocab is not None:
+            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)
+            if draft_vocab.dim() != 1 or int(draft_vocab.max()) >= config.vocab_size or int(draft_vocab.min()) < 0:
+                raise DrafterError(f"draft vocabulary must be target token ids in [0, {config.vocab_size})")
+            self.register_buffer("draft_to_target", draft_vocab)
+        else:
+            self.draft_to_target = None
+        self._target: LeanForward | None = None
+        self._head_cache: tuple | None = None
+
+    # -- the target's frozen tensors: referenced, never owned -------------------------------------------
+
+    def attach(self, target) -> "EagleDrafter":
+        """Bind to a target model (or its LeanForward): its embedding and lm_head, and its forward helpers."""
+        lean = target if isinstance(target, LeanForward) else LeanForward(target)
+        spec = ModelSpec.from_config(self.config)
+        expected = (lean.spec.hidden_size, lean.spec.num_heads, lean.spec.num_kv_heads, lean.spec.head_dim,
+                    lean.spec.vocab_size, lean.spec.model_type)
+        found = (spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size, spec.model_type)
+        if expected != found:
+            raise DrafterError(f"drafter shapes (hidden, heads, kv heads, head dim, vocab, type) {found} do not fit "
+                               f"the target's {expected}")
+        object.__setattr__(self, "_target", lean)  # a plain attribute: not a submodule, not in state_dict
+        return self.to(device=lean.device, dtype=lean.dtype)
+
+    @property
+    def target(self) -> LeanForward:
+        if self._target is None:
+            raise DrafterError("the drafter is not attached to a target model: call attach(target)")
+        return self._target
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size if self.draft_to_target is None else self.draft_to_target.shape[0]
+
+    def head_weight(self) -> torch.Tensor:
+        """lm_head rows of the draft vocabulary, re-sliced only when the target's lm_head changed in place."""
+        weight = self.target.lm_head.weight
+        if self.draft_to_target is None:
+            return weight
+        key = (weight.data_ptr(), weight._version)
+        if self._head_cache is None or self._head_cache[0] != key:
+            self._head_cache = (key, weight.detach()[self.draft_to_target])
+        return self._head_cache[1]
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
+
+    # -- forward ------------------------------------------------------------------------------------------
+
+    def fuse(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc([embed(x_{t+1}); f_t]) -> [B, T, H]."""
+        return self.fc(torch.cat([self.target.embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head_weight())
+
+    def new_cache(self, max_rows: int, max_len: int) -> KVCache:
+        lean = self.target
+        return KVCache(lean.spec, max_rows, max_len, num_layers=1, device=lean.device, dtype=lean.dtype)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, features: torch.Tensor, cache: CacheRows, positions: torch.Tensor,
+             new_token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Inference over T new pairs per row (KV written uncommitted at slots lengths + t); returns ĥ [B, T, H]."""
+        lean = self.target
+        x = self.fuse(tokens, features)
+        num_new = tokens.shape[1]
+        slots = cache.lengths.to(x.device)[:, None] + torch.arange(num_new, device=x.device)[None, :]
+        mask = attention_mask(cache.lengths, num_new, new_token_mask, x.device)
+        bias = grouped_attention_bias(mask, lean.spec.num_heads // lean.spec.num_kv_heads, x.dtype)
+        cos, sin = lean.rope(x, positions.to(x.device))
+        return lean.layer(self.layer, 0, x, x, cos, sin, cache, slots, bias)
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                attention: torch.Tensor) -> torch.Tensor:
+        """Training forward over packed pairs (grad enabled): attention [B, T, T] bool -> ĥ [B, T, H]."""
+        x = self.fuse(tokens, features)
+        cos, sin = self.target.decoder.rotary_emb(x, positions)
+        bias = torch.zeros(attention.shape, dtype=x.dtype, device=x.device).masked_fill(~attention, float("-inf"))
+        out = self.layer(x, attention_mask=bias[:, None], position_ids=positions, position_embeddings=(cos, sin))
+        return out[0] if isinstance(out, tuple) else out
+
+    # -- persistence ----------------------------------------------------------------------------------------
+
+    def save(self, directory: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        (directory / CONFIG_FILE).write_text(json.dumps({
+            "target_config": self.config.to_dict(),
+            "draft_vocab_size": None if self.draft_to_target is None else int(self.draft_to_target.shape[0]),
+        }, indent=1))
+
+    @classmethod
+    def load(cls, directory: str | Path, target) -> "EagleDrafter":
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        directory = Path(directory)
+        if not (directory / CONFIG_FILE).exists() or not (directory / WEIGHTS_FILE).exists():
+            raise DrafterError(f"{directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+        meta = json.loads((directory / CONFIG_FILE).read_text())
+        settings = dict(meta["target_config"])
+        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+        tensors = load_file(str(directory / WEIGHTS_FILE))
+        drafter = cls(config, tensors.get("draft_to_target"))
+        drafter.attach(target)
+        own = drafter.state_dict()
+        wrong = [k for k, v in tensors.items() if k not in own or own[k].shape != v.shape]
+        if wrong or set(own) - set(tensors):
+            raise DrafterError(f"{directory}: drafter weights do not match its config ({(wrong or sorted(set(own) - set(tensors)))[:3]})")
+        drafter.load_state_dict(tensors)
+        return drafter.to(device=drafter.target.device, dtype=drafter.target.dtype)

@@ -1,0 +1,93 @@
+"""Target-only tree speculative sampling: every emitted token is an exact sample of the target.
+
+At the current node (first the root) with processed target distribution p and children c_1..c_m in draft order:
+draw u ~ U(0, 1]; accept the first child with u <= p(c_1) + ... + p(c_i) and move to it; if none is accepted,
+emit a sample from p with c_1..c_m removed and renormalized, and stop. A child is thus emitted with probability
+p(c_i) and any other token t with probability (1 - sum_j p(c_j)) * p(t) / (1 - sum_j p(c_j)) = p(t): the emitted
+token is distributed exactly as p, whatever the drafter proposed. An accepted leaf continues the same way with
+no children, i.e. emits a "bonus" token sampled from p. Greedy rows follow the target's argmax instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt.rollout.sampling import sample_from_logprobs
+from tlt.speculative.tree import DraftTree
+
+
+@dataclass
+class Acceptance:
+    path: torch.Tensor          # [B, S + 1] tree node indices, root first then the accepted nodes, -1 padded
+    accepted: torch.Tensor      # [B] accepted draft nodes (not counting the root)
+    tokens: torch.Tensor        # [B, S + 1] emitted tokens: accepted nodes' tokens then the final token, -1 padded
+    logprobs: torch.Tensor      # [B, S + 1] the target's processed log-prob of each emitted token
+    emitted: torch.Tensor       # [B] = accepted + 1
+
+
+def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor,
+           *, accept_rule=None) -> Acceptance:
+    """logprobs [B, N + 1, V]: processed target log-probs at each tree node; greedy [B] bool;
+    uniforms [B, 2 * (max_depth + 1)] in [0, 1) from each row's own generator.
+
+    accept_rule(u, cumulative, child_probs) -> bool [B, K] can replace the exact rule (tests use it to show
+    that a biased rule is detected)."""
+    batch, count, _ = logprobs.shape
+    device = logprobs.device
+    max_depth = int(tree.depths.max())
+    rows = torch.arange(batch, device=device)
+    current = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    tokens = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
+    token_logprobs = torch.zeros(batch, max_depth + 2, device=device)
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    for step in range(max_depth + 1):
+        node_logprobs = logprobs[rows, current]                                    # [B, V]
+        children = tree.children[rows, current]                                   # [B, K]
+        valid = children >= 0
+        child_tokens = tree.tokens.gather(1, children.clamp(min=0))
+        child_probs = node_logprobs.gather(1, child_tokens).exp() * valid
+        u = 1.0 - uniforms[:, 2 * step].to(device)                               # (0, 1]: u <= 0 never holds
+        cumulative = child_probs.cumsum(-1)
+        if accept_rule is None:
+            hit = (u[:, None] <= cumulative) & valid
+        else:
+            hit = accept_rule(u, cumulative, child_probs) & valid
+        argmax = node_logprobs.argmax(-1)
+        greedy_hit = (child_tokens == argmax[:, None]) & valid
+        hit = torch.where(greedy[:, None], greedy_hit, hit)
+        found = hit.any(-1) & active
+        choice = hit.float().argmax(-1)                                           # first hit
+        next_node = children.gather(1, choice[:, None])[:, 0]
+        # Accepted rows: record the child and move on.
+        take = found
+        tokens[take, step] = child_tokens[take, choice[take]]
+        token_logprobs[take, step] = node_logprobs[take].gather(1, tokens[take, step:step + 1])[:, 0]
+        path[take, step + 1] = next_node[take]
+        accepted += take.long()
+        # Rejected (or childless) rows: emit from p without the children, then stop.
+        stop = active & ~found
+        if bool(stop.any()):
+            final = _residual_sample(node_logprobs[stop], child_tokens[stop], valid[stop],
+                                     uniforms[stop, 2 * step + 1].to(device), greedy[stop], argmax[stop])
+            tokens[stop, step] = final
+            token_logprobs[stop, step] = node_logprobs[stop].gather(1, final[:, None])[:, 0]
+        active = found
+        current = torch.where(found, next_node, current)
+        if not bool(active.any()):
+            break
+    return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
+
+
+def _residual_sample(logprobs, child_tokens, valid, uniforms, greedy, argmax) -> torch.Tensor:
+    """Sample from p with the rejected children removed (renormalized); greedy rows emit the argmax."""
+    removed = torch.zeros_like(logprobs)
+    removed.scatter_add_(1, child_tokens.clamp(min=0), valid.to(logprobs.dtype))  # pads add 0: no effect
+    residual = logprobs.masked_fill(removed > 0, -float("inf"))
+    empty = torch.isinf(residual).all(-1, keepdim=True)  # all mass was on the children (float rounding only)
+    sampled = sample_from_logprobs(torch.where(empty, logprobs, residual), uniforms)
+    return torch.where(greedy, argmax, sampled)

@@ -1,0 +1,129 @@
+"""Drafting a token tree with the EAGLE drafter (EAGLE-2 dynamic tree), batched over rows.
+
+Depth 1 expands the root into its top-K draft tokens. At every further depth the K best frontier nodes (by
+cumulative draft log-probability) are each expanded into their top-K children; finally the N best candidates of
+all depths form the tree. A child's cumulative score never exceeds its parent's, so the kept set is closed under
+ancestors (ties are broken toward shallower, earlier candidates, which come first).
+
+Nodes are numbered 1..N in the order (depth, candidate order), so a parent always precedes its children; index 0
+is the root (the pending token, whose target distribution decides the depth-1 children).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt.models.kv_cache import CacheRows
+from tlt.speculative.strategy import SpecStrategy
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor    # [B, N + 1] target ids; column 0 is the root (pending) token
+    parents: torch.Tensor   # [B, N + 1] parent index (-1 for the root)
+    depths: torch.Tensor    # [B, N + 1] 0 for the root
+    children: torch.Tensor  # [B, N + 1, K] child indices in draft-score order, -1 padded
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def attention(self) -> torch.Tensor:
+        """[B, N + 1, N + 1] bool: each node sees itself and its ancestors (the tree mask for verification)."""
+        batch, count = self.parents.shape
+        visible = torch.eye(count, dtype=torch.bool, device=self.parents.device).expand(batch, -1, -1).clone()
+        rows = torch.arange(batch, device=self.parents.device)
+        for node in range(1, count):  # parents precede children: the parent's row is already complete
+            visible[rows, node] |= visible[rows, self.parents[:, node].clamp(min=0)]
+        return visible
+
+
+def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positions: torch.Tensor,
+               strategy: SpecStrategy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grow candidates from root_hidden [B, H] (the drafter's output at the last committed pair).
+
+    Returns (tokens, scores, parents) over all candidates [B, C]; parents index candidates (-1 = the root).
+    The drafter cache holds the committed pairs; the frontier nodes' pairs are written past them, uncommitted:
+    each depth re-runs all frontier nodes so far with a mask that shows every node only its own path (a few
+    dozen one-layer token-steps at most). base_positions [B]: the position of the first draft pair.
+    """
+    k = strategy.branching
+    batch, hidden_size = root_hidden.shape
+    device = root_hidden.device
+    scores, ids = torch.log_softmax(drafter.draft_logits(root_hidden).float(), dim=-1).topk(k, dim=-1)
+    tokens, all_scores = [drafter.to_target_ids(ids)], [scores]
+    parents = [torch.full((batch, k), -1, dtype=torch.long, device=device)]
+    frontier = torch.arange(k, device=device).expand(batch, k)        # candidate ids of the frontier
+    frontier_features = root_hidden[:, None].expand(batch, k, hidden_size)
+    frontier_parent = None                                             # [B, K] local index in previous frontier
+    path_tokens, path_features = [], []
+    visible = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)
+    for depth in range(2, strategy.depth + 1):
+        path_tokens.append(torch.cat(tokens, 1).gather(1, frontier))
+        path_features.append(frontier_features)
+        visible = _extend_visibility(visible, frontier_parent, k)
+        count = visible.shape[1]
+        positions = base_positions.to(device)[:, None] + torch.arange(count, device=device)[None, :] // k
+        hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, positions,
+                              new_token_mask=visible)[:, -k:]             # the newest frontier [B, K, H]
+        child_scores, child_ids = torch.log_softmax(drafter.draft_logits(hidden).float(), dim=-1).topk(k, dim=-1)
+        total = (torch.cat(all_scores, 1).gather(1, frontier)[:, :, None] + child_scores).reshape(batch, k * k)
+        first_id = sum(t.shape[1] for t in tokens)
+        tokens.append(drafter.to_target_ids(child_ids).reshape(batch, k * k))
+        all_scores.append(total)
+        parents.append(frontier[:, :, None].expand(-1, -1, k).reshape(batch, k * k))
+        best = total.topk(k, dim=-1).indices                             # local ids among the new candidates
+        frontier_parent = best // k
+        frontier_features = hidden.gather(1, frontier_parent[:, :, None].expand(-1, -1, hidden_size))
+        frontier = first_id + best
+    return torch.cat(tokens, 1), torch.cat(all_scores, 1), torch.cat(parents, 1)
+
+
+def _extend_visibility(visible: torch.Tensor, frontier_parent: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Add K frontier nodes to the path mask; frontier_parent [B, K] indexes the previous K nodes (None at
+    depth 1, whose parent is the committed context itself)."""
+    batch, count, _ = visible.shape
+    grown = torch.zeros(batch, count + k, count + k, dtype=torch.bool, device=visible.device)
+    grown[:, :count, :count] = visible
+    grown[:, range(count, count + k), range(count, count + k)] = True
+    if frontier_parent is not None:
+        parent_rows = visible.gather(1, (count - k + frontier_parent)[:, :, None].expand(-1, -1, count))
+        grown[:, count:, :count] = parent_rows
+    return grown
+
+
+def select_tree(root_tokens: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor,
+                strategy: SpecStrategy) -> DraftTree:
+    """Keep the N best candidates (closed under ancestors), renumbered 1..N in candidate order."""
+    batch, count = tokens.shape
+    device = tokens.device
+    n = strategy.tree_size
+    # Stable ordering: candidates are already in (depth, expansion) order, so among equal scores a parent wins.
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :n]
+    keep = torch.sort(order, dim=-1).values                              # [B, N] candidate ids, parents first
+    new_index = torch.full((batch, count), -1, dtype=torch.long, device=device)
+    new_index.scatter_(1, keep, torch.arange(1, n + 1, device=device).expand(batch, n))
+    kept_parents = parents.gather(1, keep)
+    node_parents = torch.where(kept_parents < 0, torch.zeros_like(kept_parents),
+                               new_index.gather(1, kept_parents.clamp(min=0)))
+    tree_tokens = torch.cat([root_tokens[:, None], tokens.gather(1, keep)], 1)
+    tree_parents = torch.cat([torch.full((batch, 1), -1, device=device, dtype=torch.long), node_parents], 1)
+    depths = torch.zeros(batch, n + 1, dtype=torch.long, device=device)
+    for node in range(1, n + 1):
+        depths[:, node] = depths.gather(1, tree_parents[:, node:node + 1].clamp(min=0))[:, 0] + 1
+    node_scores = torch.cat([torch.zeros(batch, 1, device=device), scores.gather(1, keep)], 1)
+    return DraftTree(tree_tokens, tree_parents, depths, _children_table(tree_parents, node_scores, strategy.branching))
+
+
+def _children_table(parents: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, N + 1, K] children of every node, best draft score first, -1 padded."""
+    batch, count = parents.shape
+    table = torch.full((batch, count, k), -1, dtype=torch.long, device=parents.device)
+    is_child = parents[:, None, :] == torch.arange(count, device=parents.device)[None, :, None]  # [B, node, cand]
+    ranked = torch.where(is_child, scores[:, None, :], torch.full_like(scores[:, None, :], -float("inf")))
+    best = ranked.topk(min(k, count), dim=-1)
+    valid = torch.isfinite(best.values)
+    table[:, :, :best.indices.shape[-1]] = torch.where(valid, best.indices, torch.full_like(best.indices, -1))
+    return table

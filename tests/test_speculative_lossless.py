@@ -1,0 +1,124 @@
+"""Speculative decoding is lossless: greedy identity, exact sampling distribution, and the target's log-probs.
+
+The statistical test compares the empirical joint distribution of the first three emitted tokens with the exact
+one, computable for a context-free Markov target. With n samples over cells of probability p_i,
+E[TV] <= 1/2 * sum_i sqrt(p_i (1 - p_i) / n) (Jensen on each cell's binomial deviation), and TV moves by at most
+1/n when one sample changes, so by McDiarmid P(TV >= E[TV] + t) <= exp(-2 n t^2). The bound below is that
+expectation bound plus t for a false-alarm rate of 1e-4. The negative control runs the same test on a rule that
+accepts drafted tokens too often; it must fail.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
+from tlt.models.eagle import EagleDrafter
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.request import Request
+from tlt.rollout.sampling import RowSampling, SamplingParams, processed_logprobs
+from tlt.speculative.strategy import SpecStrategy
+
+STRATEGIES = [SpecStrategy.chain(3), SpecStrategy(3, 2, 6), SpecStrategy(4, 3, 12)]
+
+
+def run(model, requests, drafter=None, strategy=None, batch=8, tree=16):
+    engine = RolloutEngine(model, max_batch_size=batch, drafter=drafter, speculation=strategy, max_tree_size=tree)
+    return engine, engine.generate(requests)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_identical_with_a_random_drafter(arch, strategy, batch):
+    model = tiny_model(arch)
+    requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=16))
+                for p in random_prompts([3, 9, 5, 1, 12], seed=batch)]
+    _, plain = run(model, requests, batch=batch)
+    _, spec = run(model, requests, EagleDrafter(model.config), strategy, batch=batch)
+    assert [s.token_ids for s in spec.samples] == [s.token_ids for s in plain.samples]
+    assert [s.finish_reason for s in spec.samples] == [s.finish_reason for s in plain.samples]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES + [SpecStrategy(5, 3, 16)], ids=str)
+def test_greedy_identical_with_a_good_drafter_on_a_context_sensitive_target(strategy):
+    """High acceptance exercises deep accepted paths, rollback of the rejected branches, and stop/length cuts
+    inside an accepted run; the target's weak context dependence makes any mask or position error visible."""
+    model, _ = markov_model(16, sharpness=3.0, context=0.05)
+    params = SamplingParams(temperature=0, max_new_tokens=23, stop_token_ids=(7,))
+    requests = [Request(p, n=2, params=params) for p in random_prompts([3, 9, 5, 1, 12, 6, 4], vocab_size=16)]
+    _, plain = run(model, requests, batch=5)
+    _, spec = run(model, requests, oracle_drafter(model), strategy, batch=5)
+    assert [s.token_ids for s in spec.samples] == [s.token_ids for s in plain.samples]
+    assert spec.speculation_summary()["tau"] > 2.5  # the deep paths really were taken
+
+
+def exact_joint(transition, last_token, params):
+    """Exact probability of every 3-token continuation of a context-free Markov target."""
+    vocab = transition.shape[0]
+    probs = processed_logprobs(transition, RowSampling.from_params([params] * vocab, "cpu")).exp().double()
+    return {(a, b, c): float(probs[last_token, a] * probs[a, b] * probs[b, c])
+            for a, b, c in itertools.product(range(vocab), repeat=3)}
+
+
+def tv_and_bound(samples, exact, delta=1e-4):
+    n = len(samples)
+    counts = {}
+    for sample in samples:
+        key = tuple(sample.token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    expected = 0.5 * sum(math.sqrt(p * (1 - p) / n) for p in exact.values())
+    return tv, expected + math.sqrt(math.log(1 / delta) / (2 * n))
+
+
+SAMPLING = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+            SamplingParams(temperature=1.3, top_p=0.8)]
+
+
+@pytest.mark.parametrize("params", SAMPLING, ids=["t1", "t0.7-topk4", "t1.3-topp0.8"])
+@pytest.mark.parametrize("strategy", [SpecStrategy.chain(3), SpecStrategy(3, 2, 6)], ids=str)
+def test_sampled_distribution_matches_the_target(params, strategy):
+    model, transition = markov_model(8, sharpness=1.5, seed=1)
+    settings = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                              max_new_tokens=3, stop_token_ids=(), seed=11)
+    request = Request([2, 5], n=12_000, params=settings)
+    engine, result = run(model, [request], oracle_drafter(model), strategy, batch=4000)
+    tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, settings))
+    assert tv < bound, (tv, bound)
+    assert result.speculation_summary()["tau"] > 1.2  # drafts were accepted: the test exercised acceptance
+
+
+def test_plain_sampling_passes_the_same_test():
+    model, transition = markov_model(8, sharpness=1.5, seed=1)
+    settings = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=12)
+    _, result = run(model, [Request([2, 5], n=12_000, params=settings)], batch=4000)
+    tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, settings))
+    assert tv < bound, (tv, bound)
+
+
+def test_negative_control_a_biased_acceptance_rule_is_detected():
+    model, transition = markov_model(8, sharpness=1.5, seed=1)
+    settings = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=13)
+    engine = RolloutEngine(model, max_batch_size=4000, drafter=oracle_drafter(model),
+                           speculation=SpecStrategy(3, 2, 6), max_tree_size=8)
+    engine.speculative.accept_rule = lambda u, cumulative, probs: u[:, None] <= cumulative * 1.3  # accepts too often
+    result = engine.generate([Request([2, 5], n=12_000, params=settings)])
+    tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, settings))
+    assert tv > bound, (tv, bound)
+
+
+def test_returned_logprobs_are_the_targets():
+    model = tiny_model("qwen2")
+    params = SamplingParams(temperature=0.8, top_k=40, max_new_tokens=12, seed=3)
+    requests = [Request(p, n=3, params=params) for p in random_prompts([4, 7])]
+    _, result = run(model, requests, EagleDrafter(model.config), SpecStrategy(3, 2, 6), batch=6)
+    settings = RowSampling.from_params([params], "cpu")
+    for sample in result.samples:
+        sequence = list(sample.prompt_ids) + sample.token_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([sequence])).logits[0, len(sample.prompt_ids) - 1:-1]
+        expected = processed_logprobs(logits[None], settings)[0]
+        picked = expected.gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(sample.logprobs), picked, atol=1e-4)
