@@ -15,11 +15,12 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[dev,bench]"
+	$(PY) -m pip install -q -e ".[dev,bench,data,tensorboard]"
 	touch $(STAMP)
 
+# The main job on its embedded default: a few GRPO steps of SmolLM2-135M-Instruct on the built-in task (~5 min).
 demo: $(STAMP)
-	$(VENV)/bin/tlt demo
+	$(VENV)/bin/tlt train run.out_dir=runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -37,7 +37,7 @@ def test_format_reward_and_failures_are_counted():
         return integer_match(completion, ex)
 
     scores = Reward(flaky, format_reward=0.1).score([r"\boxed{3}", "boom", r"\boxed{5}", "3"], [example(3)] * 4)
-    assert scores.rewards == [1.1, 0.0, 0.1, 0.0]
+    assert scores.rewards == [1.1, 0.0, 0.1, 0.0]  # "3" alone has no extractable final answer
     assert scores.correct == [True, False, False, False]
     assert scores.failures == 1
 

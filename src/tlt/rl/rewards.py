@@ -97,7 +97,7 @@ class Reward:
                 value = float(self.check(completion, example))
             except Exception:  # noqa: BLE001 — a user's reward bug must not kill a long run; it is counted
                 value, failures = 0.0, failures + 1
-            bonus = self.format_reward if extract_boxed(completion) is not None else 0.0
+            bonus = self.format_reward if extract_answer(completion) is not None else 0.0
             rewards.append(value + bonus)
             correct.append(value >= 1.0)
         return RewardScores(rewards, correct, failures)
