@@ -1,0 +1,135 @@
+"""DrafterTrainer: fits the EAGLE drafter to the current policy's features; preemptible.
+
+loss = w_feat * SmoothL1(ĥ_{t+1}, f_{t+1}) + w_ce * H(softmax(lm_head(f_{t+1})), softmax(lm_head(ĥ_{t+1})))
+The feature term keeps the drafter in the target's hidden space (it feeds on its own outputs when drafting deeper),
+the soft cross-entropy aligns what matters for acceptance: the token distribution. `train_until(stop)` checks its
+stop signal between optimizer steps, so it yields a worker within one step of being asked.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pairs
+
+
+@dataclass(frozen=True)
+class DrafterTrainConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    feature_weight: float = 1.0     # SmoothL1 on the predicted hidden state
+    ce_weight: float = 0.1          # soft cross-entropy against the target's token distribution
+    feature_noise: float = 0.0      # uniform noise on input features (EAGLE's robustness trick), as a fraction
+    entries_per_step: int = 8       # samples drawn from the buffer per optimizer step
+    row_length: int = 256           # pairs per packed row
+    eval_depth: int = 5             # chain depth assumed when turning top-1 agreement into expected τ
+    seed: int = 0
+
+
+class DrafterTrainer:
+    def __init__(self, drafter, buffer: FeatureBuffer, config: DrafterTrainConfig = DrafterTrainConfig()):
+        self.drafter, self.buffer, self.config = drafter, buffer, config
+        self.optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.lr,
+                                           betas=config.betas, weight_decay=config.weight_decay)
+        self.steps = 0
+        self._generator = torch.Generator().manual_seed(config.seed)
+
+    # -- training ---------------------------------------------------------------------------------------------
+
+    def train_steps(self, count: int) -> list[dict]:
+        return [self._step() for _ in range(count)]
+
+    def train_until(self, stop: Callable[[], bool], max_steps: int) -> list[dict]:
+        """Train until stop() is true (checked before every optimizer step) or max_steps are done."""
+        history = []
+        while len(history) < max_steps and not stop():
+            history.append(self._step())
+        return history
+
+    def _step(self) -> dict:
+        started = time.perf_counter()
+        self.drafter.train()
+        batch = self._to_device(pack_pairs(self.buffer.sample(self.config.entries_per_step), self.config.row_length))
+        loss, parts = self.loss(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.drafter.eval()
+        self.steps += 1
+        return {**parts, "step": self.steps, "step_s": time.perf_counter() - started}
+
+    def loss(self, batch: PackedPairs):
+        cfg = self.config
+        features = batch.input_features
+        if cfg.feature_noise > 0:
+            scale = features.abs().mean() * cfg.feature_noise
+            features = features + (torch.rand(features.shape, generator=self._generator) * 2 - 1).to(features) * scale
+        predicted = self.drafter(batch.input_tokens, features, batch.positions, batch.attention_mask)
+        valid = batch.valid
+        feature_loss = F.smooth_l1_loss(predicted[valid], batch.target_features[valid])
+        draft_logits = self.drafter.draft_logits(predicted[valid])
+        with torch.no_grad():
+            target_probs = torch.softmax(self.drafter.draft_logits(batch.target_features[valid]), dim=-1)
+        ce = -(target_probs * torch.log_softmax(draft_logits, dim=-1)).sum(-1).mean()
+        loss = cfg.feature_weight * feature_loss + cfg.ce_weight * ce
+        agreement = (draft_logits.argmax(-1) == target_probs.argmax(-1)).float().mean()
+        return loss, {"loss": float(loss.detach()), "feature_loss": float(feature_loss.detach()),
+                      "ce": float(ce.detach()), "top1": float(agreement)}
+
+    # -- evaluation -------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, entries: list[FeatureEntry]) -> dict:
+        """Held-out loss, top-1 agreement with the target, and the chain τ it implies: 1 + a + a^2 + ... + a^S."""
+        self.drafter.eval()
+        batch = self._to_device(pack_pairs(entries, self.config.row_length))
+        _, parts = self.loss(batch)
+        a = parts["top1"]
+        parts["expected_tau"] = sum(a ** d for d in range(self.config.eval_depth + 1))
+        return parts
+
+    def _to_device(self, batch: PackedPairs) -> PackedPairs:
+        device, dtype = self.drafter.fc.weight.device, self.drafter.fc.weight.dtype
+        return PackedPairs(batch.input_tokens.to(device), batch.input_features.to(device, dtype),
+                           batch.target_features.to(device, dtype), batch.positions.to(device),
+                           batch.attention_mask.to(device), batch.valid.to(device))
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+
+    def save(self, directory: str | Path) -> None:
+        """Drafter weights + config (its own layers only) and the optimizer state, all safetensors/JSON."""
+        from tlt.rl.checkpoint import _flatten_optimizer
+        from safetensors.torch import save_file
+        import json
+
+        directory = Path(directory)
+        self.drafter.save(directory)
+        tensors, meta = _flatten_optimizer(self.optimizer.state_dict())
+        save_file(tensors, str(directory / "drafter_optimizer.safetensors"))
+        (directory / "drafter_trainer.json").write_text(json.dumps({"steps": self.steps, "optimizer": meta}))
+
+    def load_optimizer(self, directory: str | Path) -> None:
+        from tlt.rl.checkpoint import _unflatten_optimizer
+        from safetensors.torch import load_file
+        import json
+
+        directory = Path(directory)
+        state = json.loads((directory / "drafter_trainer.json").read_text())
+        self.optimizer.load_state_dict(_unflatten_optimizer(load_file(str(directory / "drafter_optimizer.safetensors")),
+                                                            state["optimizer"]))
+        self.steps = state["steps"]
+
+
+def implied_tau(top1: float, depth: int) -> float:
+    return sum(top1 ** d for d in range(depth + 1)) if not math.isnan(top1) else 1.0
