@@ -103,3 +103,18 @@ def test_gate_hysteresis():
 def test_invalid_bandit_settings(bad):
     with pytest.raises(PolicyError):
         BanditConfig(**bad)
+
+
+def test_adaptive_speculation_gates_large_batches_and_learns_small_ones():
+    from tlt.rollout.policy import AdaptiveSpeculation
+
+    policy = AdaptiveSpeculation(ARMS[1:], BatchSizeGate(threshold=8, hysteresis=2), BanditConfig(seed=6))
+    rng = random.Random(4)
+    arms = [policy.choose(b) for b in (64, 32, 16)]
+    assert arms == [OFF, OFF, OFF]
+    for _ in range(150):
+        arm = policy.choose(1)
+        tau = TAU[arm] if arm != OFF else 1.0
+        policy.observe(1, arm, round(tau), step_time(1, arm) * rng.uniform(0.9, 1.1))
+    assert policy.bandit.best(1) == true_best(1)
+    assert policy.summary()["gated_steps"] == 4  # 64, 32, 16 and the first step at 1 (hysteresis)

@@ -15,8 +15,13 @@ def main(argv=None) -> int:
     _add_generate(commands.add_parser("generate", help="sample responses with the rollout engine"))
     _add_generate(commands.add_parser("demo", help="the default demo: a mixed-length rollout on SmolLM2"))
     _add_train(commands.add_parser("train", help="GRPO training (no arguments: the embedded default run)"))
+    drafter = commands.add_parser("drafter", help="drafter warm-up").add_subparsers(dest="drafter_command",
+                                                                                 required=True)
+    _add_warmup(drafter.add_parser("warmup", help="train a drafter on the target's own responses"))
     args = parser.parse_args(argv)
     try:
+        if args.command == "drafter":
+            return _run_warmup(args)
         if args.command == "train":
             from tlt.rl.config import load_config
             from tlt.rl.run import train
@@ -41,6 +46,31 @@ def _add_train(parser: argparse.ArgumentParser) -> None:
                         "[grpo], [optim], [run] sections (default: the embedded default)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. rollout.max_new_tokens=128")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.out_dir")
+
+
+def _add_warmup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory, .gguf file, or 'smollm2' (default)")
+    parser.add_argument("--data", default="arithmetic", help="'arithmetic' (built-in) or a .jsonl/.parquet file")
+    parser.add_argument("--out", required=True, help="directory for the drafter")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="0 = full vocabulary")
+    parser.add_argument("--lr", type=float, default=1e-3)
+
+
+def _run_warmup(args) -> int:
+    from tlt.drafter.trainer import DrafterTrainConfig
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.models import load_model
+    from tlt.tasks import ArithmeticTask, ChatTask, DatasetTask, load_examples
+
+    loaded = load_model(args.model)
+    source = ArithmeticTask() if args.data == "arithmetic" else DatasetTask(load_examples(args.data))
+    config = WarmupConfig(prompts=args.prompts, steps=args.steps, max_new_tokens=args.max_new_tokens,
+                          draft_vocab=args.draft_vocab)
+    warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config, DrafterTrainConfig(lr=args.lr))
+    return 0
 
 
 def _add_generate(parser: argparse.ArgumentParser) -> None:

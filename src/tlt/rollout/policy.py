@@ -181,3 +181,39 @@ class StrategyBandit:
             "arms": {str(a): {"steps": s.steps, "tau": s.tau, "tokens_per_s": s.tokens_per_s}
                      for a, s in self.stats.items()},
         }
+
+
+class AdaptiveSpeculation:
+    """The engine's speculation policy: the gate decides whether SD may run; the bandit picks the arm.
+
+    Pass it as `RolloutEngine(..., speculation=AdaptiveSpeculation(strategies))`; keep the same object across
+    RL steps (or checkpoint `state_dict()`) so what it learned carries over.
+    """
+
+    def __init__(self, strategies: list, gate: BatchSizeGate | None = None, config: BanditConfig | None = None):
+        self.gate = gate or BatchSizeGate()
+        self.bandit = StrategyBandit([OFF, *strategies], config or BanditConfig())
+        self.gated_steps = 0
+
+    def choose(self, batch_size: int):
+        if not self.gate.update(batch_size):
+            self.gated_steps += 1
+            return OFF
+        return self.bandit.choose(batch_size)
+
+    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps=None) -> None:
+        if batch_size <= self.gate.threshold:  # steps the gate kept plain say nothing about small-batch arms
+            self.bandit.observe(batch_size, arm, emitted_tokens, wall_s, verify_steps)
+
+    def reset(self) -> None:
+        """Call between rollouts: the batch restarts large."""
+        self.gate.reset()
+
+    def state_dict(self) -> dict:
+        return {"bandit": self.bandit.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bandit.load_state_dict(state["bandit"])
+
+    def summary(self) -> dict:
+        return {**self.bandit.summary(), "gated_steps": self.gated_steps}

@@ -1,0 +1,100 @@
+"""Speculative decoding vs plain decoding on SmolLM2-135M-Instruct, by batch size and strategy.
+
+Prompts are the built-in task's (chat template, as in RL); temperature 1 (the RL setting); no stop tokens, so
+every sample emits exactly max_new_tokens and both modes do the same amount of output. Tokens/s, τ (tokens per
+row per verify step) and the speedup of the best strategy at each batch size.
+
+    python benchmarks/speculative.py --json benchmarks/results/speculative.json [--drafter DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import environment, write_json  # noqa: E402
+
+from tlt.models import load_model  # noqa: E402
+from tlt.models.eagle import EagleDrafter  # noqa: E402
+from tlt.rollout.engine import RolloutEngine  # noqa: E402
+from tlt.rollout.request import Request  # noqa: E402
+from tlt.rollout.sampling import SamplingParams  # noqa: E402
+from tlt.speculative.strategy import SpecStrategy  # noqa: E402
+from tlt.tasks import ArithmeticTask, ChatTask  # noqa: E402
+
+STRATEGIES = [SpecStrategy.chain(3), SpecStrategy(4, 2, 8), SpecStrategy(5, 3, 16), SpecStrategy(6, 4, 32)]
+
+
+def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed):
+    engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy,
+                           max_tree_size=max(s.tree_size for s in STRATEGIES))
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(), seed=seed)
+    engine.generate([Request(prompts[0], params=SamplingParams(max_new_tokens=4, seed=seed))])  # warm-up
+    result = engine.generate([Request(p, params=params) for p in prompts])
+    return result.tokens_per_s, result.speculation_summary()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    parser.add_argument("--drafter", help="a drafter directory (tlt drafter warmup); default: untrained")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--png", help="speedup plot (default: next to --json)")
+    args = parser.parse_args(argv)
+    batches = [1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32]
+    strategies = STRATEGIES[:2] if args.quick else STRATEGIES
+    max_new = 48 if args.quick else 128
+
+    loaded = load_model()
+    drafter = EagleDrafter.load(args.drafter, loaded.model) if args.drafter else EagleDrafter(loaded.model.config)
+    task = ChatTask(ArithmeticTask(), loaded.tokenizer)
+    results = {"plain_tok_s": {}, "sd_tok_s": {}, "speedup": {}, "tau": {}, "strategy": {}, "by_strategy": {},
+               "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new}
+    for batch in batches:
+        prompts = [task.prompt_ids(e) for e in task.sample(batch, seed=100 + batch)]
+        plain, _ = run(loaded, None, prompts, batch, None, max_new, seed=batch)
+        key = str(batch)
+        results["plain_tok_s"][key] = plain
+        best = None
+        for strategy in strategies:
+            tok_s, summary = run(loaded, drafter, prompts, batch, strategy, max_new, seed=batch)
+            results["by_strategy"].setdefault(strategy.name, {})[key] = {"tok_s": tok_s, "tau": summary["tau"],
+                                                                         "speedup": tok_s / plain}
+            if best is None or tok_s > best[0]:
+                best = (tok_s, summary["tau"], strategy.name)
+        results["sd_tok_s"][key], results["tau"][key], results["strategy"][key] = best
+        results["speedup"][key] = best[0] / plain
+        print(f"batch {batch:2d}: plain {plain:6.1f} tok/s  best SD {best[0]:6.1f} tok/s ({best[2]}, "
+              f"tau {best[1]:.2f})  x{results['speedup'][key]:.2f}", file=sys.stderr)
+    results["environment"] = environment()
+    write_json(args.json, results)
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png:
+        plot(results, png)
+    return results
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, by_batch in results["by_strategy"].items():
+        sizes = sorted(by_batch, key=int)
+        ax.plot([int(b) for b in sizes], [by_batch[b]["speedup"] for b in sizes], marker="o", label=name)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("running batch size")
+    ax.set_ylabel("speedup vs plain decoding")
+    ax.set_title(f"SmolLM2-135M, drafter: {Path(results['drafter']).name}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
