@@ -104,10 +104,17 @@ class EagleDrafter(nn.Module):
 
     def fuse(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """fc([embed(x_{t+1}); f_t]) -> [B, T, H]."""
-        return self.fc(torch.cat([self.target.embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))
+        fused = torch.cat([self.target.embed(tokens), features.to(self.fc.weight.dtype)], dim=-1)
+        if torch.is_grad_enabled():
+            return self.fc(fused)
+        return self.target.linear(fused, self.fc.weight, None)  # the target's fast inference linear
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.head_weight())
+        """Logits over the draft vocabulary; hidden [..., H]."""
+        if torch.is_grad_enabled():
+            return F.linear(hidden, self.head_weight())
+        flat = hidden.reshape(-1, hidden.shape[-1])  # 2-D: a 3-D input would turn into a slow batched matmul
+        return self.target.linear(flat, self.head_weight(), None).view(*hidden.shape[:-1], -1)
 
     def new_cache(self, max_rows: int, max_len: int) -> KVCache:
         lean = self.target

@@ -105,6 +105,7 @@ class RolloutEngine:
     def device(self) -> torch.device:
         return self.forward.device
 
+    @torch.no_grad()
     def generate(self, requests: list[Request], *, progress: bool = False) -> RolloutResult:
         start = time.perf_counter()
         self._validate(requests)

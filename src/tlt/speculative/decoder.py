@@ -52,6 +52,7 @@ class SpeculativeDecoder:
 
     # the step -----------------------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def step(self, target_rows: CacheRows, pending: torch.Tensor, settings: RowSampling, uniforms: torch.Tensor,
              strategy: SpecStrategy) -> SpecOutcome:
         started = time.perf_counter()
