@@ -122,3 +122,26 @@ def test_reward_failures_are_counted_not_fatal(tmp_path):
 def test_default_config_is_valid():
     config = TrainConfig()
     assert config.run.speculative == "off" and config.rollout.samples_per_prompt >= 2
+
+
+def test_actor_pass_feeds_the_drafter_buffer_with_the_engines_features(tmp_path):
+    """The old-log-prob pass (training-mode transformers forward, right padded) stores, per sample, the last
+    prompt token + the response with the same features the lean inference forward computes."""
+    import copy
+
+    from tlt.drafter.buffer import FeatureBuffer
+    from tlt.models import KVCache, LeanForward
+
+    trainer = make_trainer(tmp_path)
+    trainer.feature_buffer = FeatureBuffer(max_tokens=100_000)
+    before_update = LeanForward(copy.deepcopy(trainer.model))
+    trainer.train_step()
+    buffer = trainer.feature_buffer
+    assert len(buffer) == 32 and buffer.steps() == [0]
+    prompt = trainer.task.sample(4, seed=trainer.config.run.seed * 1_000_003)[0].meta["ids"]
+    entry = buffer.entries[0]
+    assert entry.tokens[0] == prompt[-1]
+    sequence = prompt + entry.tokens[1:].tolist()
+    rows = KVCache(before_update.spec, 1, 32).rows(0, 1)
+    hidden = before_update(torch.tensor([sequence]), rows, logits_at=None).hidden[0]
+    assert (entry.features - hidden[len(prompt) - 1:]).abs().max() < 1e-4

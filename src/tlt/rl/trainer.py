@@ -38,7 +38,8 @@ class StepBatch:
 
 
 class GRPOTrainer:
-    def __init__(self, config: TrainConfig, *, loaded: LoadedModel | None = None, task=None, reward=None):
+    def __init__(self, config: TrainConfig, *, loaded: LoadedModel | None = None, task=None, reward=None,
+                 feature_buffer=None):
         from tlt.rl.rewards import build_reward
         from tlt.tasks import build_task
 
@@ -53,6 +54,8 @@ class GRPOTrainer:
         self.reference = self._frozen_reference() if config.grpo.kl_coef > 0 else None
         self.task = task if task is not None else build_task(config.task, self.tokenizer)
         self.reward = reward if reward is not None else build_reward(config.task)
+        # When set, the actor's old-log-prob pass also feeds the drafter's FeatureBuffer (no extra forward).
+        self.feature_buffer = feature_buffer
         self.step = 0
 
     # -- one RL step ----------------------------------------------------------------------------------
@@ -99,11 +102,16 @@ class GRPOTrainer:
         rows = list(range(packed.input_ids.shape[0]))
         width = packed.input_ids.shape[1] - 1
         out = torch.zeros(len(rows), width, device=self.device)
+        collect = self.feature_buffer is not None and model is self.model
         with torch.no_grad():
             for chunk in _chunks(rows, self.config.optim.micro_batch_size):
                 micro = packed.select(chunk)
-                logprobs = token_logprobs(model, micro, self.config.rollout.temperature).logprobs
-                out[chunk, :logprobs.shape[1]] = logprobs
+                actor = token_logprobs(model, micro, self.config.rollout.temperature, want_hidden=collect)
+                out[chunk, :actor.logprobs.shape[1]] = actor.logprobs
+                if collect:  # response + the last prompt token, whose feature drafts the first response token
+                    starts = [p - 1 for p in micro.prompt_lengths]
+                    ends = [p + r for p, r in zip(micro.prompt_lengths, micro.response_lengths)]
+                    self.feature_buffer.add_samples(micro.input_ids, actor.hidden, starts, ends, self.step)
         return out
 
     def _update(self, batch: StepBatch) -> dict:
