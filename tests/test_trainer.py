@@ -145,3 +145,22 @@ def test_actor_pass_feeds_the_drafter_buffer_with_the_engines_features(tmp_path)
     rows = KVCache(before_update.spec, 1, 32).rows(0, 1)
     hidden = before_update(torch.tensor([sequence]), rows, logits_at=None).hidden[0]
     assert (entry.features - hidden[len(prompt) - 1:]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["static", "adaptive"])
+def test_speculative_modes_share_the_step(tmp_path, mode):
+    from tlt.models.eagle import EagleDrafter
+
+    probe = make_trainer(tmp_path / "probe")
+    EagleDrafter(probe.model.config).save(tmp_path / "drafter")
+    trainer = make_trainer(tmp_path / mode, **{"run.speculative": mode, "run.drafter": str(tmp_path / "drafter"),
+                                               "run.gate": 64})
+    metrics = trainer.train_step()
+    assert metrics["sd/sd_step_share"] > 0 and metrics["reward_mean"] >= 0
+
+
+def test_speculative_mode_without_a_drafter_is_a_clear_error(tmp_path):
+    from tlt.errors import TltError
+
+    with pytest.raises(TltError, match="needs run.drafter"):
+        make_trainer(tmp_path, **{"run.speculative": "adaptive"})

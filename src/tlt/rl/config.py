@@ -78,7 +78,11 @@ class RunConfig:
     out_dir: str = "runs/default"
     checkpoint_every: int = 1      # save policy + optimizer + RNG every K steps (0 = only at the end)
     tensorboard: bool = True       # write TensorBoard scalars when tensorboard is installed
-    speculative: str = "off"       # "off" = the baseline; TLT modes arrive with speculative decoding
+    speculative: str = "off"       # "off" (the baseline), "static" (SD with `strategy` at batch <= gate) or
+                                   # "adaptive" (gate + bandit over strategies); both need `drafter`
+    drafter: str | None = None     # drafter directory (tlt drafter warmup) for the speculative modes
+    strategy: str = "S4K2N8"       # static mode's strategy, as depth S, branching K, tree size N
+    gate: int = 8                  # speculate only while the running batch is at most this
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class GRPOTrainer:
         self.loaded = loaded or load_model(config.model.path, device=config.model.device)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.device = next(self.model.parameters()).device
-        self.engine = RolloutEngine(self.loaded, max_batch_size=config.rollout.max_batch_size)
+        self.engine = build_engine(self.loaded, config)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.optim.lr, betas=config.optim.betas,
                                            weight_decay=config.optim.weight_decay)
         self.reference = self._frozen_reference() if config.grpo.kl_coef > 0 else None
@@ -80,6 +80,8 @@ class GRPOTrainer:
         requests = [Request(self.task.prompt_ids(example), n=cfg.samples_per_prompt, params=params)
                     for example in examples]
         self.model.eval()
+        if hasattr(self.engine.speculation, "reset"):
+            self.engine.speculation.reset()  # the batch restarts large: the gate closes again
         return self.engine.generate(requests)
 
     def _score(self, examples, rollout: RolloutResult) -> StepBatch:
@@ -171,6 +173,7 @@ class GRPOTrainer:
             "tail_steps_fraction": (sum(b <= max(decode_batches) // 4 for b in decode_batches) / len(decode_batches)
                                     if decode_batches else 0.0),
             "reward_failures": self._reward_failures,
+            **{f"sd/{k}": v for k, v in rollout.speculation_summary().items() if not isinstance(v, list)},
             "lr": self.optimizer.param_groups[0]["lr"],
             **{f"train/{k}": v for k, v in update.items()},
         }
@@ -190,6 +193,39 @@ class GRPOTrainer:
         from tlt.rl.checkpoint import load_checkpoint
 
         self.step = load_checkpoint(checkpoint, self.model, self.optimizer)["step"]
+
+
+def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
+    """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair."""
+    import re
+
+    from tlt.errors import TltError
+    from tlt.models.eagle import EagleDrafter
+    from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate
+    from tlt.speculative.strategy import SpecStrategy
+
+    run, batch = config.run, config.rollout.max_batch_size
+    if run.speculative == "off":
+        return RolloutEngine(loaded, max_batch_size=batch)
+    if run.speculative not in ("static", "adaptive"):
+        raise TltError(f"run.speculative must be off, static or adaptive, got {run.speculative!r}")
+    if not run.drafter:
+        raise TltError(f"run.speculative={run.speculative} needs run.drafter (make one with `tlt drafter warmup`)")
+    drafter = EagleDrafter.load(run.drafter, loaded.model)
+    match = re.fullmatch(r"S(\d+)K(\d+)N(\d+)", run.strategy)
+    if match is None:
+        raise TltError(f"run.strategy must look like S4K2N8 (depth, branching, tree size), got {run.strategy!r}")
+    strategy = SpecStrategy(*(int(g) for g in match.groups()))
+    if run.speculative == "static":
+        gate = run.gate
+        policy = lambda batch_size: strategy if batch_size <= gate else None  # noqa: E731
+        return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=policy,
+                             max_tree_size=strategy.tree_size)
+    arms = [SpecStrategy.chain(3), strategy, SpecStrategy(5, 3, 16)]
+    arms = list(dict.fromkeys(arms))
+    policy = AdaptiveSpeculation(arms, BatchSizeGate(threshold=run.gate))
+    return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=policy,
+                         max_tree_size=max(a.tree_size for a in arms))
 
 
 def _chunks(rows: list[int], size: int):
