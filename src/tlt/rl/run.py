@@ -25,6 +25,7 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     run_dir.mkdir(parents=True, exist_ok=True)
     with console.status("loading the policy"):
         trainer = trainer or GRPOTrainer(config)
+        trainer.progress = console.is_terminal
     logger = MetricsLogger(run_dir, tensorboard=config.run.tensorboard)
     if resume:
         checkpoint = latest_checkpoint(run_dir)

@@ -56,6 +56,7 @@ class GRPOTrainer:
         self.reward = reward if reward is not None else build_reward(config.task)
         # When set, the actor's old-log-prob pass also feeds the drafter's FeatureBuffer (no extra forward).
         self.feature_buffer = feature_buffer
+        self.progress = False  # a rollout progress bar (the CLI turns it on)
         self.step = 0
 
     # -- one RL step ----------------------------------------------------------------------------------
@@ -82,7 +83,7 @@ class GRPOTrainer:
         self.model.eval()
         if hasattr(self.engine.speculation, "reset"):
             self.engine.speculation.reset()  # the batch restarts large: the gate closes again
-        return self.engine.generate(requests)
+        return self.engine.generate(requests, progress=self.progress)
 
     def _score(self, examples, rollout: RolloutResult) -> StepBatch:
         from tlt.rl.grpo import group_advantages
