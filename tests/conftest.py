@@ -78,3 +78,18 @@ def oracle_drafter(model):
         drafter.layer.self_attn.o_proj.weight.zero_()
         drafter.layer.mlp.down_proj.weight.zero_()
     return drafter
+
+
+def assert_logprobs_match_target(model, samples, params) -> None:
+    """Each returned log-prob equals the target's processed log-prob of that token, recomputed from scratch."""
+    from tlt.rollout.sampling import RowSampling, processed_logprobs
+
+    settings = RowSampling.from_params([params], "cpu")
+    for sample in samples:
+        sequence = list(sample.prompt_ids) + sample.token_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([sequence])).logits[0, len(sample.prompt_ids) - 1:-1]
+        expected = processed_logprobs(logits[None], settings)[0]
+        picked = expected.gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+        assert torch.isfinite(picked).all()
+        assert torch.allclose(torch.tensor(sample.logprobs), picked, atol=1e-4)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from conftest import EOS, random_prompts, tiny_model
+from conftest import EOS, assert_logprobs_match_target, random_prompts, tiny_model
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import RowSampling, SamplingParams, processed_logprobs
+from tlt.rollout.sampling import SamplingParams
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos=EOS):
@@ -73,15 +73,7 @@ def test_logprobs_are_those_of_the_processed_distribution():
     engine = RolloutEngine(model, max_batch_size=4)
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=8, seed=1)
     result = engine.generate([Request(p, n=2, params=params) for p in random_prompts([6, 3])])
-    settings = RowSampling.from_params([params], "cpu")
-    for sample in result.samples:
-        sequence = list(sample.prompt_ids) + sample.token_ids
-        with torch.no_grad():
-            logits = model(torch.tensor([sequence])).logits[0, len(sample.prompt_ids) - 1:-1]
-        expected = processed_logprobs(logits[None], settings)[0]
-        picked = expected.gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
-        assert torch.isfinite(picked).all()
-        assert torch.allclose(torch.tensor(sample.logprobs), picked, atol=1e-4)
+    assert_logprobs_match_target(model, result.samples, params)
 
 
 def test_trace_shows_continuous_batching_and_the_draining_tail():

@@ -12,9 +12,8 @@ import itertools
 import math
 
 import pytest
-import torch
 
-from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
+from conftest import assert_logprobs_match_target, markov_model, oracle_drafter, random_prompts, tiny_model
 from tlt.models.eagle import EagleDrafter
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
@@ -114,11 +113,4 @@ def test_returned_logprobs_are_the_targets():
     params = SamplingParams(temperature=0.8, top_k=40, max_new_tokens=12, seed=3)
     requests = [Request(p, n=3, params=params) for p in random_prompts([4, 7])]
     _, result = run(model, requests, EagleDrafter(model.config), SpecStrategy(3, 2, 6), batch=6)
-    settings = RowSampling.from_params([params], "cpu")
-    for sample in result.samples:
-        sequence = list(sample.prompt_ids) + sample.token_ids
-        with torch.no_grad():
-            logits = model(torch.tensor([sequence])).logits[0, len(sample.prompt_ids) - 1:-1]
-        expected = processed_logprobs(logits[None], settings)[0]
-        picked = expected.gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
-        assert torch.allclose(torch.tensor(sample.logprobs), picked, atol=1e-4)
+    assert_logprobs_match_target(model, result.samples, params)
