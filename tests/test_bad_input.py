@@ -50,3 +50,16 @@ def test_no_requests_and_wrong_types(engine):
 def test_invalid_batch_size():
     with pytest.raises(RequestError, match="max_batch_size"):
         RolloutEngine(tiny_model(), max_batch_size=0)
+
+
+def test_strategy_larger_than_the_reserved_tree_slots():
+    from tlt.models.eagle import EagleDrafter
+    from tlt.speculative.strategy import SpecStrategy, StrategyError
+
+    model = tiny_model()
+    engine = RolloutEngine(model, drafter=EagleDrafter(model.config), speculation=SpecStrategy(4, 3, 20),
+                           max_tree_size=8)
+    with pytest.raises(RequestError, match="max_tree_size"):
+        engine.generate([Request([5, 6], params=SamplingParams(max_new_tokens=4))])
+    with pytest.raises(StrategyError, match="tree_size"):
+        SpecStrategy(3, 1, 5)

@@ -268,6 +268,9 @@ class RolloutEngine:
         return policy(batch_size) if callable(policy) else policy
 
     def _speculative_step(self, running: list[_Sequence], cache: KVCache, strategy) -> StepTrace:
+        if max(strategy.tree_size, (strategy.depth - 1) * strategy.branching) > self.max_tree_size:
+            raise RequestError(f"strategy {strategy.name} needs more than max_tree_size={self.max_tree_size} "
+                               f"cache slots past the committed tokens; raise max_tree_size")
         rows = cache.rows(0, len(running))
         pending = torch.tensor([s.tokens[-1] for s in running], device=self.device)
         settings = RowSampling.from_params([s.request.params for s in running], self.device)
