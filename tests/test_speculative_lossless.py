@@ -114,3 +114,19 @@ def test_returned_logprobs_are_the_targets():
     requests = [Request(p, n=3, params=params) for p in random_prompts([4, 7])]
     _, result = run(model, requests, EagleDrafter(model.config), SpecStrategy(3, 2, 6), batch=6)
     assert_logprobs_match_target(model, result.samples, params)
+
+
+@pytest.mark.parametrize("branching", [1, 2, 3])
+def test_tree_acceptance_equals_the_target_mass_of_the_drafted_children(branching):
+    """With an exact drafter, depth-1 acceptance must equal the mean top-K target probability: the tree really
+    offers its K best children, in order, to the acceptance rule."""
+    import torch
+
+    model, transition = markov_model(16, sharpness=1.0, seed=1)
+    top_mass = torch.softmax(transition, -1).sort(-1, descending=True).values[:, :branching].sum(-1).mean()
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(), seed=3)
+    strategy = SpecStrategy(4, branching, 4 * branching)
+    _, result = run(model, [Request([2, 5], n=1000, params=params)], oracle_drafter(model), strategy, batch=500,
+                    tree=16)
+    measured = result.speculation_summary()["acceptance_by_depth"][0]
+    assert abs(measured - float(top_mass)) < 0.03, (measured, float(top_mass))
