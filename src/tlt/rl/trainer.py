@@ -175,9 +175,18 @@ class GRPOTrainer:
                                     if decode_batches else 0.0),
             "reward_failures": self._reward_failures,
             **{f"sd/{k}": v for k, v in rollout.speculation_summary().items() if not isinstance(v, list)},
+            **self._policy_metrics(),
             "lr": self.optimizer.param_groups[0]["lr"],
             **{f"train/{k}": v for k, v in update.items()},
         }
+
+    def _policy_metrics(self) -> dict:
+        """τ and tokens/s per arm of the adaptive policy (cumulative over the run: it carries across steps)."""
+        policy = self.engine.speculation
+        if not hasattr(policy, "summary"):
+            return {}
+        arms = policy.summary()["arms"]
+        return {f"sd/arm/{name}/{key}": value for name, stats in arms.items() for key, value in stats.items()}
 
     def _frozen_reference(self):
         reference = copy.deepcopy(self.model).eval()

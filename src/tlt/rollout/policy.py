@@ -31,9 +31,13 @@ class PolicyError(TltError):
 class BatchSizeGate:
     """SD is off while the running batch exceeds `threshold`; it turns on once the batch has stayed at or
     below it for `hysteresis` consecutive steps, and off again as soon as it rises above (e.g. new prompts
-    joined the batch)."""
+    joined the batch).
 
-    threshold: int = 16
+    Default 8, from measurements on the 2-core CPU (docs/benchmarks.md): verifying a 9-token tree costs ~1.1x a
+    plain step at batch 1, ~1.8x at batch 4 and ~3.3x at batch 16, so above 8 no realistic τ pays; the bandit
+    still decides per bucket below it. Hysteresis 2 keeps one straggling admission from flapping the mode."""
+
+    threshold: int = 8
     hysteresis: int = 2
     _below: int = 0
 
