@@ -164,3 +164,19 @@ def test_speculative_mode_without_a_drafter_is_a_clear_error(tmp_path):
 
     with pytest.raises(TltError, match="needs run.drafter"):
         make_trainer(tmp_path, **{"run.speculative": "adaptive"})
+
+
+def test_bandit_state_is_checkpointed_and_restored(tmp_path):
+    from tlt.models.eagle import EagleDrafter
+
+    probe = make_trainer(tmp_path / "probe")
+    EagleDrafter(probe.model.config).save(tmp_path / "drafter")
+    settings = {"run.speculative": "adaptive", "run.drafter": str(tmp_path / "drafter"), "run.gate": 64}
+    trainer = make_trainer(tmp_path / "run", **settings)
+    trainer.train_step()
+    trainer.save(tmp_path / "run")
+    resumed = make_trainer(tmp_path / "run", **settings)
+    from tlt.rl.checkpoint import latest_checkpoint
+
+    resumed.resume(latest_checkpoint(tmp_path / "run"))
+    assert resumed.engine.speculation.state_dict() == trainer.engine.speculation.state_dict()

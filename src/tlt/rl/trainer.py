@@ -197,12 +197,18 @@ class GRPOTrainer:
     def save(self, run_dir: Path) -> Path:
         from tlt.rl.checkpoint import save_checkpoint
 
-        return save_checkpoint(run_dir, self.step, self.model, self.optimizer, {"config": self.config.to_dict()})
+        extra = {"config": self.config.to_dict()}
+        if hasattr(self.engine.speculation, "state_dict"):  # the bandit's experience carries across steps
+            extra["speculation"] = self.engine.speculation.state_dict()
+        return save_checkpoint(run_dir, self.step, self.model, self.optimizer, extra)
 
     def resume(self, checkpoint: Path) -> None:
         from tlt.rl.checkpoint import load_checkpoint
 
-        self.step = load_checkpoint(checkpoint, self.model, self.optimizer)["step"]
+        state = load_checkpoint(checkpoint, self.model, self.optimizer)
+        self.step = state["step"]
+        if "speculation" in state and hasattr(self.engine.speculation, "load_state_dict"):
+            self.engine.speculation.load_state_dict(state["speculation"])
 
 
 def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
