@@ -27,6 +27,7 @@ class CheckpointError(TltError):
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | None = None) -> Path:
     run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / f"{CHECKPOINT_PREFIX}{step:06d}"
     staging = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=run_dir))
     try:
