@@ -18,10 +18,16 @@ def main(argv=None) -> int:
     drafter = commands.add_parser("drafter", help="drafter warm-up").add_subparsers(dest="drafter_command",
                                                                                  required=True)
     _add_warmup(drafter.add_parser("warmup", help="train a drafter on the target's own responses"))
+    export = drafter.add_parser("export", help="write a drafter as an EAGLE draft model for vLLM / SGLang")
+    export.add_argument("directory", help="a tlt drafter directory")
+    export.add_argument("--format", choices=["eagle"], default="eagle")
+    export.add_argument("--target", choices=["vllm", "sglang"], default="vllm")
+    export.add_argument("--model", default=None, help="the target model the drafter was trained for")
+    export.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:
         if args.command == "drafter":
-            return _run_warmup(args)
+            return _run_warmup(args) if args.drafter_command == "warmup" else _run_export(args)
         if args.command == "train":
             from tlt.rl.config import load_config
             from tlt.rl.run import train
@@ -70,6 +76,17 @@ def _run_warmup(args) -> int:
     config = WarmupConfig(prompts=args.prompts, steps=args.steps, max_new_tokens=args.max_new_tokens,
                           draft_vocab=args.draft_vocab)
     warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config, DrafterTrainConfig(lr=args.lr))
+    return 0
+
+
+def _run_export(args) -> int:
+    from tlt.drafter.export import export_eagle
+    from tlt.models import load_model
+    from tlt.models.eagle import EagleDrafter
+
+    loaded = load_model(args.model)
+    out = export_eagle(EagleDrafter.load(args.directory, loaded.model), args.out, args.target)
+    print(f"wrote {out} ({args.target}); embed_tokens and lm_head stay with the target")
     return 0
 
 

@@ -1,0 +1,37 @@
+"""Export for vLLM/SGLang: the layout their EAGLE loaders read, and a lossless round trip."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_model
+from tlt.drafter.export import ExportError, export_eagle, import_eagle
+from tlt.models.eagle import EagleDrafter
+
+
+@pytest.mark.parametrize("target,architecture", [("vllm", "LlamaForCausalLM"), ("sglang", "LlamaForCausalLMEagle")])
+def test_round_trip_and_layout(tmp_path, target, architecture):
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    drafter = EagleDrafter(model.config, draft_vocab=torch.arange(40)).attach(model)
+    export_eagle(drafter, tmp_path, target)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [architecture] and config["num_hidden_layers"] == 1
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} <= names
+    assert not any("embed_tokens" in n or "lm_head" in n or "input_layernorm" in n for n in names)
+    back = import_eagle(tmp_path, model)
+    tokens, features = torch.randint(0, 97, (2, 5)), torch.randn(2, 5, 64)
+    positions = torch.arange(5).expand(2, 5)
+    mask = torch.tril(torch.ones(5, 5, dtype=torch.bool)).expand(2, 5, 5)
+    with torch.no_grad():
+        assert torch.allclose(back(tokens, features, positions, mask), drafter(tokens, features, positions, mask),
+                              atol=1e-5)
+
+
+def test_non_llama_drafters_are_refused(tmp_path):
+    with pytest.raises(ExportError, match="Llama"):
+        export_eagle(EagleDrafter(tiny_model("qwen3").config), tmp_path)
