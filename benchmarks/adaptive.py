@@ -34,6 +34,15 @@ def rollout(loaded, drafter, requests, speculation):
     return result
 
 
+def amdahl(baseline, gate: int) -> dict:
+    """Share of the no-SD rollout's wall time spent at batch <= gate, and the speedup ceiling it implies:
+    even infinitely fast tail steps leave the rest of the rollout as it is."""
+    tail = sum(s.wall_s for s in baseline.steps if s.kind == "decode" and s.batch_size <= gate)
+    share = tail / baseline.wall_s
+    return {"tail_time_share": share, "speedup_ceiling_if_tail_free": 1 / (1 - share) if share < 1 else None,
+            "speedup_ceiling_if_tail_2x": 1 / (1 - share / 2)}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
@@ -69,6 +78,7 @@ def main(argv=None) -> dict:
         "adaptive": {**adaptive.speculation_summary(), "policy": policy.summary()},
         "decode_steps_no_sd": len(baseline.batch_size_trace()),
         "tail_steps_at_batch_le_gate": sum(b <= args.gate for b in baseline.batch_size_trace()),
+        **amdahl(baseline, args.gate),
         "environment": environment(),
     })
     write_json(args.json, results)
