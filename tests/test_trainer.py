@@ -163,7 +163,7 @@ def test_speculative_mode_without_a_drafter_is_a_clear_error(tmp_path):
     from tlt.errors import TltError
 
     with pytest.raises(TltError, match="needs run.drafter"):
-        make_trainer(tmp_path, **{"run.speculative": "adaptive"})
+        make_trainer(tmp_path, **{"run.speculative": "adaptive", "run.workers": 1})
 
 
 def test_bandit_state_is_checkpointed_and_restored(tmp_path):

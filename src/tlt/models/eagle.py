@@ -104,7 +104,8 @@ class EagleDrafter(nn.Module):
 
     def fuse(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """fc([embed(x_{t+1}); f_t]) -> [B, T, H]."""
-        fused = torch.cat([self.target.embed(tokens), features.to(self.fc.weight.dtype)], dim=-1)
+        # detached: training the drafter must never leave gradients on the target's (policy's) embedding
+        fused = torch.cat([self.target.embed(tokens).detach(), features.to(self.fc.weight.dtype)], dim=-1)
         if torch.is_grad_enabled():
             return self.fc(fused)
         return self.target.linear(fused, self.fc.weight, None)  # the target's fast inference linear
@@ -112,7 +113,7 @@ class EagleDrafter(nn.Module):
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary; hidden [..., H]."""
         if torch.is_grad_enabled():
-            return F.linear(hidden, self.head_weight())
+            return F.linear(hidden, self.head_weight().detach())  # the target's lm_head is not trained here
         flat = hidden.reshape(-1, hidden.shape[-1])  # 2-D: a 3-D input would turn into a slow batched matmul
         return self.target.linear(flat, self.head_weight(), None).view(*hidden.shape[:-1], -1)
 

@@ -25,7 +25,9 @@ class CheckpointError(TltError):
     """A checkpoint that is missing or does not fit the model being resumed."""
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | None = None) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | None = None,
+                    files: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """Write checkpoint-NNNNNN atomically (staged, then renamed). `files`: extra safetensors files by name."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / f"{CHECKPOINT_PREFIX}{step:06d}"
@@ -35,6 +37,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | No
         tensors, meta = _flatten_optimizer(optimizer.state_dict())
         save_file(tensors, str(staging / "optimizer.safetensors"))
         save_file({"torch_rng": torch.get_rng_state()}, str(staging / "rng.safetensors"))
+        for name, tensors in (files or {}).items():
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(staging / name))
         state = {"step": step, "optimizer": meta, "python_rng": _python_rng_state(), **(extra or {})}
         (staging / "state.json").write_text(json.dumps(state, indent=1))
         if target.exists():

@@ -83,6 +83,15 @@ class RunConfig:
     drafter: str | None = None     # drafter directory (tlt drafter warmup) for the speculative modes
     strategy: str = "S4K2N8"       # static mode's strategy, as depth S, branching K, tree size N
     gate: int = 8                  # speculate only while the running batch is at most this
+    workers: int = 2               # rollout workers (policy replicas); prompts are sharded across them
+    backend: str = "auto"          # "ray", "inprocess" (threads of this process) or "auto" (Ray if installed
+                                   # and workers > 1)
+    threads_per_worker: int = 0    # CPU threads per worker (0 = cores // workers)
+    spot_training: bool = True     # train the drafter on workers idle in the long tail (speculative modes)
+    publish_every: int = 10        # drafter optimizer steps between published versions (hot-swapped mid-rollout)
+    swap_poll_s: float = 0.2       # how often a rolling-out worker checks for a newer drafter
+    drafter_lr: float = 1e-3
+    drafter_buffer_tokens: int = 200_000  # feature budget of the drafter's training data (oldest evicted)
 
 
 @dataclass(frozen=True)

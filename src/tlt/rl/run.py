@@ -13,19 +13,31 @@ from tlt.rl.config import TrainConfig
 METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  len p50/p90/max "
                 "{response_len_p50:.0f}/{response_len_p90:.0f}/{response_len_max}  rollout {rollout_s:.1f}s  "
                 "train {train_s:.1f}s  {rollout_tok_s:.0f} tok/s")
+WORKERS_LINE = "      idle {idle_fraction:.0%}  spot-train {spot_train_share:.0%} ({spot_train_steps} steps)  drafter v{v}"
 
 
 def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None, trainer=None):
     """Run config.run.steps RL steps (continuing from the latest checkpoint with resume=True)."""
-    from tlt.metrics.logger import MetricsLogger
-    from tlt.rl.trainer import GRPOTrainer
+    from tlt.distributed.controller import DistributedGRPO
 
     console = console or Console()
     run_dir = Path(config.run.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with console.status("loading the policy"):
-        trainer = trainer or GRPOTrainer(config)
+    owned = trainer is None
+    with console.status(f"loading the policy ({config.run.workers} worker(s))"):
+        trainer = trainer or DistributedGRPO(config)
         trainer.progress = console.is_terminal
+    try:
+        return _loop(config, trainer, run_dir, resume, console)
+    finally:
+        if owned:
+            trainer.close()
+
+
+def _loop(config, trainer, run_dir: Path, resume: bool, console):
+    from tlt.distributed.timeline import save_timeline
+    from tlt.metrics.logger import MetricsLogger
+
     logger = MetricsLogger(run_dir, tensorboard=config.run.tensorboard)
     if resume:
         checkpoint = latest_checkpoint(run_dir)
@@ -43,6 +55,9 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
         logger.log(trainer.step, metrics)
         history.append(metrics)
         console.print(METRICS_LINE.format(step=trainer.step, **metrics))
+        if getattr(trainer, "last_timeline", None) is not None:
+            save_timeline(run_dir, trainer.last_timeline)
+            console.print(WORKERS_LINE.format(v=metrics.get("drafter_version"), **metrics))
         every = config.run.checkpoint_every
         if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
             trainer.save(run_dir)

@@ -69,12 +69,13 @@ class GRPOTrainer:
         batch = self._score(examples, rollout)
         update = self._update(batch)
         self.step += 1
-        return self._metrics(rollout, batch, update, rollout_s, time.perf_counter() - started - rollout_s)
+        return self._metrics(rollout, batch.rewards, batch.correct, update, rollout_s,
+                             time.perf_counter() - started - rollout_s)
 
     def _step_seed(self) -> int:
         return self.config.run.seed * 1_000_003 + self.step
 
-    def _rollout(self, examples) -> RolloutResult:
+    def _rollout(self, examples, between_steps=None) -> RolloutResult:
         cfg = self.config.rollout
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 max_new_tokens=cfg.max_new_tokens, seed=self._step_seed())
@@ -83,7 +84,7 @@ class GRPOTrainer:
         self.model.eval()
         if hasattr(self.engine.speculation, "reset"):
             self.engine.speculation.reset()  # the batch restarts large: the gate closes again
-        return self.engine.generate(requests, progress=self.progress)
+        return self.engine.generate(requests, progress=self.progress, between_steps=between_steps)
 
     def _score(self, examples, rollout: RolloutResult) -> StepBatch:
         from tlt.rl.grpo import group_advantages
@@ -117,15 +118,21 @@ class GRPOTrainer:
                     self.feature_buffer.add_samples(micro.input_ids, actor.hidden, starts, ends, self.step)
         return out
 
-    def _update(self, batch: StepBatch) -> dict:
+    def loss_totals(self, batch: StepBatch) -> dict:
+        """The loss normalizers of this batch; data-parallel workers sum theirs so every shard's loss is
+        normalized by the global batch (then summed gradients equal the single-worker gradient)."""
+        return {"tokens": float(batch.packed.response_mask.sum()), "sequences": float(batch.rewards.shape[0]),
+                "max_tokens": float(self.config.rollout.max_new_tokens)}
+
+    def _update(self, batch: StepBatch, totals: dict | None = None, reduce_gradients=None) -> dict:
         """PPO-clip over micro-batches; each micro-batch's loss is weighted so the accumulated gradient equals
-        the full-batch loss's gradient (micro 1 x accumulation 8 == micro 8 x accumulation 1)."""
+        the full-batch loss's gradient (micro 1 x accumulation 8 == micro 8 x accumulation 1).
+        `reduce_gradients(parameters)` (data parallel) sums the gradients across replicas before clipping."""
         from tlt.rl.grpo import policy_loss
 
         cfg, grpo = self.config.optim, self.config.grpo
         rows = list(range(batch.rewards.shape[0]))
-        totals = {"tokens": float(batch.packed.response_mask.sum()), "sequences": float(len(rows)),
-                  "max_tokens": float(self.config.rollout.max_new_tokens)}
+        totals = totals or self.loss_totals(batch)
         self.model.train()
         stats: dict[str, list[float]] = {}
         grad_norms = []
@@ -143,6 +150,8 @@ class GRPOTrainer:
                 loss.backward()
                 for key, value in parts.items():
                     stats.setdefault(key, []).append(float(value))
+            if reduce_gradients is not None:
+                reduce_gradients([p for p in self.model.parameters() if p.requires_grad])
             if cfg.grad_clip > 0:
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
             self.optimizer.step()
@@ -156,29 +165,10 @@ class GRPOTrainer:
 
     # -- metrics and helpers ----------------------------------------------------------------------------
 
-    def _metrics(self, rollout: RolloutResult, batch: StepBatch, update: dict, rollout_s: float,
-                 train_s: float) -> dict:
-        lengths = sorted(len(s.token_ids) for s in rollout.samples)
-        decode_batches = rollout.batch_size_trace()
-        return {
-            "reward_mean": float(batch.rewards.mean()),
-            "accuracy": float(batch.correct.float().mean()),
-            "response_len_p50": _percentile(lengths, 50),
-            "response_len_p90": _percentile(lengths, 90),
-            "response_len_max": lengths[-1],
-            "truncated_fraction": sum(s.finish_reason == "length" for s in rollout.samples) / len(lengths),
-            "rollout_s": rollout_s,
-            "train_s": train_s,
-            "rollout_tok_s": rollout.tokens_per_s,
-            "decode_steps": len(decode_batches),
-            "tail_steps_fraction": (sum(b <= max(decode_batches) // 4 for b in decode_batches) / len(decode_batches)
-                                    if decode_batches else 0.0),
-            "reward_failures": self._reward_failures,
-            **{f"sd/{k}": v for k, v in rollout.speculation_summary().items() if not isinstance(v, list)},
-            **self._policy_metrics(),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            **{f"train/{k}": v for k, v in update.items()},
-        }
+    def _metrics(self, rollout: RolloutResult, rewards: torch.Tensor, correct: torch.Tensor, update: dict,
+                 rollout_s: float, train_s: float) -> dict:
+        return {**step_metrics(rollout, rewards, correct, update, rollout_s, train_s, self._reward_failures),
+                **self._policy_metrics(), "lr": self.optimizer.param_groups[0]["lr"]}
 
     def _policy_metrics(self) -> dict:
         """τ and tokens/s per arm of the adaptive policy (cumulative over the run: it carries across steps)."""
@@ -211,6 +201,31 @@ class GRPOTrainer:
             self.engine.speculation.load_state_dict(state["speculation"])
 
 
+def step_metrics(rollout: RolloutResult, rewards: torch.Tensor, correct: torch.Tensor, update: dict,
+                 rollout_s: float, train_s: float, reward_failures: int) -> dict:
+    """What a step's metrics line and metrics.jsonl report: learning, lengths, time, the long tail, SD."""
+    lengths = sorted(len(s.token_ids) for s in rollout.samples)
+    decode_batches = rollout.batch_size_trace()
+    return {
+        "reward_mean": float(rewards.mean()),
+        "accuracy": float(correct.float().mean()),
+        "response_len_mean": statistics.fmean(lengths),
+        "response_len_p50": _percentile(lengths, 50),
+        "response_len_p90": _percentile(lengths, 90),
+        "response_len_max": lengths[-1],
+        "truncated_fraction": sum(s.finish_reason == "length" for s in rollout.samples) / len(lengths),
+        "rollout_s": rollout_s,
+        "train_s": train_s,
+        "rollout_tok_s": rollout.generated_tokens / rollout_s if rollout_s > 0 else 0.0,
+        "decode_steps": len(decode_batches),
+        "tail_steps_fraction": (sum(b <= max(decode_batches) // 4 for b in decode_batches) / len(decode_batches)
+                                if decode_batches else 0.0),
+        "reward_failures": reward_failures,
+        **{f"sd/{k}": v for k, v in rollout.speculation_summary().items() if not isinstance(v, list)},
+        **{f"train/{k}": v for k, v in update.items()},
+    }
+
+
 def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair."""
     import re
@@ -225,9 +240,13 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
         return RolloutEngine(loaded, max_batch_size=batch)
     if run.speculative not in ("static", "adaptive"):
         raise TltError(f"run.speculative must be off, static or adaptive, got {run.speculative!r}")
-    if not run.drafter:
-        raise TltError(f"run.speculative={run.speculative} needs run.drafter (make one with `tlt drafter warmup`)")
-    drafter = EagleDrafter.load(run.drafter, loaded.model)
+    if run.drafter:
+        drafter = EagleDrafter.load(run.drafter, loaded.model)
+    elif run.spot_training and run.workers > 1:
+        drafter = EagleDrafter(loaded.model.config).attach(loaded.model)  # untrained: spot training teaches it
+    else:
+        raise TltError(f"run.speculative={run.speculative} needs run.drafter (make one with `tlt drafter warmup`) "
+                       f"or spot training (run.spot_training=true with run.workers >= 2) to train one from scratch")
     match = re.fullmatch(r"S(\d+)K(\d+)N(\d+)", run.strategy)
     if match is None:
         raise TltError(f"run.strategy must look like S4K2N8 (depth, branching, tree size), got {run.strategy!r}")

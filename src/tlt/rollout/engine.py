@@ -36,6 +36,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    drafter_versions: set = field(default_factory=set)
 
     def append(self, token: int, logprob: float) -> None:
         self.tokens.append(token)
@@ -47,7 +48,7 @@ class _Sequence:
 
     def output(self) -> SampleOutput:
         return SampleOutput(self.request_index, self.sample_index, self.request.prompt_ids, self.tokens,
-                            self.logprobs, self.finish_reason)
+                            self.logprobs, self.finish_reason, tuple(sorted(self.drafter_versions)))
 
 
 @dataclass
@@ -88,13 +89,20 @@ class RolloutEngine:
         self.speculation = speculation
         self.max_tree_size = max_tree_size
         self.speculative = None
+        self.drafter_version = None
+        self._generate_start = time.perf_counter()
         if drafter is not None:
             self.set_drafter(drafter)
 
-    def set_drafter(self, drafter) -> None:
-        """Use (or hot-swap to) this drafter; its state is rebuilt from the cached features at the next SD step."""
+    def set_drafter(self, drafter, version: int | None = None) -> None:
+        """Use (or hot-swap to) this drafter; its state is rebuilt from the cached features at the next SD step.
+
+        Safe between decode steps of a running generate() (see `between_steps`): the drafter's KV cache is
+        rebuilt from the target features kept per slot, so no target forward is repeated. `version` is recorded
+        in each sample's `drafter_versions` when this drafter serves it."""
         from tlt.speculative.decoder import SpeculativeDecoder
 
+        self.drafter_version = version
         previous = self.speculative.cache if self.speculative is not None else None
         self.speculative = SpeculativeDecoder(self.forward, drafter.attach(self.forward))
         if previous is not None:
@@ -106,8 +114,10 @@ class RolloutEngine:
         return self.forward.device
 
     @torch.no_grad()
-    def generate(self, requests: list[Request], *, progress: bool = False) -> RolloutResult:
-        start = time.perf_counter()
+    def generate(self, requests: list[Request], *, progress: bool = False, between_steps=None) -> RolloutResult:
+        """Sample every request's n responses. `between_steps(engine)`, if given, is called before every decode
+        step with no forward in flight: the place to hot-swap the drafter (`set_drafter`) mid-rollout."""
+        start = self._generate_start = time.perf_counter()
         self._validate(requests)
         cache = self._cache_for(requests)
         queue = deque(_Pending(i, 0, r.n) for i, r in enumerate(requests))
@@ -120,6 +130,8 @@ class RolloutEngine:
                 self._admit(requests, queue, running, cache, steps)
             self._retire(running, cache, finished, bar)
             if running:
+                if between_steps is not None:
+                    between_steps(self)
                 self._decode(running, cache, steps)
                 self._retire(running, cache, finished, bar)
         if bar is not None:
@@ -186,7 +198,8 @@ class RolloutEngine:
         logits = self._prefill(requests, groups, len(running), cache)
         new = self._spawn(requests, groups, len(running), cache, logits)
         running.extend(new)
-        steps.append(StepTrace("prefill", len(groups), len(new), time.perf_counter() - started))
+        steps.append(StepTrace("prefill", len(groups), len(new), time.perf_counter() - started,
+                               start_s=started - self._generate_start))
 
     def _prefill(self, requests, groups: list[_Pending], first_row: int, cache: KVCache) -> torch.Tensor:
         """Run each group's prompt in its own row; returns next-token logits [G, V]."""
@@ -253,7 +266,7 @@ class RolloutEngine:
             rows.advance(1)
             self._sample_into(running, out.logits[:, 0])
             trace = StepTrace("decode", len(running), len(running), 0.0)
-        trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started)
+        trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started, start_s=started - self._generate_start)
         steps.append(trace)
         if hasattr(self.speculation, "observe"):
             self.speculation.observe(trace.batch_size, arm if arm is not None else "off", trace.new_tokens,
@@ -285,6 +298,9 @@ class RolloutEngine:
                 emitted += 1
                 if seq.finish_reason is not None:
                     break  # nothing after a stop token or past the length budget is emitted
+        if self.drafter_version is not None:
+            for seq in running:
+                seq.drafter_versions.add(self.drafter_version)
         accepted = torch.bincount(result.accepted, minlength=strategy.depth + 1).tolist()
         return StepTrace("decode", len(running), emitted, 0.0, mode="sd", strategy=strategy.name,
                          accepted_hist=tuple(accepted), draft_s=outcome.draft_s, verify_s=outcome.verify_s)

@@ -34,6 +34,7 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float]       # of each sampled token under the processed distribution
     finish_reason: str          # "stop" (a stop token, included in token_ids) or "length"
+    drafter_versions: tuple[int, ...] = ()  # drafter versions that served this sample's SD steps (hot-swap)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class StepTrace:
     accepted_hist: tuple = ()        # SD: rows that accepted 0, 1, 2, ... draft tokens
     draft_s: float = 0.0
     verify_s: float = 0.0
+    start_s: float = 0.0             # when the step began, seconds after generate() started
 
 
 @dataclass

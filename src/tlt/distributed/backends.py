@@ -1,0 +1,153 @@
+"""Where the workers live: Ray actors (one process each) or threads of this process — one interface.
+
+Both give `submit(rank, method, *args) -> future`, `wait_any(futures)`, `result(future)`, `hub` (the hub's
+methods as plain calls) and `shutdown()`. A worker serves one call at a time, in order, like a Ray actor.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import os
+import socket
+
+from tlt.distributed.hub import DrafterHub
+from tlt.distributed.worker import HubClient, RolloutWorker
+from tlt.errors import TltError
+
+
+class WorkerError(TltError):
+    """A worker died or failed during a step."""
+
+
+def threads_per_worker(config) -> int:
+    if config.run.threads_per_worker > 0:
+        return config.run.threads_per_worker
+    return max(1, (os.cpu_count() or 1) // max(1, config.run.workers))
+
+
+def make_backend(config, **kwargs):
+    """run.backend: "ray", "inprocess", or "auto" (Ray for several workers when it is installed)."""
+    choice = config.run.backend
+    if choice not in ("auto", "ray", "inprocess"):
+        raise TltError(f"run.backend must be auto, ray or inprocess, got {choice!r}")
+    if choice == "auto":
+        try:
+            import ray  # noqa: F401
+            choice = "ray" if config.run.workers > 1 else "inprocess"
+        except ImportError:
+            choice = "inprocess"
+    if choice == "ray":
+        return RayBackend(config)
+    return InProcessBackend(config, **kwargs)
+
+
+class InProcessBackend:
+    """Workers as threads (one policy replica each). With one worker and a `loaded` model, that model is used
+    as is; with several, each gets its own copy."""
+
+    def __init__(self, config, *, loaded=None, task=None, reward=None):
+        from tlt.distributed.collective import ThreadReducer
+
+        size = config.run.workers
+        if size < 1:
+            raise TltError(f"run.workers must be >= 1, got {size}")
+        self.size = size
+        self._hub = DrafterHub(config.run.drafter_buffer_tokens)
+        self.hub = HubClient(self._hub)
+        reducer = ThreadReducer(size) if size > 1 else None
+        self.workers = [
+            RolloutWorker(config, rank, size, self._hub, loaded=_replica(loaded, size), task=task, reward=reward,
+                          reducer=reducer.for_rank(rank) if reducer else None)
+            for rank in range(size)]
+        self._pools = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tlt-worker{r}")
+                       for r in range(size)]
+
+    def submit(self, rank: int, method: str, *args):
+        return self._pools[rank].submit(getattr(self.workers[rank], method), *args)
+
+    def wait_any(self, futures) -> list:
+        done, _ = concurrent.futures.wait(list(futures), return_when=concurrent.futures.FIRST_COMPLETED)
+        return list(done)
+
+    def result(self, future):
+        return future.result()
+
+    def shutdown(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+
+
+class RayBackend:
+    """One Ray actor per worker (its own process, `threads_per_worker` CPU threads), a hub actor, and a gloo
+    (NCCL on GPUs) process group among the workers for the gradient all-reduce."""
+
+    def __init__(self, config):
+        try:
+            import ray
+        except ImportError as error:
+            raise TltError("run.backend=ray needs Ray: pip install 'tlt-rl[ray]'") from error
+        self.size = config.run.workers
+        threads = threads_per_worker(config)
+        if not ray.is_initialized():
+            ray.init(num_cpus=max(os.cpu_count() or 1, self.size * threads), include_dashboard=False,
+                     log_to_driver=True, logging_level="WARNING")
+        use_gpu = config.model.device not in (None, "cpu") or _cuda_available()
+        self._hub = ray.remote(DrafterHub).options(num_cpus=0).remote(config.run.drafter_buffer_tokens)
+        self.hub = HubClient(self._hub)
+        actor = ray.remote(RolloutWorker).options(num_cpus=threads, num_gpus=1 if use_gpu else 0)
+        self.workers = [actor.remote(config, rank, self.size, self._hub, threads=threads)
+                        for rank in range(self.size)]
+        self._check(ray.get([w.ping.remote() for w in self.workers]))
+        if self.size > 1:
+            address = f"127.0.0.1:{_free_port()}"
+            ray.get([w.join_group.remote(address) for w in self.workers])
+
+    def _check(self, ranks):
+        if sorted(ranks) != list(range(self.size)):
+            raise WorkerError(f"workers answered as ranks {ranks}, expected 0..{self.size - 1}")
+
+    def submit(self, rank: int, method: str, *args):
+        return getattr(self.workers[rank], method).remote(*args)
+
+    def wait_any(self, futures) -> list:
+        import ray
+
+        done, _ = ray.wait(list(futures), num_returns=1)
+        return done
+
+    def result(self, future):
+        import ray
+
+        return ray.get(future)
+
+    def kill_worker(self, rank: int) -> None:
+        """For fault tests: the worker process dies as if its machine had failed."""
+        import ray
+
+        ray.kill(self.workers[rank], no_restart=True)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        ray.kill(self._hub, no_restart=True)
+
+
+def _replica(loaded, size: int):
+    if loaded is None or size == 1:
+        return loaded
+    return copy.deepcopy(loaded)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

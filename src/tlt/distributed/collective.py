@@ -1,0 +1,71 @@
+"""Summing gradients across policy replicas.
+
+Ray workers are processes: they form a torch.distributed group (gloo on CPU, NCCL on CUDA) and all-reduce one
+flat buffer per step. In-process workers are threads of one process: they sum into a shared buffer behind a
+barrier. Either way every replica ends the reduction with the same summed gradient, clips the same global norm
+and takes the same optimizer step, so the replicas stay identical (tested bit for bit).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+def flat_gradients(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in parameters])
+
+
+def unflatten_into(parameters: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    for p in parameters:
+        count = p.numel()
+        p.grad = flat[offset:offset + count].view_as(p).clone()
+        offset += count
+
+
+class ProcessGroupReducer:
+    """A torch.distributed group among the worker processes (one rank each)."""
+
+    def __init__(self, rank: int, world_size: int, address: str, device: torch.device):
+        import torch.distributed as dist
+
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size)
+        self.world_size = world_size
+
+    def __call__(self, parameters: list[torch.nn.Parameter]) -> None:
+        import torch.distributed as dist
+
+        flat = flat_gradients(parameters)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        unflatten_into(parameters, flat)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class ThreadReducer:
+    """The same sum for worker threads of one process: each adds its gradient, all wait, all read the total.
+    Additions happen in rank order so the floating-point sum does not depend on thread timing."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._barrier = threading.Barrier(world_size)
+        self._parts: dict[int, torch.Tensor] = {}
+        self._total: torch.Tensor | None = None
+
+    def for_rank(self, rank: int):
+        def reduce(parameters: list[torch.nn.Parameter]) -> None:
+            self._parts[rank] = flat_gradients(parameters)
+            if self._barrier.wait() == 0:  # one thread sums, in rank order
+                self._total = sum(self._parts[r] for r in range(self.world_size))
+            self._barrier.wait()
+            unflatten_into(parameters, self._total)
+            self._barrier.wait()  # nobody starts the next reduction before all have read this one
+        return reduce

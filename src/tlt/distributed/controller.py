@@ -1,0 +1,167 @@
+"""DistributedGRPO: drives one RL step over N rollout workers, and turns their idle tail time into drafter training.
+
+A step: the prompts are sharded by group (a GRPO group never straddles workers, so advantages stay local) →
+every worker rolls out its shard → as each finishes, it computes its old log-probs (work the update needs
+anyway, now done while others still decode) and, if others are still decoding, trains the drafter ("spot
+training") and publishes versions the long-tail workers pick up mid-rollout → when the last worker has its
+log-probs, spot training is told to stop (it yields within one optimizer step, and nothing waits on it before
+the update barrier) → every worker takes the same policy update (gradients summed across workers).
+Same interface as GRPOTrainer (`train_step`, `step`, `save`, `resume`), so `tlt train` drives either.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tlt.distributed.backends import WorkerError, make_backend
+from tlt.distributed.timeline import merge_step, time_shares
+from tlt.rollout.request import RolloutResult
+
+
+class DistributedGRPO:
+    def __init__(self, config, *, backend=None, **backend_kwargs):
+        from tlt.errors import TltError
+
+        if config.rollout.prompts_per_step < config.run.workers:
+            raise TltError(f"rollout.prompts_per_step={config.rollout.prompts_per_step} is fewer than "
+                           f"run.workers={config.run.workers}: every worker needs at least one prompt")
+        self.config = config
+        self.backend = backend or make_backend(config, **backend_kwargs)
+        self.size = self.backend.size
+        self.step = 0
+        self.progress = False
+        self.last_timeline: dict | None = None
+        self.speculative = config.run.speculative != "off"
+        self.spot_training = self.speculative and config.run.spot_training and self.size > 1
+        if self.speculative:
+            self._call(0, "publish_initial_drafter")
+
+    # -- one RL step -----------------------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        step_start = time.time()
+        examples = self._call(0, "sample_examples", self.step)
+        shards = _shard(examples, self.size)
+        self.backend.hub.begin_step(self.step)
+        rollouts, prepared, spot = self._run_workers(shards)
+        rollout_end = max(r["end"] for r in rollouts.values())
+        totals = _sum_totals([prepared[r]["totals"] for r in range(self.size)])
+        updates = self._gather({r: self.backend.submit(r, "update", totals) for r in range(self.size)}, "update")
+        self.step += 1
+        step_end = time.time()
+        timeline = merge_step(self.step, [updates[r]["timeline"] for r in range(self.size)], step_start, step_end)
+        self.last_timeline = timeline
+        return self._metrics(rollouts, prepared, spot, updates, timeline, rollout_end - step_start,
+                             step_end - rollout_end)
+
+    def _run_workers(self, shards: list[list]) -> tuple[dict, dict, dict]:
+        """rollout → prepare → (spot_train while any rollout is still running), per worker, as futures finish."""
+        pending = {self.backend.submit(r, "rollout", self.step, shards[r]): ("rollout", r) for r in range(self.size)}
+        results = {"rollout": {}, "prepare": {}, "spot_train": {}}
+        stopped = False
+        while pending:
+            for future in self.backend.wait_any(pending):
+                phase, rank = pending.pop(future)
+                results[phase][rank] = self._result(future, phase, rank)
+                if phase == "rollout":
+                    pending[self.backend.submit(rank, "prepare")] = ("prepare", rank)
+                elif phase == "prepare" and self.spot_training and len(results["prepare"]) < self.size:
+                    pending[self.backend.submit(rank, "spot_train", self.step)] = ("spot_train", rank)
+            if not stopped and len(results["prepare"]) == self.size:
+                self.backend.hub.stop(self.step)  # the last worker is ready for the update: stop spot training
+                stopped = True
+        return results["rollout"], results["prepare"], results["spot_train"]
+
+    def _gather(self, futures: dict, phase: str) -> dict:
+        return {rank: self._result(future, phase, rank) for rank, future in futures.items()}
+
+    def _call(self, rank: int, method: str, *args):
+        return self._result(self.backend.submit(rank, method, *args), method, rank)
+
+    def _result(self, future, phase: str, rank: int):
+        try:
+            return self.backend.result(future)
+        except Exception as error:  # noqa: BLE001 - any worker failure ends the step with one clear message
+            raise WorkerError(
+                f"worker {rank} failed during {phase} of RL step {self.step + 1} "
+                f"({type(error).__name__}: {_first_line(error)}); nothing of this step was saved — "
+                f"`tlt train ... --resume` continues from the last checkpoint") from error
+
+    # -- metrics ----------------------------------------------------------------------------------------------
+
+    def _metrics(self, rollouts, prepared, spot, updates, timeline, rollout_s, train_s) -> dict:
+        from tlt.rl.trainer import step_metrics
+
+        ranks = range(self.size)
+        merged = RolloutResult([s for r in ranks for s in rollouts[r]["rollout"].samples],
+                               [t for r in ranks for t in rollouts[r]["rollout"].steps],
+                               max(rollouts[r]["rollout"].wall_s for r in ranks))
+        rewards = torch.cat([prepared[r]["rewards"] for r in ranks])
+        correct = torch.cat([prepared[r]["correct"] for r in ranks])
+        update = updates[0]["update"]
+        metrics = step_metrics(merged, rewards, correct, update, rollout_s, train_s,
+                               sum(prepared[r]["reward_failures"] for r in ranks))
+        shares = time_shares(timeline)
+        published = [v for result in spot.values() for v in result["published"]]
+        served = [s.drafter_versions for s in merged.samples]
+        metrics.update({
+            "step_s": timeline["duration"],
+            "workers": self.size,
+            "idle_fraction": shares["idle"],
+            "spot_train_share": shares["spot_train"],
+            "spot_train_steps": sum(result["trained_steps"] for result in spot.values()),
+            "spot_train_errors": sum(result["error"] is not None for result in spot.values()),
+            "drafter_versions": published,
+            "drafter_version": self.backend.hub.latest_version() if self.speculative else None,
+            "samples_hot_swapped": sum(len(v) > 1 for v in served),
+            "sample_drafter_versions": [list(v) for v in served],
+            "lr": updates[0]["lr"],
+            **updates[_tail_rank(rollouts)]["policy_metrics"],
+        })
+        return metrics
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+
+    def save(self, run_dir) -> str:
+        return self._call(0, "save", str(run_dir), {"workers": self.size})
+
+    def resume(self, checkpoint) -> None:
+        steps = self._gather({r: self.backend.submit(r, "resume", str(checkpoint)) for r in range(self.size)},
+                             "resume")
+        self.step = steps[0]
+        if self.speculative:
+            self._call(0, "restore_drafter", str(checkpoint))
+
+    def parameter_digests(self) -> list[str]:
+        return [self._call(r, "parameter_digest") for r in range(self.size)]
+
+    def close(self) -> None:
+        self.backend.shutdown()
+
+
+def _shard(examples: list, size: int) -> list[list]:
+    """Contiguous, near-equal shards of prompts (each prompt's n samples stay together)."""
+    base, extra = divmod(len(examples), size)
+    shards, start = [], 0
+    for rank in range(size):
+        count = base + (rank < extra)
+        shards.append(examples[start:start + count])
+        start += count
+    return shards
+
+
+def _sum_totals(parts: list[dict]) -> dict:
+    totals = {key: sum(part[key] for part in parts) for key in ("tokens", "sequences")}
+    totals["max_tokens"] = parts[0]["max_tokens"]
+    return totals
+
+
+def _tail_rank(rollouts: dict) -> int:
+    return max(rollouts, key=lambda r: rollouts[r]["end"])
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else ""

@@ -1,0 +1,103 @@
+"""DrafterHub: where workers meet to share the drafter between rollouts and spot training.
+
+It holds (1) the published drafter versions — the drafter's own layers only, never the target's embedding or
+lm_head, which every worker already has; (2) the features every worker's log-prob pass produced, so whichever
+worker goes idle trains on everybody's data; (3) the per-step control: which worker holds the trainer lease and
+when spot training must stop. On Ray it runs as one small actor; in-process it is a plain object. Every method
+is short and thread-safe, because the rollout worker polls it between decode steps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+
+class DrafterHub:
+    def __init__(self, max_feature_tokens: int = 200_000):
+        self._lock = threading.Lock()
+        self._version = -1
+        self._weights: dict | None = None      # latest published drafter state (own layers)
+        self._trainer_state: dict | None = None  # the trainer's optimizer state, for the next spot session
+        self._history: list[dict] = []          # (version, step, trainer worker, optimizer steps) per publish
+        self._features: deque = deque()         # (sequence number, FeatureEntry)
+        self._feature_tokens = 0
+        self._next_feature = 0
+        self.max_feature_tokens = max_feature_tokens
+        self._step = -1
+        self._stopped = True
+        self._lease: int | None = None
+
+    # -- drafter versions -----------------------------------------------------------------------------
+
+    def publish(self, weights: dict, *, step: int, worker: int, trainer_steps: int,
+                trainer_state: dict | None = None) -> int:
+        with self._lock:
+            self._version += 1
+            self._weights = weights
+            if trainer_state is not None:
+                self._trainer_state = trainer_state
+            self._history.append({"version": self._version, "step": step, "worker": worker,
+                                  "trainer_steps": trainer_steps})
+            return self._version
+
+    def latest_version(self) -> int:
+        return self._version
+
+    def latest(self) -> tuple[int, dict | None]:
+        with self._lock:
+            return self._version, self._weights
+
+    def trainer_state(self) -> dict | None:
+        with self._lock:
+            return self._trainer_state
+
+    def history(self) -> list[dict]:
+        with self._lock:
+            return list(self._history)
+
+    def restore(self, version: int, weights: dict, trainer_state: dict | None) -> None:
+        """Resume: the checkpointed drafter becomes the current version again."""
+        with self._lock:
+            self._version, self._weights, self._trainer_state = version, weights, trainer_state
+
+    # -- features ---------------------------------------------------------------------------------------
+
+    def add_features(self, entries: list) -> None:
+        """entries: `FeatureEntry`s (tokens [T], features [T, H], step); the oldest are evicted first."""
+        with self._lock:
+            for entry in entries:
+                self._features.append((self._next_feature, entry))
+                self._next_feature += 1
+                self._feature_tokens += int(entry.tokens.shape[0])
+            while self._feature_tokens > self.max_feature_tokens and len(self._features) > 1:
+                _, old = self._features.popleft()
+                self._feature_tokens -= int(old.tokens.shape[0])
+
+    def features_since(self, sequence: int) -> tuple[int, list]:
+        """Entries added after `sequence` (a worker's last pull) and the sequence to pull from next time."""
+        with self._lock:
+            return self._next_feature, [entry for number, entry in self._features if number >= sequence]
+
+    # -- per-step control -------------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        with self._lock:
+            self._step, self._stopped, self._lease = step, False, None
+
+    def acquire_trainer(self, step: int, worker: int) -> bool:
+        """One spot trainer per step: the first worker to go idle (see docs/benchmarks.md for why not DP)."""
+        with self._lock:
+            if self._stopped or step != self._step or self._lease is not None:
+                return False
+            self._lease = worker
+            return True
+
+    def stop(self, step: int) -> None:
+        """The last rollout of the step ended: spot training yields within one optimizer step."""
+        with self._lock:
+            if step == self._step:
+                self._stopped = True
+
+    def should_stop(self, step: int) -> bool:
+        return self._stopped or step != self._step

@@ -1,0 +1,93 @@
+"""What each worker did during an RL step, as intervals on one wall clock.
+
+Workers are separate processes on one machine (or threads in-process), so they stamp intervals with
+`time.time()`; the controller shifts them to seconds after the step began. The kinds:
+  rollout      plain decode/prefill steps          rollout_sd   speculative decode steps
+  logprobs     old/reference log-probs for the update (fed to the drafter's feature buffer as well)
+  spot_train   drafter training on an otherwise idle worker
+  idle         waiting for the slowest worker      update       gradient, all-reduce and optimizer step
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KINDS = ("rollout", "rollout_sd", "logprobs", "spot_train", "idle", "update")
+
+
+@dataclass
+class Interval:
+    kind: str
+    start: float  # time.time() while recording; seconds after the step start once normalized
+    end: float
+
+
+@dataclass
+class WorkerTimeline:
+    """One worker's intervals in one step."""
+
+    worker: int
+    intervals: list[Interval] = field(default_factory=list)
+
+    def record(self, kind: str, start: float, end: float | None = None) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown timeline kind {kind!r}; expected one of {KINDS}")
+        self.intervals.append(Interval(kind, start, time.time() if end is None else end))
+
+    def add_rollout(self, rollout, wall_start: float) -> None:
+        """Turn an engine trace into intervals: runs of consecutive plain / SD steps become one interval each."""
+        for step in rollout.steps:
+            kind = "rollout_sd" if step.mode == "sd" else "rollout"
+            start, end = wall_start + step.start_s, wall_start + step.start_s + step.wall_s
+            last = self.intervals[-1] if self.intervals else None
+            if last is not None and last.kind == kind and start - last.end < 0.05:
+                last.end = end
+            else:
+                self.intervals.append(Interval(kind, start, end))
+
+
+def merge_step(step: int, timelines: list[WorkerTimeline], step_start: float, step_end: float) -> dict:
+    """All workers' intervals relative to the step start, with idle gaps made explicit."""
+    workers = []
+    for timeline in sorted(timelines, key=lambda t: t.worker):
+        intervals = sorted(timeline.intervals, key=lambda i: i.start)
+        filled, cursor = [], step_start
+        for interval in intervals:
+            if interval.start - cursor > 1e-3:
+                filled.append(Interval("idle", cursor, interval.start))
+            filled.append(interval)
+            cursor = max(cursor, interval.end)
+        if step_end - cursor > 1e-3:
+            filled.append(Interval("idle", cursor, step_end))
+        workers.append({"worker": timeline.worker, "intervals": [
+            {"kind": i.kind, "start": round(i.start - step_start, 4), "end": round(i.end - step_start, 4)}
+            for i in filled]})
+    return {"step": step, "duration": round(step_end - step_start, 4), "workers": workers}
+
+
+def time_shares(timeline: dict) -> dict:
+    """Fraction of all worker-seconds spent in each kind."""
+    totals = {kind: 0.0 for kind in KINDS}
+    for worker in timeline["workers"]:
+        for interval in worker["intervals"]:
+            totals[interval["kind"]] += interval["end"] - interval["start"]
+    whole = timeline["duration"] * max(1, len(timeline["workers"]))
+    return {kind: value / whole if whole > 0 else 0.0 for kind, value in totals.items()}
+
+
+def save_timeline(run_dir: Path, timeline: dict, *, draw: bool = True) -> Path:
+    """timeline/step_NNNN.json, plus the Gantt chart beside it when matplotlib is installed."""
+    directory = Path(run_dir) / "timeline"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{timeline['step']:04d}.json"
+    path.write_text(json.dumps(timeline))
+    if draw:
+        try:
+            from tlt.report import draw_timeline
+        except ImportError:  # matplotlib is an optional extra; the JSON is the record
+            return path
+        draw_timeline(timeline, path.with_suffix(".png"))
+    return path

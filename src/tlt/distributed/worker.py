@@ -1,0 +1,259 @@
+"""RolloutWorker: one policy replica with its rollout engine, its share of the step, and spot training.
+
+The controller calls, per RL step: `rollout(shard)` → `prepare()` (rewards and old log-probs, whose hidden
+states also feed the drafter) → `spot_train()` if other workers are still in the long tail → `update(totals)`.
+While it rolls out, the worker checks the hub between decode steps and swaps in any newer drafter at once.
+The same class runs as a Ray actor (one process per worker) or as a thread of the in-process backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import traceback
+
+import torch
+
+from tlt.distributed.timeline import WorkerTimeline
+from tlt.drafter.buffer import FeatureBuffer
+from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+
+log = logging.getLogger(__name__)
+
+
+class HubClient:
+    """The hub's methods as plain calls, whether it is a local object or a Ray actor handle."""
+
+    def __init__(self, hub):
+        self._hub = hub
+        self._remote = hasattr(getattr(hub, "latest_version", None), "remote")
+
+    def __getattr__(self, name):
+        method = getattr(self._hub, name)
+        if not self._remote:
+            return method
+
+        def call(*args, **kwargs):
+            import ray
+
+            return ray.get(method.remote(*args, **kwargs))
+        return call
+
+
+class RolloutWorker:
+    def __init__(self, config, rank: int, world_size: int, hub, *, threads: int | None = None, loaded=None,
+                 task=None, reward=None, reducer=None):
+        from tlt.rl.trainer import GRPOTrainer
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.rank, self.world_size, self.config = rank, world_size, config
+        self.hub = HubClient(hub)
+        self.collected = FeatureBuffer(10**9)  # this step's features, handed to the hub after prepare()
+        self.trainer = GRPOTrainer(config, loaded=loaded, task=task, reward=reward, feature_buffer=self.collected)
+        self.reducer = reducer
+        self.engine = self.trainer.engine
+        self.drafter = self.engine.speculative.drafter if self.engine.speculative is not None else None
+        self._spot = None  # (training drafter, DrafterTrainer, local buffer, next feature sequence) once used
+        self._batch = None
+        self._last_poll = 0.0
+
+    # -- process group -------------------------------------------------------------------------------------
+
+    def join_group(self, address: str) -> None:
+        from tlt.distributed.collective import ProcessGroupReducer
+
+        self.reducer = ProcessGroupReducer(self.rank, self.world_size, address, self.trainer.device)
+
+    # -- one RL step ----------------------------------------------------------------------------------------
+
+    def sample_examples(self, step: int) -> list:
+        """The step's prompts (every worker could draw them; rank 0 does, from the run seed and the step)."""
+        self.trainer.step = step
+        return self.trainer.task.sample(self.config.rollout.prompts_per_step, seed=self.trainer._step_seed())
+
+    def rollout(self, step: int, examples: list) -> dict:
+        """Generate this worker's shard; swap in newer drafters between decode steps."""
+        self.trainer.step = step
+        self.timeline = WorkerTimeline(self.rank)
+        self._examples = examples
+        if self.drafter is not None:
+            self._sync_drafter(self.engine, force=True)
+        wall_start = time.time()
+        self._rollout = self.trainer._rollout(examples, between_steps=self._between_steps)
+        self.timeline.add_rollout(self._rollout, wall_start)
+        return {"rollout": _lean_rollout(self._rollout), "end": time.time()}
+
+    def prepare(self) -> dict:
+        """Rewards, advantages and old log-probs of this shard (the update's inputs); the same forward pass
+        collects the features the drafter trains on, which go to the hub for every worker's spot training."""
+        started = time.time()
+        self.collected.entries.clear()
+        self.collected.tokens = 0
+        self._batch = self.trainer._score(self._examples, self._rollout)
+        if self.drafter is not None:
+            self.hub.add_features(list(self.collected.entries))
+        self.timeline.record("logprobs", started)
+        return {"rewards": self._batch.rewards, "correct": self._batch.correct,
+                "totals": self.trainer.loss_totals(self._batch), "reward_failures": self.trainer._reward_failures,
+                "end": time.time()}
+
+    def spot_train(self, step: int) -> dict:
+        """Train the drafter until the hub says the last rollout ended (checked before every optimizer step).
+        A failure is logged and reported; the drafter versions already published stay in service."""
+        if self.drafter is None or not self.hub.acquire_trainer(step, self.rank):
+            return {"trained_steps": 0, "published": [], "error": None}
+        started = time.time()
+        published, history, error = [], [], None
+        try:
+            drafter, trainer, buffer = self._spot_state()
+            self._pull_features(buffer)
+            every = max(1, self.config.run.publish_every)
+            while not self.hub.should_stop(step) and len(buffer):
+                chunk = trainer.train_until(lambda: self.hub.should_stop(step), every)
+                history.extend(chunk)
+                if not chunk:
+                    break
+                published.append(self._publish(drafter, trainer, step, final=False))
+            if history:
+                published.append(self._publish(drafter, trainer, step, final=True))
+        except Exception as exc:  # noqa: BLE001 - spot training must never take the RL step down
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("spot training failed on worker %d (SD keeps the last good drafter): %s\n%s",
+                        self.rank, error, traceback.format_exc())
+        self.timeline.record("spot_train", started)
+        return {"trained_steps": len(history), "published": published, "error": error,
+                "loss": history[-1]["loss"] if history else None,
+                "top1": history[-1]["top1"] if history else None}
+
+    def update(self, totals: dict) -> dict:
+        """The policy update on this shard, normalized by the global totals, gradients summed across workers."""
+        started = time.time()
+        stats = self.trainer._update(self._batch, totals, reduce_gradients=self.reducer)
+        self.trainer.step += 1
+        self._batch = None
+        self.timeline.record("update", started)
+        return {"update": stats, "timeline": self.timeline, "end": time.time(),
+                "lr": self.trainer.optimizer.param_groups[0]["lr"], "policy_metrics": self.trainer._policy_metrics()}
+
+    # -- drafter versions -------------------------------------------------------------------------------------
+
+    def _between_steps(self, engine) -> None:
+        if self.drafter is not None and time.time() - self._last_poll >= self.config.run.swap_poll_s:
+            self._sync_drafter(engine)
+
+    def _sync_drafter(self, engine, force: bool = False) -> None:
+        self._last_poll = time.time()
+        current = engine.drafter_version if engine.drafter_version is not None else -1
+        if not force and self.hub.latest_version() <= current:
+            return
+        version, weights = self.hub.latest()
+        if weights is None or version == engine.drafter_version:
+            return
+        self.drafter.load_state_dict(weights)
+        engine.set_drafter(self.drafter, version=version)
+
+    def publish_initial_drafter(self) -> int:
+        return self.hub.publish(_cpu_state(self.drafter), step=self.trainer.step, worker=self.rank, trainer_steps=0)
+
+    def _spot_state(self):
+        """The training copy of the drafter, at the latest published version, with the last trainer's state."""
+        from tlt.models.eagle import EagleDrafter
+
+        if self._spot is None:  # a separate copy: the engine's drafter keeps serving the published version
+            drafter = EagleDrafter(self.drafter.config, self.drafter.draft_to_target).attach(self.engine.forward)
+            config = DrafterTrainConfig(lr=self.config.run.drafter_lr, seed=self.config.run.seed + self.rank)
+            buffer = FeatureBuffer(self.config.run.drafter_buffer_tokens, seed=self.config.run.seed + self.rank)
+            self._spot = [drafter, DrafterTrainer(drafter, buffer, config), buffer, 0]
+        drafter, trainer, buffer, _ = self._spot
+        _, weights = self.hub.latest()
+        drafter.load_state_dict(weights)
+        state = self.hub.trainer_state()
+        if state is not None:
+            trainer.optimizer.load_state_dict(state["optimizer"])
+            trainer.steps = state["steps"]
+        return drafter, trainer, buffer
+
+    def _pull_features(self, buffer: FeatureBuffer) -> None:
+        sequence, entries = self.hub.features_since(self._spot[3])
+        for entry in entries:
+            buffer.add(entry.tokens, entry.features, entry.step)
+        self._spot[3] = sequence
+
+    def _publish(self, drafter, trainer, step: int, final: bool) -> int:
+        state = {"optimizer": trainer.optimizer.state_dict(), "steps": trainer.steps} if final else None
+        return self.hub.publish(_cpu_state(drafter), step=step, worker=self.rank, trainer_steps=trainer.steps,
+                                trainer_state=state)
+
+    # -- checkpoints and checks -------------------------------------------------------------------------------
+
+    def save(self, run_dir: str, extra: dict) -> str:
+        """Policy, optimizer, RNG and bandit (replicas are identical: rank 0's copy is the run's), plus the
+        latest drafter version and its trainer's optimizer state, in one atomic checkpoint directory."""
+        from tlt.rl.checkpoint import _flatten_optimizer, save_checkpoint
+
+        extra = {**extra, "config": self.config.to_dict()}
+        if hasattr(self.engine.speculation, "state_dict"):
+            extra["speculation"] = self.engine.speculation.state_dict()
+        files = {}
+        if self.drafter is not None:
+            version, weights = self.hub.latest()
+            files["drafter.safetensors"] = weights
+            extra["drafter"] = {"version": version, "trainer": None}
+            state = self.hub.trainer_state()
+            if state is not None:
+                tensors, meta = _flatten_optimizer(state["optimizer"])
+                files["drafter_optimizer.safetensors"] = tensors
+                extra["drafter"]["trainer"] = {"steps": state["steps"], "optimizer": meta}
+        return str(save_checkpoint(run_dir, self.trainer.step, self.trainer.model, self.trainer.optimizer, extra,
+                                   files=files))
+
+    def resume(self, checkpoint: str) -> int:
+        self.trainer.resume(checkpoint)
+        return self.trainer.step
+
+    def restore_drafter(self, checkpoint: str) -> int:
+        """Make the checkpoint's drafter (and its trainer state) the hub's current version again."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        from tlt.rl.checkpoint import _unflatten_optimizer
+
+        path = Path(checkpoint)
+        meta = json.loads((path / "state.json").read_text()).get("drafter")
+        if meta is None or not (path / "drafter.safetensors").exists():
+            return self.hub.latest_version()  # a checkpoint from a run without a drafter: keep the initial one
+        weights = load_file(str(path / "drafter.safetensors"))
+        trainer = None
+        if meta["trainer"] is not None:
+            optimizer = _unflatten_optimizer(load_file(str(path / "drafter_optimizer.safetensors")),
+                                             meta["trainer"]["optimizer"])
+            trainer = {"optimizer": optimizer, "steps": meta["trainer"]["steps"]}
+        self.hub.restore(meta["version"], weights, trainer)
+        return meta["version"]
+
+    def parameter_digest(self) -> str:
+        """SHA-256 of every policy parameter's bytes: equal digests = identical replicas."""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.trainer.model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    def ping(self) -> int:
+        return self.rank
+
+
+def _cpu_state(module) -> dict:
+    return {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+
+
+def _lean_rollout(rollout):
+    """The rollout without prompt ids (the controller needs tokens, reasons, versions and the trace)."""
+    import dataclasses
+
+    samples = [dataclasses.replace(s, prompt_ids=()) for s in rollout.samples]
+    return dataclasses.replace(rollout, samples=samples)

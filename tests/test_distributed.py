@@ -1,0 +1,129 @@
+"""Workers, spot training on the idle worker, mid-rollout drafter hot-swap, identical replicas — in-process."""
+
+import pytest
+import torch
+
+from conftest import markov_model
+from tlt.distributed.controller import DistributedGRPO
+from tlt.models import LoadedModel, ModelSpec
+from tlt.rl.config import load_config
+from tlt.rl.rewards import Reward
+from tlt.tasks.example import TaskExample
+
+EOS, STOPPER, RUNNER = 3, 5, 7  # after STOPPER the model ends at once; after anything else it never ends
+
+
+class IdTokenizer:
+    pad_token_id = 0
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+class ShortLongTask:
+    """The first half of the prompts end in STOPPER (1-token responses), the rest run to max_new_tokens: with
+    2 workers, worker 0 gets the short shard and sits idle while worker 1 decodes the long one."""
+
+    def sample(self, count, seed):
+        return [TaskExample(f"p{i}", "x", {"ids": [9, 10, STOPPER if i < count // 2 else RUNNER]})
+                for i in range(count)]
+
+    def prompt_ids(self, example):
+        return example.meta["ids"]
+
+
+def long_tail_model():
+    model, transition = markov_model(16, sharpness=2.0, seed=1)
+    with torch.no_grad():
+        logits = transition.clone()
+        logits[:, EOS] = -30.0
+        logits[STOPPER, :] = -30.0
+        logits[STOPPER, EOS] = 30.0
+        model.lm_head.weight.copy_(logits.t() / 16 ** 0.5)
+    return model
+
+
+def make_controller(tmp_path, **overrides):
+    model = long_tail_model()
+    loaded = LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "markov")
+    settings = {"rollout.prompts_per_step": 4, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 160,
+                "optim.lr": 1e-3, "run.workers": 2, "run.backend": "inprocess", "run.speculative": "static",
+                "run.strategy": "S3K1N3", "run.gate": 64, "run.publish_every": 2, "run.swap_poll_s": 0.0,
+                "run.out_dir": str(tmp_path), "run.tensorboard": False, **overrides}
+    config = load_config(None, [f"{k}={v}" for k, v in settings.items()])
+    return DistributedGRPO(config, loaded=loaded, task=ShortLongTask(), reward=Reward(share_of_eights))
+
+
+def share_of_eights(completion, example):
+    tokens = completion.split()
+    return sum(t == "8" for t in tokens) / len(tokens)
+
+
+def test_idle_worker_trains_the_drafter_and_the_long_worker_swaps_it_in(tmp_path):
+    controller = make_controller(tmp_path)
+    try:
+        metrics = controller.train_step()
+        timeline = controller.last_timeline
+    finally:
+        controller.close()
+    kinds = {w["worker"]: [i["kind"] for i in w["intervals"]] for w in timeline["workers"]}
+    assert "spot_train" in kinds[0] and "spot_train" not in kinds[1]
+    assert "rollout_sd" in kinds[1]
+    assert metrics["spot_train_steps"] > 0 and metrics["drafter_versions"]
+    long_samples = metrics["sample_drafter_versions"][4:]  # the long shard: samples of prompts 2 and 3
+    assert all(len(versions) > 1 for versions in long_samples), long_samples  # swapped mid-rollout
+    assert metrics["samples_hot_swapped"] == len(long_samples)
+
+
+def test_spot_training_adds_no_step_time_beyond_the_stop_latency(tmp_path):
+    controller = make_controller(tmp_path)
+    try:
+        controller.train_step()
+        timeline = controller.last_timeline
+    finally:
+        controller.close()
+    by_worker = {w["worker"]: w["intervals"] for w in timeline["workers"]}
+    tail_ready = max(i["end"] for i in by_worker[1] if i["kind"] == "logprobs")  # the step's critical path
+    spot_end = max(i["end"] for i in by_worker[0] if i["kind"] == "spot_train")
+    update_start = min(i["start"] for i in by_worker[1] if i["kind"] == "update")
+    assert spot_end <= update_start + 0.05
+    assert spot_end - tail_ready < 0.5  # one drafter optimizer step of a tiny model, plus thread hand-off
+
+
+def test_policy_replicas_are_identical_after_every_update(tmp_path):
+    controller = make_controller(tmp_path)
+    try:
+        before = controller.parameter_digests()
+        for _ in range(2):
+            controller.train_step()
+            after = controller.parameter_digests()
+            assert after[0] == after[1]
+            assert after[0] != before[0]
+            before = after
+    finally:
+        controller.close()
+
+
+def test_spot_training_failure_keeps_the_last_good_drafter(tmp_path, monkeypatch):
+    from tlt.drafter.trainer import DrafterTrainer
+
+    def broken(self):
+        raise RuntimeError("injected drafter failure")
+
+    monkeypatch.setattr(DrafterTrainer, "_step", broken)
+    controller = make_controller(tmp_path)
+    try:
+        metrics = controller.train_step()
+    finally:
+        controller.close()
+    assert metrics["spot_train_errors"] == 1
+    assert metrics["drafter_versions"] == [] and metrics["drafter_version"] == 0
+    assert metrics["sd/tau"] >= 1.0  # SD kept running on version 0
+
+
+def test_fewer_prompts_than_workers_is_an_error(tmp_path):
+    from tlt.errors import TltError
+
+    with pytest.raises(TltError, match="prompts_per_step"):
+        make_controller(tmp_path, **{"rollout.prompts_per_step": 1})
