@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[dev,bench,data,tensorboard]"
+	$(PY) -m pip install -q -e ".[dev,bench,data,tensorboard,ray]"
 	touch $(STAMP)
 
 # The main job on its embedded default: a few GRPO steps of SmolLM2-135M-Instruct on the built-in task (~5 min).

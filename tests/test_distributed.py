@@ -71,8 +71,8 @@ def test_idle_worker_trains_the_drafter_and_the_long_worker_swaps_it_in(tmp_path
     assert "spot_train" in kinds[0] and "spot_train" not in kinds[1]
     assert "rollout_sd" in kinds[1]
     assert metrics["spot_train_steps"] > 0 and metrics["drafter_versions"]
-    long_samples = metrics["sample_drafter_versions"][4:]  # the long shard: samples of prompts 2 and 3
-    assert all(len(versions) > 1 for versions in long_samples), long_samples  # swapped mid-rollout
+    long_samples = metrics["drafter_versions_per_sample"][4:]  # the long shard: samples of prompts 2 and 3
+    assert all(count > 1 for count in long_samples), long_samples  # each was served by several versions
     assert metrics["samples_hot_swapped"] == len(long_samples)
 
 

@@ -24,6 +24,9 @@ def main(argv=None) -> int:
     export.add_argument("--target", choices=["vllm", "sglang"], default="vllm")
     export.add_argument("--model", default=None, help="the target model the drafter was trained for")
     export.add_argument("--out", required=True)
+    report = commands.add_parser("report", help="an HTML page with curves, tables and timelines for a run")
+    report.add_argument("run_dir", help="a `tlt train` run directory (holds metrics.jsonl)")
+    report.add_argument("--out", default=None, help="directory for index.html and its PNGs (default RUN_DIR/report)")
     args = parser.parse_args(argv)
     try:
         if args.command == "drafter":
@@ -36,6 +39,11 @@ def main(argv=None) -> int:
             if config_path is not None and "=" in config_path:  # `tlt train key=value ...` without a file
                 config_path, overrides = None, [config_path] + overrides
             train(load_config(config_path, overrides), resume=args.resume)
+            return 0
+        if args.command == "report":
+            from tlt.report import write_report
+
+            print(write_report(args.run_dir, args.out))
             return 0
         if args.command in ("generate", "demo"):
             from tlt.generate_cli import run_generate

@@ -38,7 +38,7 @@ def make_backend(config, **kwargs):
         except ImportError:
             choice = "inprocess"
     if choice == "ray":
-        return RayBackend(config)
+        return RayBackend(config, **kwargs)
     return InProcessBackend(config, **kwargs)
 
 
@@ -80,9 +80,10 @@ class InProcessBackend:
 
 class RayBackend:
     """One Ray actor per worker (its own process, `threads_per_worker` CPU threads), a hub actor, and a gloo
-    (NCCL on GPUs) process group among the workers for the gradient all-reduce."""
+    (NCCL on GPUs) process group among the workers for the gradient all-reduce. Workers load the model from
+    config.model.path, or receive `loaded` (an in-memory model, e.g. in tests) through Ray's object store."""
 
-    def __init__(self, config):
+    def __init__(self, config, *, loaded=None, task=None, reward=None):
         try:
             import ray
         except ImportError as error:
@@ -96,8 +97,8 @@ class RayBackend:
         self._hub = ray.remote(DrafterHub).options(num_cpus=0).remote(config.run.drafter_buffer_tokens)
         self.hub = HubClient(self._hub)
         actor = ray.remote(RolloutWorker).options(num_cpus=threads, num_gpus=1 if use_gpu else 0)
-        self.workers = [actor.remote(config, rank, self.size, self._hub, threads=threads)
-                        for rank in range(self.size)]
+        self.workers = [actor.remote(config, rank, self.size, self._hub, threads=threads, loaded=loaded, task=task,
+                                     reward=reward) for rank in range(self.size)]
         self._check(ray.get([w.ping.remote() for w in self.workers]))
         if self.size > 1:
             address = f"127.0.0.1:{_free_port()}"

@@ -116,7 +116,7 @@ class DistributedGRPO:
             "drafter_versions": published,
             "drafter_version": self.backend.hub.latest_version() if self.speculative else None,
             "samples_hot_swapped": sum(len(v) > 1 for v in served),
-            "sample_drafter_versions": [list(v) for v in served],
+            "drafter_versions_per_sample": [len(v) for v in served],  # the full lists are in the RolloutResult
             "lr": updates[0]["lr"],
             **updates[_tail_rank(rollouts)]["policy_metrics"],
         })

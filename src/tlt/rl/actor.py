@@ -60,13 +60,14 @@ def token_logprobs(model, batch: PackedSamples, temperature: float = 1.0, *, wan
     Top-k/top-p of the rollout are not applied: the policy being optimized is the tempered softmax, as in verl
     and TRL. Gradients flow when called with grad enabled.
     """
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=want_hidden,
-                use_cache=False)
-    logits = out.logits[:, :-1].float()
+    # The decoder then the head, rather than output_hidden_states: no per-layer activations are kept, and the
+    # final normed state is exactly the drafter's feature.
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 use_cache=False).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[:, :-1]).float()
     if temperature not in (0, 1):
         logits = logits / temperature
     targets = batch.input_ids[:, 1:]
     # log_softmax(x)[y] = x[y] - logsumexp(x): avoids materializing a second [B, L, V] tensor.
     logprobs = logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
-    hidden = out.hidden_states[-1].detach() if want_hidden else None
-    return ActorOutput(logprobs, hidden)
+    return ActorOutput(logprobs, hidden.detach() if want_hidden else None)

@@ -1,0 +1,80 @@
+"""`tlt report`: an HTML page with tables and PNG figures from a hand-built run directory (no training)."""
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from tlt.cli import main  # noqa: E402
+from tlt.errors import TltError  # noqa: E402
+from tlt.report import draw_timeline, write_report  # noqa: E402
+from tlt.rl.config import TrainConfig  # noqa: E402
+
+TIMELINE = {"step": 3, "duration": 2.0, "workers": [
+    {"worker": 0, "intervals": [{"kind": "rollout", "start": 0.0, "end": 1.5},
+                                {"kind": "update", "start": 1.5, "end": 2.0}]},
+    {"worker": 1, "intervals": [{"kind": "rollout_sd", "start": 0.0, "end": 0.6},
+                                {"kind": "spot_train", "start": 0.6, "end": 1.2},
+                                {"kind": "idle", "start": 1.2, "end": 1.5},
+                                {"kind": "update", "start": 1.5, "end": 2.0}]}]}
+
+
+def _metrics(step: int) -> dict:
+    record = {"step": step, "reward_mean": 0.25 * step, "accuracy": 0.125 * step, "response_len_p50": 40 + step,
+              "response_len_p90": 90 + step, "response_len_max": 120 + step, "rollout_s": 1.5, "train_s": 0.5,
+              "rollout_tok_s": 321.5, "train/loss": 0.1, "sd/tau": 2.5 + step / 10, "sd/sd_step_share": 0.75,
+              "sd/arm/<k4>/tau": 3.0}
+    if step > 1:  # newer keys appear part-way, as in a resumed run on a newer version
+        record.update({"idle_fraction": 0.15, "step_s": 2.0, "drafter_versions": [step]})
+    return record
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = tmp_path / "run"
+    (run / "timeline").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(_metrics(step)) + "\n" for step in (1, 2, 3)))
+    (run / "timeline" / "step_0003.json").write_text(json.dumps(TIMELINE))
+    return run
+
+
+def test_report_page_tables_and_figures(run_dir):
+    path = write_report(run_dir)
+    assert path == run_dir / "report" / "index.html"
+    page = path.read_text()
+    for text in ("0.750", "0.375", "123", "93", "321.5", "2.80", "15.0%", "rollout", "grpo", "optim"):
+        assert text in page
+    assert "&lt;k4&gt;" in page and "<k4>" not in page  # metric names are escaped
+    images = re.findall(r"<img src='([^']+)'", page)
+    assert {"curves_reward.png", "curves_length.png", "curves_time.png", "curves_tau.png",
+            "timeline_step_0003.png"} <= set(images)
+    for name in images:
+        assert (path.parent / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_report_skips_missing_keys(run_dir):
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5}) + "\n")
+    page = write_report(run_dir, run_dir / "elsewhere").read_text()
+    assert re.findall(r"<img src='([^']+)'", page) == ["curves_reward.png", "timeline_step_0003.png"]
+    assert "idle" not in re.search(r"<h2>Steps</h2>(.*?)</table>", page).group(1)
+
+
+def test_draw_timeline(tmp_path):
+    path = draw_timeline(TIMELINE, tmp_path / "gantt.png")
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_missing_run_dir_and_metrics(tmp_path):
+    with pytest.raises(TltError, match="nowhere"):
+        write_report(tmp_path / "nowhere")
+    with pytest.raises(TltError, match="metrics.jsonl"):
+        write_report(tmp_path)
+
+
+def test_cli_report(run_dir, capsys):
+    assert main(["report", str(run_dir)]) == 0
+    assert "index.html" in capsys.readouterr().out
+    assert main(["report", str(run_dir / "missing")]) == 2
