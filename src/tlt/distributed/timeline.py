@@ -85,9 +85,11 @@ def save_timeline(run_dir: Path, timeline: dict, *, draw: bool = True) -> Path:
     path = directory / f"step_{timeline['step']:04d}.json"
     path.write_text(json.dumps(timeline))
     if draw:
+        from tlt.errors import TltError
+        from tlt.report import draw_timeline
+
         try:
-            from tlt.report import draw_timeline
-        except ImportError:  # matplotlib is an optional extra; the JSON is the record
-            return path
-        draw_timeline(timeline, path.with_suffix(".png"))
+            draw_timeline(timeline, path.with_suffix(".png"))
+        except (ImportError, TltError):  # matplotlib is an optional extra; the JSON is the record
+            pass
     return path

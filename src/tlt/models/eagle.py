@@ -45,6 +45,7 @@ class EagleDrafter(nn.Module):
         check_supported(target_config)
         config = copy.deepcopy(target_config)
         config.num_hidden_layers = 1
+        config._attn_implementation = "sdpa"  # the training forward runs the family's own layer: name its kernel
         if hasattr(config, "layer_types") and config.layer_types is not None:
             config.layer_types = config.layer_types[:1]
         self.config = config
