@@ -127,3 +127,38 @@ def test_fewer_prompts_than_workers_is_an_error(tmp_path):
 
     with pytest.raises(TltError, match="prompts_per_step"):
         make_controller(tmp_path, **{"rollout.prompts_per_step": 1})
+
+
+def test_tail_time_share_counts_time_when_few_rows_are_left():
+    from tlt.distributed.controller import tail_time_share
+    from tlt.rollout.request import StepTrace
+
+    def trace(batches):  # one decode step per second with these batch sizes
+        return [StepTrace("decode", b, b, 1.0, start_s=float(i)) for i, b in enumerate(batches)]
+
+    # worker 0: 4 rows for 2 s; worker 1: 4 rows for 2 s, then 1 row for 6 s -> peak 8, tail (<= 2 rows) 6 of 8 s
+    share = tail_time_share([(0.0, trace([4, 4])), (0.0, trace([4, 4, 1, 1, 1, 1, 1, 1]))])
+    assert share == pytest.approx(6 / 8)
+    assert tail_time_share([(0.0, trace([4, 4])), (0.0, trace([4, 4]))]) == 0.0
+
+
+def test_hub_versions_features_and_the_trainer_lease():
+    from tlt.distributed.hub import DrafterHub
+    from tlt.drafter.buffer import FeatureEntry
+
+    hub = DrafterHub(max_feature_tokens=10)
+    assert hub.latest() == (-1, None)
+    assert hub.publish({"w": torch.zeros(1)}, step=0, worker=0, trainer_steps=0) == 0
+    assert hub.publish({"w": torch.ones(1)}, step=0, worker=1, trainer_steps=5) == 1
+    assert hub.latest()[0] == 1 and [h["worker"] for h in hub.history()] == [0, 1]
+    entry = FeatureEntry(torch.arange(4), torch.zeros(4, 2), 0)
+    hub.add_features([entry, entry, entry])  # 12 tokens > 10: the oldest is evicted
+    sequence, entries = hub.features_since(0)
+    assert sequence == 3 and len(entries) == 2
+    assert hub.features_since(sequence) == (3, [])
+    assert not hub.acquire_trainer(0, 0)  # no step running
+    hub.begin_step(0)
+    assert hub.acquire_trainer(0, 1) and not hub.acquire_trainer(0, 0)  # one spot trainer per step
+    assert not hub.should_stop(0)
+    hub.stop(0)
+    assert hub.should_stop(0)

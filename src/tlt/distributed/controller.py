@@ -108,6 +108,8 @@ class DistributedGRPO:
         served = [s.drafter_versions for s in merged.samples]
         metrics.update({
             "step_s": timeline["duration"],
+            "rollout_tail_share": tail_time_share(
+                [(rollouts[r]["end"] - rollouts[r]["rollout"].wall_s, rollouts[r]["rollout"].steps) for r in ranks]),
             "workers": self.size,
             "idle_fraction": shares["idle"],
             "spot_train_share": shares["spot_train"],
@@ -150,6 +152,30 @@ def _shard(examples: list, size: int) -> list[list]:
         shards.append(examples[start:start + count])
         start += count
     return shards
+
+
+def tail_time_share(worker_traces: list[tuple[float, list]], fraction: float = 0.25) -> float:
+    """Share of the rollout's wall time (first start to last end, all workers) during which the rows still
+    decoding, summed over workers, are at most `fraction` of the peak: the long tail."""
+    events = []  # (wall time, worker, rows running from then on)
+    for worker, (start, steps) in enumerate(worker_traces):
+        events += [(start + s.start_s, worker, s.batch_size) for s in steps if s.kind == "decode"]
+        if steps:
+            last = steps[-1]
+            events.append((start + last.start_s + last.wall_s, worker, 0))
+    if not events:
+        return 0.0
+    events.sort()
+    running, peak, tail, previous = {}, 0, 0.0, events[0][0]
+    for when, worker, rows in events:
+        total = sum(running.values())
+        if running and total <= fraction * peak:
+            tail += when - previous
+        previous = when
+        running[worker] = rows
+        peak = max(peak, sum(running.values()))
+    span = events[-1][0] - events[0][0]
+    return tail / span if span > 0 else 0.0
 
 
 def _sum_totals(parts: list[dict]) -> dict:
