@@ -23,7 +23,7 @@ from rl_pairs import interleaved_runs, median  # noqa: E402
 def modes(drafter: str, temperature: float, seed: int) -> dict[str, list[str]]:
     common = [f"run.drafter={drafter}", "run.speculative=adaptive", "run.workers=2", "run.backend=ray",
               "run.threads_per_worker=1", f"rollout.temperature={temperature}", f"run.seed={seed}",
-              "run.tensorboard=false"]
+              "run.tensorboard=false", "optim.micro_batch_size=2"]  # 2: four resident workers fit in 24 GB
     return {"spot": common + ["run.spot_training=true"], "frozen": common + ["run.spot_training=false"]}
 
 

@@ -24,6 +24,8 @@ STEP_COLUMNS = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), (
                 ("len max", "response_len_max", "{:.0f}"), ("rollout s", "rollout_s", "{:.2f}"),
                 ("train s", "train_s", "{:.2f}"), ("tok/s", "rollout_tok_s", "{:.1f}")]
 IDLE_COLUMN = ("idle", "idle_fraction", "{:.1%}")
+WORKER_COLUMNS = [("step s", "step_s", "{:.1f}"), ("spot-train", "spot_train_share", "{:.1%}"),
+                  ("spot steps", "spot_train_steps", "{:d}"), ("drafter v", "drafter_version", "{:d}")]
 CSS = ("body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:0.5em 0}"
        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#f3f3f3}"
        "td.k{text-align:left}img{max-width:100%;display:block;margin:0.5em 0}")
@@ -198,7 +200,7 @@ def _config_section(run_dir: Path) -> str:
 
 def _step_table(metrics: list[dict]) -> str:
     tau = next((key for key in TAU_KEYS if any(key in m for m in metrics)), None)
-    candidates = STEP_COLUMNS + ([("τ", tau, "{:.2f}")] if tau else []) + [IDLE_COLUMN]
+    candidates = STEP_COLUMNS + ([("τ", tau, "{:.2f}")] if tau else []) + [IDLE_COLUMN] + WORKER_COLUMNS
     columns = [c for c in candidates if any(c[1] in m for m in metrics)]
     rows = [[_fmt(m.get(key), spec) for _, key, spec in columns] for m in metrics]
     return _table([header for header, _, _ in columns], rows)

@@ -1,0 +1,184 @@
+"""`tlt verify`: check, on the user's own model and drafter, that speculative decoding is lossless.
+
+Two checks, both against references that share nothing with the speculative path:
+- greedy identity: at temperature 0, SD must emit exactly the tokens of plain decoding;
+- sampled distribution: every token SD emits at temperature > 0 is turned into a randomized probability
+  integral transform (PIT) under the target's processed distribution, recomputed by teacher forcing the
+  transformers model itself; the pooled PIT values must look uniform (one-sample Kolmogorov–Smirnov test).
+
+Losslessness must hold for ANY drafter (a bad drafter only costs speed), so an untrained drafter is a valid
+subject; a drafter that is accepted often exercises the acceptance rule more and makes the test sharper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tlt.errors import TltError
+from tlt.models.loading import LoadedModel
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.request import Request
+from tlt.rollout.sampling import RowSampling, SamplingParams, processed_logprobs
+from tlt.speculative.strategy import SpecStrategy
+
+
+@dataclass
+class VerifyReport:
+    strategy: str
+    prompts: int
+    alpha: float
+    # greedy identity: one response per prompt, SD vs plain decoding
+    greedy_samples: int
+    greedy_mismatches: int
+    first_mismatch: tuple[int, int] | None  # (prompt index, first differing token position)
+    # sampled distribution: pooled PIT values of every emitted token vs U(0, 1)
+    sampled_responses: int
+    tokens: int
+    ks_statistic: float
+    p_value: float
+    tau: float  # tokens emitted per SD verify step: ~1 means drafts were rarely accepted (a weaker test)
+
+    @property
+    def greedy_passed(self) -> bool:
+        return self.greedy_mismatches == 0
+
+    @property
+    def sampled_passed(self) -> bool:
+        return self.p_value >= self.alpha
+
+    @property
+    def passed(self) -> bool:
+        return self.greedy_passed and self.sampled_passed
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "greedy_passed": self.greedy_passed,
+                "sampled_passed": self.sampled_passed, "passed": self.passed}
+
+
+def over_accepting_rule(u: torch.Tensor, cumulative: torch.Tensor, child_probs: torch.Tensor) -> torch.Tensor:
+    """A plausible-looking bug for negative controls: the first drafted child is accepted with 0.3 more
+    probability than the target gives it, so drafted tokens are emitted too often."""
+    return u[:, None] <= cumulative + 0.3
+
+
+def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]], params: SamplingParams,
+           samples_per_prompt: int, alpha: float = 1e-3, seed: int = 0, accept_rule=None) -> VerifyReport:
+    """Run both checks. loaded: a `LoadedModel` or a transformers causal LM; drafter: an `EagleDrafter`;
+    params: the sampled check's settings (temperature > 0; its max_new_tokens also bounds the greedy check);
+    accept_rule: replaces the exact acceptance rule on the SD engine (negative controls)."""
+    if params.greedy:
+        raise TltError("the sampled check needs temperature > 0 (greedy decoding is checked separately)")
+    if not prompts or samples_per_prompt < 1:
+        raise TltError("verify needs at least one prompt and samples_per_prompt >= 1")
+    model = loaded.model if isinstance(loaded, LoadedModel) else loaded  # a causal LM has a `.model` too
+    params = dataclasses.replace(params, seed=seed if params.seed is None else params.seed)
+    greedy = dataclasses.replace(params, temperature=0.0)
+    plain = RolloutEngine(loaded).generate([Request(p, 1, greedy) for p in prompts])
+    spec = _sd_engine(loaded, drafter, strategy, accept_rule)
+    spec_greedy = spec.generate([Request(p, 1, greedy) for p in prompts])
+    mismatches, first = _compare(plain.samples, spec_greedy.samples)
+    sampled = spec.generate([Request(p, samples_per_prompt, params) for p in prompts])
+    generator = torch.Generator().manual_seed(seed)
+    u = torch.cat([pit_values(model, s.prompt_ids, s.token_ids, params, generator) for s in sampled.samples])
+    statistic = ks_statistic(u)
+    return VerifyReport(strategy.name, len(prompts), alpha, len(prompts), mismatches, first,
+                        len(sampled.samples), int(u.numel()), statistic, ks_pvalue(statistic, u.numel()),
+                        sampled.speculation_summary()["tau"])
+
+
+def _sd_engine(loaded, drafter, strategy: SpecStrategy, accept_rule) -> RolloutEngine:
+    """An engine that speculates at every step, with room for the strategy's tree past the committed tokens."""
+    room = max(strategy.tree_size, (strategy.depth - 1) * strategy.branching)
+    engine = RolloutEngine(loaded, drafter=drafter, speculation=strategy, max_tree_size=room)
+    engine.speculative.accept_rule = accept_rule
+    return engine
+
+
+def _compare(plain, spec) -> tuple[int, tuple[int, int] | None]:
+    """Mismatching responses, and (prompt, position) of the first difference (a prefix differs at its end)."""
+    mismatches, first = 0, None
+    for index, (a, b) in enumerate(zip(plain, spec)):
+        if a.token_ids == b.token_ids:
+            continue
+        mismatches += 1
+        if first is None:
+            same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                        min(len(a.token_ids), len(b.token_ids)))
+            first = (index, same)
+    return mismatches, first
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompt_ids, token_ids, params: SamplingParams) -> torch.Tensor:
+    """The target's processed log-probs [T, V] at each response position, by teacher forcing the whole sequence
+    through the transformers model itself: no KV cache, no tree mask, no engine code is shared with SD."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=device)
+    logits = model(ids).logits[:, len(prompt_ids) - 1:-1]                     # [1, T, V]
+    return processed_logprobs(logits, RowSampling.from_params([params], device))[0]
+
+
+def randomized_pit(logprobs: torch.Tensor, tokens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """u_t = P_t(tokens ranked before x_t) + V_t * p_t(x_t), V_t ~ U(0, 1); logprobs [T, V], tokens [T].
+
+    Tokens are ranked by probability descending, ties by token id, so the order is total and each token owns
+    the interval [before, before + p) of [0, 1). If x_t ~ p_t exactly, u_t is U(0, 1) given everything before
+    it: the token picks its interval with probability equal to the interval's length and V_t places u_t
+    uniformly inside. A conditional law that is U(0, 1) whatever the past makes u_1, u_2, ... i.i.d. uniform
+    (their joint density factorizes), however strongly the tokens themselves depend on each other. A sampler
+    that favours some tokens (e.g. drafted ones) piles u up where those tokens' intervals lie.
+    """
+    probs = logprobs.double().exp()
+    probs = probs / probs.sum(-1, keepdim=True)                                # float32 log-softmax rounding
+    tokens = tokens.to(probs.device)
+    p_x = probs.gather(1, tokens[:, None])                                     # [T, 1]
+    ids = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    ahead = (probs > p_x) | ((probs == p_x) & (ids < tokens[:, None]))
+    before = (probs * ahead).sum(-1)
+    v = torch.rand(tokens.shape[0], generator=generator, dtype=torch.float64)
+    return (before.cpu() + v * p_x[:, 0].cpu()).clamp(0.0, 1.0)
+
+
+def pit_values(model, prompt_ids, token_ids, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """PIT values of one response's tokens under the teacher-forced reference."""
+    logprobs = reference_logprobs(model, prompt_ids, token_ids, params)
+    return randomized_pit(logprobs, torch.tensor(token_ids), generator)
+
+
+def ks_statistic(u: torch.Tensor) -> float:
+    """One-sample Kolmogorov–Smirnov D = sup |F_n(x) - x| of the values u against U(0, 1).
+
+    Responses stop at a stop token or the length cap, so how many u a response contributes depends on its
+    tokens. The count of u <= s minus s times their number is still a martingale stopped at a bounded time:
+    centred, with the Brownian-bridge covariance, so D keeps its Kolmogorov limit."""
+    n = u.numel()
+    if n == 0:
+        raise TltError("no tokens were sampled: nothing to test")
+    u = u.double().sort().values
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    return float(torch.maximum(i / n - u, u - (i - 1) / n).max())
+
+
+def kolmogorov_sf(x: float) -> float:
+    """P(K > x) for the Kolmogorov distribution (the limit of sqrt(n) * D).
+
+    Two series for the same function, each where it converges in a few terms: the alternating series
+    2 * sum_k (-1)^(k-1) exp(-2 k^2 x^2) for large x, the theta-function form
+    P(K <= x) = sqrt(2 pi) / x * sum_k exp(-(2k - 1)^2 pi^2 / (8 x^2)) for small x."""
+    if x <= 0:
+        return 1.0
+    if x < 1.18:
+        total = sum(math.exp(-(2 * k - 1) ** 2 * math.pi ** 2 / (8 * x * x)) for k in range(1, 20))
+        return min(1.0, max(0.0, 1.0 - math.sqrt(2 * math.pi) / x * total))
+    total = sum((-1) ** (k - 1) * math.exp(-2 * k * k * x * x) for k in range(1, 20))
+    return min(1.0, max(0.0, 2.0 * total))
+
+
+def ks_pvalue(statistic: float, n: int) -> float:
+    """Asymptotic p-value of D over n values. For finite n, P(sqrt(n) D > x) lies a little below the limit,
+    so this p-value errs on the large side: slightly conservative, never a false alarm because of n."""
+    return kolmogorov_sf(math.sqrt(n) * statistic)
