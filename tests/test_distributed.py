@@ -162,3 +162,31 @@ def test_hub_versions_features_and_the_trainer_lease():
     assert not hub.should_stop(0)
     hub.stop(0)
     assert hub.should_stop(0)
+
+
+def test_hot_swapping_drafters_every_step_keeps_greedy_output_identical():
+    from conftest import random_prompts, tiny_model
+    from tlt.models.eagle import EagleDrafter
+    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.request import Request
+    from tlt.rollout.sampling import SamplingParams
+    from tlt.speculative.strategy import SpecStrategy
+
+    model = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=())
+    requests = [Request(p, params=params) for p in random_prompts([5, 9, 3])]
+    plain = RolloutEngine(model).generate(requests)
+    drafters = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        drafters.append(EagleDrafter(model.config))
+    engine = RolloutEngine(model, drafter=drafters[0], speculation=SpecStrategy(3, 2, 6))
+    calls = []
+
+    def swap(engine):  # a new version before every decode step, alternating weights
+        calls.append(len(calls))
+        engine.set_drafter(drafters[len(calls) % 2], version=len(calls))
+
+    swapped = engine.generate(requests, between_steps=swap)
+    assert [s.token_ids for s in swapped.samples] == [s.token_ids for s in plain.samples]
+    assert all(len(s.drafter_versions) > 3 for s in swapped.samples)
