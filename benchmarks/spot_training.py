@@ -1,4 +1,5 @@
-"""Spot training on vs off on SmolLM2-135M-Instruct, 2 Ray workers x 1 thread, same starting drafter.
+"""Spot training on vs off on SmolLM2-135M-Instruct, 2 Ray workers x 1 thread, same starting drafter, static SD
+(S4K2N8 once a worker's batch is at most 8 — always, with 8 rows per worker).
 
 Two measurements, each with the two modes' steps interleaved (benchmarks/rl_pairs.py):
   overhead  greedy decoding: SD is lossless, so both modes emit the same tokens and do the same rollout and
@@ -21,7 +22,8 @@ from rl_pairs import interleaved_runs, median  # noqa: E402
 
 
 def modes(drafter: str, temperature: float, seed: int) -> dict[str, list[str]]:
-    common = [f"run.drafter={drafter}", "run.speculative=adaptive", "run.workers=2", "run.backend=ray",
+    # static: one fixed strategy at batch <= 8, so tau compares drafters, not the bandit's arm choices
+    common = [f"run.drafter={drafter}", "run.speculative=static", "run.strategy=S4K2N8", "run.gate=8", "run.workers=2", "run.backend=ray",
               "run.threads_per_worker=1", f"rollout.temperature={temperature}", f"run.seed={seed}",
               "run.tensorboard=false", "optim.micro_batch_size=2"]  # 2: four resident workers fit in 24 GB
     return {"spot": common + ["run.spot_training=true"], "frozen": common + ["run.spot_training=false"]}

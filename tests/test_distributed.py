@@ -190,3 +190,25 @@ def test_hot_swapping_drafters_every_step_keeps_greedy_output_identical():
     swapped = engine.generate(requests, between_steps=swap)
     assert [s.token_ids for s in swapped.samples] == [s.token_ids for s in plain.samples]
     assert all(len(s.drafter_versions) > 3 for s in swapped.samples)
+
+
+def test_a_warmed_drafter_starts_spot_training_with_its_optimizer_state(tmp_path):
+    from tlt.drafter.buffer import FeatureBuffer
+    from tlt.drafter.trainer import DrafterTrainer
+    from tlt.models.eagle import EagleDrafter
+
+    model = long_tail_model()
+    drafter = EagleDrafter(model.config).attach(model)
+    buffer = FeatureBuffer(1000)
+    buffer.add(torch.randint(4, 16, (12,)), torch.randn(12, 16), 0)
+    trainer = DrafterTrainer(drafter, buffer)
+    trainer.train_steps(3)
+    trainer.save(tmp_path / "drafter")
+    controller = make_controller(tmp_path / "run", **{"run.drafter": str(tmp_path / "drafter")})
+    try:
+        state = controller.backend.hub.trainer_state()
+        assert state is not None and state["steps"] == 3
+        metrics = controller.train_step()
+    finally:
+        controller.close()
+    assert metrics["spot_train_steps"] > 0

@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     report = commands.add_parser("report", help="an HTML page with curves, tables and timelines for a run")
     report.add_argument("run_dir", help="a `tlt train` run directory (holds metrics.jsonl)")
     report.add_argument("--out", default=None, help="directory for index.html and its PNGs (default RUN_DIR/report)")
+    _add_verify(commands.add_parser("verify", help="statistical check that speculative decoding is lossless "
+                                    "on your model and drafter"))
     args = parser.parse_args(argv)
     try:
         if args.command == "drafter":
@@ -45,6 +47,8 @@ def main(argv=None) -> int:
 
             print(write_report(args.run_dir, args.out))
             return 0
+        if args.command == "verify":
+            return _run_verify(args)
         if args.command in ("generate", "demo"):
             from tlt.generate_cli import run_generate
 
@@ -96,6 +100,111 @@ def _run_export(args) -> int:
     out = export_eagle(EagleDrafter.load(args.directory, loaded.model), args.out, args.target)
     print(f"wrote {out} ({args.target}); embed_tokens and lm_head stay with the target")
     return 0
+
+
+def _add_verify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory, .gguf file, or 'smollm2' (default)")
+    parser.add_argument("--drafter", default=None, help="a tlt drafter directory (default: an untrained drafter; "
+                        "losslessness must hold for ANY drafter, a well-trained one is accepted more often and "
+                        "exercises the acceptance rule harder)")
+    parser.add_argument("--strategy", default="S4K2N8", help="depth S, branching K, tree size N")
+    parser.add_argument("--prompts", type=int, default=8, help="arithmetic-task chat prompts")
+    parser.add_argument("--samples-per-prompt", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0, help="of the sampled check (> 0)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--alpha", type=float, default=1e-3, help="fail when the KS p-value is below this")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON to OUT")
+    parser.add_argument("--negative-control", action="store_true", help="also run with a deliberately "
+                        "over-accepting rule, which must FAIL: shows the test can see a real bug at these settings")
+
+
+def _parse_strategy(text: str):
+    import re
+
+    from tlt.speculative.strategy import SpecStrategy
+
+    match = re.fullmatch(r"S(\d+)K(\d+)N(\d+)", text)
+    if match is None:
+        raise TltError(f"--strategy must look like S4K2N8 (depth, branching, tree size), got {text!r}")
+    return SpecStrategy(*(int(g) for g in match.groups()))
+
+
+def _run_verify(args) -> int:
+    """Exit 0 when both checks pass (and, with --negative-control, the control fails), else 1."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from tlt.models import load_model
+    from tlt.models.eagle import EagleDrafter
+    from tlt.rollout.sampling import SamplingParams
+    from tlt.tasks import ArithmeticTask, ChatTask
+    from tlt.verify import over_accepting_rule, verify
+
+    strategy = _parse_strategy(args.strategy)
+    console = Console()
+    with console.status("loading model"):
+        loaded = load_model(args.model)
+    drafter = (EagleDrafter.load(args.drafter, loaded.model) if args.drafter
+               else EagleDrafter(loaded.model.config).attach(loaded.model))
+    task = ChatTask(ArithmeticTask(), loaded.tokenizer)
+    prompts = [task.prompt_ids(example) for example in task.sample(args.prompts, args.seed)]
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    settings = dict(strategy=strategy, prompts=prompts, params=params, samples_per_prompt=args.samples_per_prompt,
+                    alpha=args.alpha, seed=args.seed)
+    with console.status("checking greedy identity and the sampled distribution"):
+        report = verify(loaded, drafter, **settings)
+    control = None
+    if args.negative_control:
+        with console.status("negative control: an over-accepting rule"):
+            control = verify(loaded, drafter, **settings, accept_rule=over_accepting_rule, check_greedy=False)
+    _print_verify(console, report, control, args.drafter or "untrained")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "model": loaded.source, "drafter": args.drafter, "params": dataclasses.asdict(params),
+            "check": report.to_dict(), "negative_control": control.to_dict() if control else None}, indent=1))
+    return 0 if report.passed and (control is None or not control.sampled_passed) else 1
+
+
+def _print_verify(console, report, control, drafter: str) -> None:
+    from rich.table import Table
+
+    mark = {True: "[green]PASS[/]", False: "[red]FAIL[/]"}
+    table = Table(title=f"tlt verify: {report.strategy}, drafter {drafter}, τ = {report.tau:.2f} tokens/step")
+    for column in ("check", "result", "detail"):
+        table.add_column(column)
+    where = "" if report.first_mismatch is None else \
+        f"; first at prompt {report.first_mismatch[0]}, token {report.first_mismatch[1]}"
+    table.add_row("greedy identity", mark[report.greedy_passed],
+                  f"{report.greedy_samples - report.greedy_mismatches}/{report.greedy_samples} responses "
+                  f"identical to plain decoding{where}")
+    table.add_row("sampled distribution", mark[report.sampled_passed], _ks_detail(report))
+    if control is not None:
+        table.add_row("negative control (over-accepting)",
+                      "[green]FAILS, as it must[/]" if not control.sampled_passed else "[red]passes: no power[/]",
+                      _ks_detail(control))
+    console.print(table)
+    if not report.passed:
+        console.print("[bold red]FAIL[/]: speculative decoding is NOT lossless at these settings")
+    elif control is not None and control.sampled_passed:
+        console.print("[bold red]FAIL[/]: the check passed, but so did the negative control: at these settings "
+                      "the test cannot see a real bug (raise --prompts, --samples-per-prompt or --max-new-tokens)")
+    else:
+        console.print("[bold green]PASS[/]: no difference from the target found at these settings")
+    if report.tau < 1.1:
+        console.print("note: drafts were rarely accepted (τ ≈ 1), so the acceptance rule was seldom exercised; "
+                      "a trained drafter (--drafter) makes the check sharper")
+
+
+def _ks_detail(report) -> str:
+    return (f"KS D = {report.ks_statistic:.4f} over {report.tokens} tokens of {report.sampled_responses} "
+            f"responses, p = {report.p_value:.3g} (alpha {report.alpha:g})")
 
 
 def _add_generate(parser: argparse.ArgumentParser) -> None:

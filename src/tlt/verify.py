@@ -32,7 +32,7 @@ class VerifyReport:
     prompts: int
     alpha: float
     # greedy identity: one response per prompt, SD vs plain decoding
-    greedy_samples: int
+    greedy_samples: int  # 0 = the greedy check was not run
     greedy_mismatches: int
     first_mismatch: tuple[int, int] | None  # (prompt index, first differing token position)
     # sampled distribution: pooled PIT values of every emitted token vs U(0, 1)
@@ -66,26 +66,26 @@ def over_accepting_rule(u: torch.Tensor, cumulative: torch.Tensor, child_probs: 
 
 
 def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]], params: SamplingParams,
-           samples_per_prompt: int, alpha: float = 1e-3, seed: int = 0, accept_rule=None) -> VerifyReport:
+           samples_per_prompt: int, alpha: float = 1e-3, seed: int = 0, accept_rule=None,
+           check_greedy: bool = True) -> VerifyReport:
     """Run both checks. loaded: a `LoadedModel` or a transformers causal LM; drafter: an `EagleDrafter`;
     params: the sampled check's settings (temperature > 0; its max_new_tokens also bounds the greedy check);
-    accept_rule: replaces the exact acceptance rule on the SD engine (negative controls)."""
+    accept_rule: replaces the exact acceptance rule on the SD engine (negative controls);
+    check_greedy=False skips the greedy check (greedy rows never consult accept_rule, so a negative control
+    learns nothing from it)."""
     if params.greedy:
         raise TltError("the sampled check needs temperature > 0 (greedy decoding is checked separately)")
     if not prompts or samples_per_prompt < 1:
         raise TltError("verify needs at least one prompt and samples_per_prompt >= 1")
     model = loaded.model if isinstance(loaded, LoadedModel) else loaded  # a causal LM has a `.model` too
     params = dataclasses.replace(params, seed=seed if params.seed is None else params.seed)
-    greedy = dataclasses.replace(params, temperature=0.0)
-    plain = RolloutEngine(loaded).generate([Request(p, 1, greedy) for p in prompts])
     spec = _sd_engine(loaded, drafter, strategy, accept_rule)
-    spec_greedy = spec.generate([Request(p, 1, greedy) for p in prompts])
-    mismatches, first = _compare(plain.samples, spec_greedy.samples)
+    mismatches, first = _greedy_identity(loaded, spec, prompts, params) if check_greedy else (0, None)
     sampled = spec.generate([Request(p, samples_per_prompt, params) for p in prompts])
     generator = torch.Generator().manual_seed(seed)
     u = torch.cat([pit_values(model, s.prompt_ids, s.token_ids, params, generator) for s in sampled.samples])
     statistic = ks_statistic(u)
-    return VerifyReport(strategy.name, len(prompts), alpha, len(prompts), mismatches, first,
+    return VerifyReport(strategy.name, len(prompts), alpha, len(prompts) if check_greedy else 0, mismatches, first,
                         len(sampled.samples), int(u.numel()), statistic, ks_pvalue(statistic, u.numel()),
                         sampled.speculation_summary()["tau"])
 
@@ -96,6 +96,13 @@ def _sd_engine(loaded, drafter, strategy: SpecStrategy, accept_rule) -> RolloutE
     engine = RolloutEngine(loaded, drafter=drafter, speculation=strategy, max_tree_size=room)
     engine.speculative.accept_rule = accept_rule
     return engine
+
+
+def _greedy_identity(loaded, spec: RolloutEngine, prompts, params: SamplingParams):
+    """At temperature 0 SD must reproduce plain decoding token for token: one response per prompt each way."""
+    greedy = dataclasses.replace(params, temperature=0.0)
+    plain = RolloutEngine(loaded).generate([Request(p, 1, greedy) for p in prompts])
+    return _compare(plain.samples, spec.generate([Request(p, 1, greedy) for p in prompts]).samples)
 
 
 def _compare(plain, spec) -> tuple[int, tuple[int, int] | None]:
@@ -154,7 +161,7 @@ def ks_statistic(u: torch.Tensor) -> float:
 
     Responses stop at a stop token or the length cap, so how many u a response contributes depends on its
     tokens. The count of u <= s minus s times their number is still a martingale stopped at a bounded time:
-    centred, with the Brownian-bridge covariance, so D keeps its Kolmogorov limit."""
+    centred, with the Brownian-bridge covariance, so D keeps its Kolmogorov limit as responses grow in number."""
     n = u.numel()
     if n == 0:
         raise TltError("no tokens were sampled: nothing to test")
@@ -180,5 +187,5 @@ def kolmogorov_sf(x: float) -> float:
 
 def ks_pvalue(statistic: float, n: int) -> float:
     """Asymptotic p-value of D over n values. For finite n, P(sqrt(n) D > x) lies a little below the limit,
-    so this p-value errs on the large side: slightly conservative, never a false alarm because of n."""
+    so this p-value errs on the large side (slightly conservative)."""
     return kolmogorov_sf(math.sqrt(n) * statistic)

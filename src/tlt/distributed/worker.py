@@ -156,9 +156,20 @@ class RolloutWorker:
         engine.set_drafter(self.drafter, version=version)
 
     def publish_initial_drafter(self) -> int:
-        return self.hub.publish(_cpu_state(self.drafter), step=self.trainer.step, worker=self.rank, trainer_steps=0)
+        """Version 0: the run's starting drafter, with its warm-up optimizer state when the directory has one
+        (a fresh Adam would take full-size steps on an already trained drafter and undo part of its warm-up)."""
+        from pathlib import Path
 
-    def _spot_state(self):
+        state = None
+        source = self.config.run.drafter
+        if source and (Path(source) / "drafter_trainer.json").exists():
+            _, trainer, _ = self._spot_state(weights=_cpu_state(self.drafter))
+            trainer.load_optimizer(source)
+            state = {"optimizer": trainer.optimizer.state_dict(), "steps": trainer.steps}
+        return self.hub.publish(_cpu_state(self.drafter), step=self.trainer.step, worker=self.rank, trainer_steps=0,
+                                trainer_state=state)
+
+    def _spot_state(self, weights: dict | None = None):
         """The training copy of the drafter, at the latest published version, with the last trainer's state."""
         from tlt.models.eagle import EagleDrafter
 
@@ -168,8 +179,10 @@ class RolloutWorker:
             buffer = FeatureBuffer(self.config.run.drafter_buffer_tokens, seed=self.config.run.seed + self.rank)
             self._spot = [drafter, DrafterTrainer(drafter, buffer, config), buffer, 0]
         drafter, trainer, buffer, _ = self._spot
-        _, weights = self.hub.latest()
-        drafter.load_state_dict(weights)
+        if weights is not None:
+            drafter.load_state_dict(weights)
+            return drafter, trainer, buffer
+        drafter.load_state_dict(self.hub.latest()[1])
         state = self.hub.trainer_state()
         if state is not None:
             trainer.optimizer.load_state_dict(state["optimizer"])

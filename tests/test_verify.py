@@ -1,0 +1,108 @@
+"""`tlt verify`: the losslessness check passes on the exact rule, fails on a biased one (it has power), and its
+Kolmogorov–Smirnov p-value matches known values of the Kolmogorov distribution."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
+from tlt.cli import main
+from tlt.rollout.sampling import SamplingParams
+from tlt.speculative.strategy import SpecStrategy
+from tlt.verify import kolmogorov_sf, ks_pvalue, ks_statistic, over_accepting_rule, randomized_pit, verify
+
+PARAMS = [SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=()),
+          SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=24, stop_token_ids=(7,))]
+
+
+def run_verify(params, accept_rule=None, seed=0):
+    """A context-sensitive target with a near-exact drafter: drafts are accepted often (deep paths, rollback)."""
+    model, _ = markov_model(16, sharpness=1.5, context=0.05, seed=1)
+    return verify(model, oracle_drafter(model), strategy=SpecStrategy(3, 2, 6),
+                  prompts=random_prompts([3, 5, 4, 6], vocab_size=16), params=params, samples_per_prompt=16,
+                  seed=seed, accept_rule=accept_rule)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.8-topk5-topp0.9"])
+def test_the_exact_rule_passes_both_checks(params):
+    report = run_verify(params)
+    assert report.greedy_samples == 4 and report.greedy_mismatches == 0 and report.first_mismatch is None
+    assert report.tokens > 600 and report.tau > 1.5  # enough tokens, and acceptance really was exercised
+    assert report.passed, report.to_dict()
+    assert json.loads(json.dumps(report.to_dict()))["passed"] is True
+
+
+@pytest.mark.parametrize("rule", [over_accepting_rule, lambda u, cumulative, probs: u[:, None] <= cumulative * 1.3],
+                         ids=["plus-0.3", "times-1.3"])
+def test_negative_control_an_over_accepting_rule_fails(rule):
+    report = run_verify(PARAMS[0], accept_rule=rule)
+    assert report.greedy_passed  # greedy rows follow the argmax: the accept rule never touches them
+    assert not report.sampled_passed and report.p_value < 1e-6, report.to_dict()
+    assert not report.passed
+
+
+def test_pit_is_uniform_for_exact_samples_with_ties():
+    """Ties (here: all 4 kept tokens of a row equally likely) are ordered by token id: u stays exactly uniform."""
+    generator = torch.Generator().manual_seed(0)
+    logprobs = torch.log(torch.tensor([[0.25, 0.25, 0.25, 0.25, 0.0], [0.5, 0.2, 0.2, 0.05, 0.05]]))
+    rows = torch.randint(0, 2, (4000,), generator=generator)
+    tokens = torch.multinomial(logprobs.exp()[rows], 1, generator=generator)[:, 0]
+    u = randomized_pit(logprobs[rows], tokens, generator)
+    assert ks_pvalue(ks_statistic(u), u.numel()) > 1e-3
+    # token 2 of row 1 (p = 0.2, tied with token 1, which has the smaller id) owns [0.7, 0.9)
+    assert ((u[(rows == 1) & (tokens == 2)] >= 0.7) & (u[(rows == 1) & (tokens == 2)] < 0.9)).all()
+
+
+def test_kolmogorov_distribution_known_values():
+    assert kolmogorov_sf(0.0) == 1.0 and ks_pvalue(0.0, 1000) == 1.0
+    # classical critical values: P(K > 1.36) = 0.05, P(K > 1.63) = 0.01, P(K <= 1) = 0.7300, P(K <= 0.5) = 0.0361
+    assert kolmogorov_sf(1.36) == pytest.approx(0.0495, abs=2e-4)
+    assert kolmogorov_sf(1.63) == pytest.approx(0.0098, abs=2e-4)
+    assert kolmogorov_sf(1.0) == pytest.approx(0.2700, abs=2e-4)
+    assert kolmogorov_sf(0.5) == pytest.approx(0.9639, abs=2e-4)
+    # the two series meet where the implementation switches between them
+    assert kolmogorov_sf(1.18 - 1e-9) == pytest.approx(kolmogorov_sf(1.18), abs=1e-9)
+    assert ks_pvalue(0.2, 1000) < 1e-6
+    assert ks_pvalue(1.36 / math.sqrt(400), 400) == pytest.approx(0.0495, abs=2e-4)
+
+
+def test_ks_statistic_against_hand_computed_values():
+    assert ks_statistic(torch.tensor([0.5])) == pytest.approx(0.5)
+    assert ks_statistic(torch.tensor([0.1, 0.2, 0.3, 0.4])) == pytest.approx(0.6)  # F_n(0.4) = 1 vs 0.4
+    even_grid = (torch.arange(100, dtype=torch.float64) + 0.5) / 100
+    assert ks_statistic(even_grid) == pytest.approx(0.005)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer with a plain chat template: 256 byte tokens, then <eos> = 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = 256
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>",
+                                   chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+
+
+def test_cli_verify_on_a_model_directory(tmp_path, capsys):
+    from tlt.models.loading import save_model_dir
+
+    model = tiny_model("llama", vocab_size=257, eos_token_id=256, max_position_embeddings=512)
+    save_model_dir(model, byte_tokenizer(), tmp_path / "model")
+    out = tmp_path / "verify.json"
+    code = main(["verify", "--model", str(tmp_path / "model"), "--strategy", "S3K2N6", "--prompts", "2",
+                 "--samples-per-prompt", "8", "--max-new-tokens", "16", "--json", str(out)])
+    assert code == 0, capsys.readouterr().out
+    assert "PASS" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["check"]["passed"] and result["check"]["greedy_samples"] == 2
+    assert result["check"]["tokens"] > 100 and result["negative_control"] is None
+
+
+def test_cli_verify_rejects_a_bad_strategy(tmp_path):
+    assert main(["verify", "--model", str(tmp_path), "--strategy", "deep"]) == 2
