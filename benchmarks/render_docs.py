@@ -56,8 +56,43 @@ def adaptive_table(data: dict) -> str:
     return "\n".join(rows)
 
 
+def spot_table(data: dict) -> str:
+    rows = ["| phase | step | spot step s | frozen step s | ratio | τ spot | τ frozen | drafter steps | idle spot / frozen |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for phase in ("overhead", "tau"):
+        part = data.get(phase)
+        if part is None:
+            continue
+        for i, ratio in enumerate(part["step_ratio_per_step"]):
+            rows.append(f"| {phase} | {i + 1} | {part['step_s']['spot'][i]:.1f} | {part['step_s']['frozen'][i]:.1f} | "
+                        f"{ratio:.3f} | {part['tau']['spot'][i]:.2f} | {part['tau']['frozen'][i]:.2f} | "
+                        f"{part['spot_train_steps'][i]} | {part['idle_fraction']['spot'][i]:.1%} / "
+                        f"{part['idle_fraction']['frozen'][i]:.1%} |")
+    rows.append("")
+    rows.append(f"`spot_overhead_ratio` (median spot/frozen step time, greedy phase: identical tokens in both modes) "
+                f"= **{data.get('spot_overhead_ratio')}**")
+    return "\n".join(rows)
+
+
+def e2e_table(data: dict) -> str:
+    rows = ["| | step s (median) | rollout s | vs baseline |", "|---|---:|---:|---:|"]
+    if "trl_step_s" in data:
+        rows.append(f"| TRL `GRPOTrainer` (transformers generate) | {data['trl_step_s']:.1f} | – | "
+                    f"{data['baseline_step_s'] / data['trl_step_s']:.2f}x |")
+    rows.append(f"| tlt, no SD (baseline) | {data['baseline_step_s']:.1f} | {data['baseline_rollout_s']:.1f} | 1.00x |")
+    rows.append(f"| tlt, TLT mode (adaptive SD + spot training) | {data['tlt_step_s']:.1f} | {data['tlt_rollout_s']:.1f} | "
+                f"{data['speedup_vs_baseline']:.2f}x |")
+    rows.append("")
+    rows.append(f"`speedup_vs_baseline` = **{data['speedup_vs_baseline']}**, `speedup_vs_trl` = "
+                f"**{data.get('speedup_vs_trl', 'not run')}**, `rollout_share_baseline` = {data['rollout_share_baseline']}, "
+                f"long-tail share of the rollout (time with ≤ 25% of rows left) = {data['rollout_tail_share_baseline']}")
+    return "\n".join(rows)
+
+
+RENDERERS = (("rollout_throughput", rollout_table), ("speculative", speculative_table),
+             ("adaptive", adaptive_table), ("spot_training", spot_table), ("e2e", e2e_table))
+
 if __name__ == "__main__":
-    for name, render in (("rollout_throughput", rollout_table), ("speculative", speculative_table),
-                         ("adaptive", adaptive_table)):
+    for name, render in RENDERERS:
         data = load(name)
         print(f"## {name}\n\n{render(data) if data else '(not run)'}\n")

@@ -12,6 +12,7 @@ Two measurements, each with the two modes' steps interleaved (benchmarks/rl_pair
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -56,16 +57,23 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tau-steps", type=int, default=4)
+    parser.add_argument("--phases", nargs="+", choices=["overhead", "tau"], default=["overhead", "tau"],
+                        help="run only these; the other phase's results already in --json are kept")
     args = parser.parse_args()
-    result = {"environment": environment(), "workers": 2, "threads_per_worker": 1, "drafter": args.drafter}
-    print("== overhead (greedy: identical work in both modes)")
-    result["overhead"] = summarize(interleaved_runs(modes(args.drafter, 0.0, 0), args.steps))
-    print("== tau over RL steps (T=1)")
-    result["tau"] = summarize(interleaved_runs(modes(args.drafter, 1.0, 0), args.tau_steps))
-    result["spot_overhead_ratio"] = result["overhead"]["overhead_ratio_median"]
+    path = Path(args.json)
+    result = json.loads(path.read_text()) if path.exists() else {}
+    result.update({"environment": environment(), "workers": 2, "threads_per_worker": 1, "drafter": args.drafter})
+    if "overhead" in args.phases:
+        print("== overhead (greedy: identical work in both modes)")
+        result["overhead"] = summarize(interleaved_runs(modes(args.drafter, 0.0, 0), args.steps))
+        result["spot_overhead_ratio"] = result["overhead"]["overhead_ratio_median"]
+    if "tau" in args.phases:
+        print("== tau over RL steps (T=1)")
+        result["tau"] = summarize(interleaved_runs(modes(args.drafter, 1.0, 0), args.tau_steps))
     write_json(args.json, result)
-    print(f"overhead ratio (median of per-step spot/frozen): {result['spot_overhead_ratio']}")
-    print(f"tau spot {result['tau']['tau']['spot']}  frozen {result['tau']['tau']['frozen']}")
+    print(f"overhead ratio (median of per-step spot/frozen): {result.get('spot_overhead_ratio')}")
+    if "tau" in result:
+        print(f"tau spot {result['tau']['tau']['spot']}  frozen {result['tau']['tau']['frozen']}")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,33 @@ def test_train_until_stops_within_one_step(setup):
     assert time.perf_counter() - started < 5
 
 
+def test_micro_steps_accumulate_the_whole_batch_gradient(setup):
+    model, buffer = setup
+    grads = []
+    for rows in (1, 100):
+        torch.manual_seed(0)
+        drafter = EagleDrafter(model.config).attach(model)
+        config = DrafterTrainConfig(entries_per_step=6, row_length=32, rows_per_micro_step=rows, grad_clip=0, seed=4)
+        trainer = DrafterTrainer(drafter, buffer, config)
+        trainer.buffer._rng.seed(11)  # the same entries for both
+        trainer.optimizer.step = lambda: None  # keep the gradient for inspection
+        trainer._step()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in drafter.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_a_stop_inside_a_step_drops_it_without_an_update(setup):
+    model, buffer = setup
+    drafter = EagleDrafter(model.config).attach(model)
+    trainer = DrafterTrainer(drafter, buffer, DrafterTrainConfig(entries_per_step=8, row_length=16,
+                                                                 rows_per_micro_step=1))
+    before = [p.detach().clone() for p in drafter.parameters()]
+    checks = iter([False, False, True])  # before the step, first micro-step, then stop mid-step
+    assert trainer.train_until(lambda: next(checks), max_steps=5) == []
+    assert trainer.steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, drafter.parameters()))
+
+
 def test_save_load_and_shape_mismatch(setup, tmp_path):
     model, buffer = setup
     drafter = EagleDrafter(model.config, draft_vocab=torch.arange(8)).attach(model)

@@ -46,7 +46,8 @@ def share_of_target(completion, example):
 def make_trainer(tmp_path, seed=0, **overrides):
     model = tiny_model("llama", vocab_size=16, seed=seed)
     loaded = LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "tiny")
-    settings = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=6",
+    settings = ["run.speculative=off", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=8",
+                "rollout.max_new_tokens=6",
                 "optim.lr=0.01", "optim.micro_batch_size=8", f"run.out_dir={tmp_path}", "run.tensorboard=false",
                 *[f"{k}={v}" for k, v in overrides.items()]]
     return GRPOTrainer(load_config(None, settings), loaded=loaded, task=ToyTask(), reward=Reward(share_of_target))
@@ -121,7 +122,8 @@ def test_reward_failures_are_counted_not_fatal(tmp_path):
 
 def test_default_config_is_valid():
     config = TrainConfig()
-    assert config.run.speculative == "off" and config.rollout.samples_per_prompt >= 2
+    assert config.run.speculative == "adaptive" and config.run.spot_training and config.run.workers == 2
+    assert config.rollout.samples_per_prompt >= 2
 
 
 def test_actor_pass_feeds_the_drafter_buffer_with_the_engines_features(tmp_path):
@@ -180,3 +182,16 @@ def test_bandit_state_is_checkpointed_and_restored(tmp_path):
 
     resumed.resume(latest_checkpoint(tmp_path / "run"))
     assert resumed.engine.speculation.state_dict() == trainer.engine.speculation.state_dict()
+
+
+def test_command_line_values_keep_their_text_for_string_fields(tmp_path):
+    from tlt.rl.config import ConfigError
+
+    config = load_config(None, ["run.speculative=off", "run.drafter=none", "optim.lr=1e-3", "run.steps=5"])
+    assert (config.run.speculative, config.run.drafter, config.optim.lr, config.run.steps) == ("off", None, 1e-3, 5)
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  speculative: off\n")  # YAML 1.1 reads an unquoted off as false
+    with pytest.raises(ConfigError, match="quote it"):
+        load_config(path)
+    path.write_text('run:\n  speculative: "off"\n')
+    assert load_config(path).run.speculative == "off"

@@ -31,6 +31,7 @@ class DrafterTrainConfig:
     feature_noise: float = 0.0      # uniform noise on input features (EAGLE's robustness trick), as a fraction
     entries_per_step: int = 8       # samples drawn from the buffer per optimizer step
     row_length: int = 256           # pairs per packed row
+    rows_per_micro_step: int = 2    # packed rows per forward/backward; a stop request is honored between them
     eval_depth: int = 5             # chain depth assumed when turning top-1 agreement into expected τ
     seed: int = 0
 
@@ -49,19 +50,39 @@ class DrafterTrainer:
         return [self._step() for _ in range(count)]
 
     def train_until(self, stop: Callable[[], bool], max_steps: int) -> list[dict]:
-        """Train until stop() is true (checked before every optimizer step) or max_steps are done."""
+        """Train until stop() is true or max_steps are done. stop() is checked between micro-steps too: a step
+        it interrupts is dropped (no optimizer update), so a worker is released within one micro-step."""
         history = []
         while len(history) < max_steps and not stop():
-            history.append(self._step())
+            record = self._step(stop)
+            if record is None:
+                break
+            history.append(record)
         return history
 
-    def _step(self) -> dict:
+    def _step(self, stop: Callable[[], bool] | None = None) -> dict | None:
+        """One optimizer step over `entries_per_step` buffer entries, accumulated over micro-steps of a few
+        packed rows; each micro-step's mean loss is weighted by its share of pairs, so the gradient equals the
+        whole batch's."""
         started = time.perf_counter()
         self.drafter.train()
         batch = self._to_device(pack_pairs(self.buffer.sample(self.config.entries_per_step), self.config.row_length))
-        loss, parts = self.loss(batch)
+        total = int(batch.valid.sum())
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        sums: dict[str, float] = {}
+        for rows in _row_chunks(batch, self.config.rows_per_micro_step):
+            if stop is not None and stop():
+                self.optimizer.zero_grad(set_to_none=True)
+                self.drafter.eval()
+                return None
+            share = int(rows.valid.sum()) / max(1, total)
+            if share == 0:
+                continue
+            loss, parts = self.loss(rows)
+            (loss * share).backward()
+            for key, value in parts.items():
+                sums[key] = sums.get(key, 0.0) + value * share
+        parts = sums
         if self.config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
         self.optimizer.step()
@@ -129,6 +150,13 @@ class DrafterTrainer:
         self.optimizer.load_state_dict(_unflatten_optimizer(load_file(str(directory / "drafter_optimizer.safetensors")),
                                                             state["optimizer"]))
         self.steps = state["steps"]
+
+
+def _row_chunks(batch: PackedPairs, size: int):
+    for start in range(0, batch.valid.shape[0], max(1, size)):
+        part = slice(start, start + size)
+        yield PackedPairs(batch.input_tokens[part], batch.input_features[part], batch.target_features[part],
+                          batch.positions[part], batch.attention_mask[part], batch.valid[part])
 
 
 def implied_tau(top1: float, depth: int) -> float:

@@ -78,9 +78,10 @@ class RunConfig:
     out_dir: str = "runs/default"
     checkpoint_every: int = 1      # save policy + optimizer + RNG every K steps (0 = only at the end)
     tensorboard: bool = True       # write TensorBoard scalars when tensorboard is installed
-    speculative: str = "off"       # "off" (the baseline), "static" (SD with `strategy` at batch <= gate) or
-                                   # "adaptive" (gate + bandit over strategies); both need `drafter`
-    drafter: str | None = None     # drafter directory (tlt drafter warmup) for the speculative modes
+    speculative: str = "adaptive"  # "adaptive" (TLT: batch-size gate + bandit over strategies), "static" (SD
+                                   # with `strategy` at batch <= gate) or "off" (the baseline: no SD)
+    drafter: str | None = None     # drafter directory (tlt drafter warmup); none: spot training (workers >= 2)
+                                   # trains one from scratch
     strategy: str = "S4K2N8"       # static mode's strategy, as depth S, branching K, tree size N
     gate: int = 8                  # speculate only while the running batch is at most this
     workers: int = 2               # rollout workers (policy replicas); prompts are sharded across them
@@ -106,14 +107,19 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def override(self, key: str, value) -> "TrainConfig":
+    def override(self, key: str, value, *, text: bool = False) -> "TrainConfig":
+        """Set `section.key`. text=True: `value` is command-line text, parsed as YAML except for string fields,
+        which take it verbatim (YAML would turn `off`, `no` or `1e-3` into other types)."""
         section_name, _, name = key.partition(".")
         if not name:
             raise ConfigError(f"config key {key!r} needs a section: one of {', '.join(_section_names())}")
         section = getattr(self, _check_key(section_name, _section_names(), "section"))
         fields = {f.name: f for f in dataclasses.fields(section)}
         name = _check_key(name, list(fields), f"key in [{section_name}]", prefix=f"{section_name}.")
-        coerced = _coerce(key, value, typing.get_type_hints(type(section))[name])
+        annotation = typing.get_type_hints(type(section))[name]
+        if text:
+            value = _parse_text(value, annotation)
+        coerced = _coerce(key, value, annotation)
         return dataclasses.replace(self, **{section_name: dataclasses.replace(section, **{name: coerced})})
 
 
@@ -136,8 +142,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         key, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        config = config.override(key.strip(), yaml.safe_load(raw))
+        config = config.override(key.strip(), raw.strip(), text=True)
     return config
+
+
+def _parse_text(raw: str, annotation):
+    optional = type(None) in typing.get_args(annotation)
+    if optional and raw.lower() in ("", "null", "none", "~"):
+        return None
+    if annotation is str or (optional and str in typing.get_args(annotation)):
+        return raw
+    if annotation is float:
+        try:
+            return float(raw)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        except ValueError:
+            pass
+    return yaml.safe_load(raw)
 
 
 def _section_names() -> list[str]:
@@ -176,4 +196,7 @@ def _coerce(key: str, value, annotation):
     elif annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} expects a string, but YAML read {value!r} (from off/no/yes/on...): "
+                              f"quote it, e.g. \"off\"")
     raise ConfigError(f"{key} expects {getattr(annotation, '__name__', annotation)}, got {value!r}")
