@@ -68,8 +68,7 @@ def run(mode: str, seed: int, steps: int) -> list[dict]:
     settings = {"rollout.prompts_per_step": 4, "rollout.samples_per_prompt": 8, "rollout.max_new_tokens": 24,
                 "optim.lr": 0.01, "optim.micro_batch_size": 8, "run.workers": 2, "run.backend": "inprocess",
                 "run.seed": seed, "run.tensorboard": False, "run.gate": 64, "run.publish_every": 5}
-    if mode == "tlt":
-        settings.update({"run.speculative": "adaptive", "run.spot_training": True})
+    settings["run.speculative"] = "adaptive" if mode == "tlt" else "off"  # tlt: spot training trains the drafter
     config = load_config(None, [f"{k}={v}" for k, v in settings.items()])
     controller = DistributedGRPO(config, loaded=small_model(0), task=RandomPrompts(), reward=Reward(share_of_target))
     try:
