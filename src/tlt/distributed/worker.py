@@ -46,8 +46,11 @@ class RolloutWorker:
                  task=None, reward=None, reducer=None):
         from tlt.rl.trainer import GRPOTrainer
 
-        if threads:
+        if threads:  # a Ray worker process: its own thread budget, and no per-process loading bars in the log
             torch.set_num_threads(threads)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         self.rank, self.world_size, self.config = rank, world_size, config
         self.hub = HubClient(hub)
         self.collected = FeatureBuffer(10**9)  # this step's features, handed to the hub after prepare()
