@@ -74,7 +74,7 @@ class RolloutWorker:
     def sample_examples(self, step: int) -> list:
         """The step's prompts (every worker could draw them; rank 0 does, from the run seed and the step)."""
         self.trainer.step = step
-        return self.trainer.task.sample(self.config.rollout.prompts_per_step, seed=self.trainer._step_seed())
+        return self.trainer.task.sample(self.config.rollout.prompts_per_step, seed=self.trainer.step_seed())
 
     def rollout(self, step: int, examples: list) -> dict:
         """Generate this worker's shard; swap in newer drafters between decode steps."""
@@ -84,22 +84,21 @@ class RolloutWorker:
         if self.drafter is not None:
             self._sync_drafter(self.engine, force=True)
         wall_start = time.time()
-        self._rollout = self.trainer._rollout(examples, between_steps=self._between_steps)
-        self.timeline.add_rollout(self._rollout, wall_start)
-        return {"rollout": _lean_rollout(self._rollout), "end": time.time()}
+        self._result = self.trainer.rollout(examples, between_steps=self._between_steps)
+        self.timeline.add_rollout(self._result, wall_start)
+        return {"rollout": _lean_rollout(self._result), "end": time.time()}
 
     def prepare(self) -> dict:
         """Rewards, advantages and old log-probs of this shard (the update's inputs); the same forward pass
         collects the features the drafter trains on, which go to the hub for every worker's spot training."""
         started = time.time()
-        self.collected.entries.clear()
-        self.collected.tokens = 0
-        self._batch = self.trainer._score(self._examples, self._rollout)
+        self._batch = self.trainer.score(self._examples, self._result)
+        entries = self.collected.take()
         if self.drafter is not None:
-            self.hub.add_features(list(self.collected.entries))
+            self.hub.add_features(entries)
         self.timeline.record("logprobs", started)
         return {"rewards": self._batch.rewards, "correct": self._batch.correct,
-                "totals": self.trainer.loss_totals(self._batch), "reward_failures": self.trainer._reward_failures,
+                "totals": self.trainer.loss_totals(self._batch), "reward_failures": self.trainer.reward_failures,
                 "end": time.time()}
 
     def spot_train(self, step: int) -> dict:
@@ -133,13 +132,13 @@ class RolloutWorker:
     def update(self, totals: dict) -> dict:
         """The policy update on this shard, normalized by the global totals, gradients summed across workers."""
         started = time.time()
-        stats = self.trainer._update(self._batch, totals, reduce_gradients=self.reducer)
+        stats = self.trainer.update(self._batch, totals, reduce_gradients=self.reducer)
         self.trainer.step += 1
         self._batch = None
         _return_free_memory()
         self.timeline.record("update", started)
         return {"update": stats, "timeline": self.timeline, "end": time.time(),
-                "lr": self.trainer.optimizer.param_groups[0]["lr"], "policy_metrics": self.trainer._policy_metrics()}
+                "lr": self.trainer.optimizer.param_groups[0]["lr"], "policy_metrics": self.trainer.policy_metrics()}
 
     # -- drafter versions -------------------------------------------------------------------------------------
 
@@ -166,25 +165,27 @@ class RolloutWorker:
         state = None
         source = self.config.run.drafter
         if source and (Path(source) / "drafter_trainer.json").exists():
-            _, trainer, _ = self._spot_state(weights=_cpu_state(self.drafter))
+            trainer = self._spot_objects()[1]
             trainer.load_optimizer(source)
             state = {"optimizer": trainer.optimizer.state_dict(), "steps": trainer.steps}
         return self.hub.publish(_cpu_state(self.drafter), step=self.trainer.step, worker=self.rank, trainer_steps=0,
                                 trainer_state=state)
 
-    def _spot_state(self, weights: dict | None = None):
-        """The training copy of the drafter, at the latest published version, with the last trainer's state."""
+    def _spot_objects(self) -> list:
+        """[training drafter, DrafterTrainer, local FeatureBuffer, next hub feature sequence], made on first use.
+        The training drafter is a separate copy: the engine's drafter keeps serving the published version."""
         from tlt.models.eagle import EagleDrafter
 
-        if self._spot is None:  # a separate copy: the engine's drafter keeps serving the published version
+        if self._spot is None:
             drafter = EagleDrafter(self.drafter.config, self.drafter.draft_to_target).attach(self.engine.forward)
             config = DrafterTrainConfig(lr=self.config.run.drafter_lr, seed=self.config.run.seed + self.rank)
             buffer = FeatureBuffer(self.config.run.drafter_buffer_tokens, seed=self.config.run.seed + self.rank)
             self._spot = [drafter, DrafterTrainer(drafter, buffer, config), buffer, 0]
-        drafter, trainer, buffer, _ = self._spot
-        if weights is not None:
-            drafter.load_state_dict(weights)
-            return drafter, trainer, buffer
+        return self._spot
+
+    def _spot_state(self):
+        """The training objects at the latest published version, with the last spot trainer's optimizer state."""
+        drafter, trainer, buffer, _ = self._spot_objects()
         drafter.load_state_dict(self.hub.latest()[1])
         state = self.hub.trainer_state()
         if state is not None:

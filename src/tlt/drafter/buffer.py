@@ -93,6 +93,13 @@ class FeatureBuffer:
         for row, (start, end) in enumerate(zip(starts, ends)):
             self.add(tokens[row, start:end], hidden[row, start:end], step)
 
+    def take(self) -> list[FeatureEntry]:
+        """Remove and return every entry (a worker hands its step's features on and starts empty)."""
+        entries = list(self.entries)
+        self.entries.clear()
+        self.tokens = 0
+        return entries
+
     def steps(self) -> list[int]:
         return sorted({entry.step for entry in self.entries})
 

@@ -63,22 +63,22 @@ class GRPOTrainer:
 
     def train_step(self) -> dict:
         started = time.perf_counter()
-        examples = self.task.sample(self.config.rollout.prompts_per_step, seed=self._step_seed())
-        rollout = self._rollout(examples)
+        examples = self.task.sample(self.config.rollout.prompts_per_step, seed=self.step_seed())
+        rollout = self.rollout(examples)
         rollout_s = time.perf_counter() - started
-        batch = self._score(examples, rollout)
-        update = self._update(batch)
+        batch = self.score(examples, rollout)
+        update = self.update(batch)
         self.step += 1
         return self._metrics(rollout, batch.rewards, batch.correct, update, rollout_s,
                              time.perf_counter() - started - rollout_s)
 
-    def _step_seed(self) -> int:
+    def step_seed(self) -> int:
         return self.config.run.seed * 1_000_003 + self.step
 
-    def _rollout(self, examples, between_steps=None) -> RolloutResult:
+    def rollout(self, examples, between_steps=None) -> RolloutResult:
         cfg = self.config.rollout
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                max_new_tokens=cfg.max_new_tokens, seed=self._step_seed())
+                                max_new_tokens=cfg.max_new_tokens, seed=self.step_seed())
         requests = [Request(self.task.prompt_ids(example), n=cfg.samples_per_prompt, params=params)
                     for example in examples]
         self.model.eval()
@@ -86,7 +86,7 @@ class GRPOTrainer:
             self.engine.speculation.reset()  # the batch restarts large: the gate closes again
         return self.engine.generate(requests, progress=self.progress, between_steps=between_steps)
 
-    def _score(self, examples, rollout: RolloutResult) -> StepBatch:
+    def score(self, examples, rollout: RolloutResult) -> StepBatch:
         from tlt.rl.grpo import group_advantages
 
         n = self.config.rollout.samples_per_prompt
@@ -99,7 +99,7 @@ class GRPOTrainer:
                                      [s.token_ids for s in rollout.samples], pad, self.device)
         old = self._no_grad_logprobs(self.model, packed)
         ref = self._no_grad_logprobs(self.reference, packed) if self.reference is not None else None
-        self._reward_failures = scored.failures
+        self.reward_failures = scored.failures
         return StepBatch(packed, rewards, torch.tensor(scored.correct), advantages.to(self.device), old, ref)
 
     def _no_grad_logprobs(self, model, packed: PackedSamples) -> torch.Tensor:
@@ -124,7 +124,7 @@ class GRPOTrainer:
         return {"tokens": float(batch.packed.response_mask.sum()), "sequences": float(batch.rewards.shape[0]),
                 "max_tokens": float(self.config.rollout.max_new_tokens)}
 
-    def _update(self, batch: StepBatch, totals: dict | None = None, reduce_gradients=None) -> dict:
+    def update(self, batch: StepBatch, totals: dict | None = None, reduce_gradients=None) -> dict:
         """PPO-clip over micro-batches; each micro-batch's loss is weighted so the accumulated gradient equals
         the full-batch loss's gradient (micro 1 x accumulation 8 == micro 8 x accumulation 1).
         `reduce_gradients(parameters)` (data parallel) sums the gradients across replicas before clipping."""
@@ -167,10 +167,10 @@ class GRPOTrainer:
 
     def _metrics(self, rollout: RolloutResult, rewards: torch.Tensor, correct: torch.Tensor, update: dict,
                  rollout_s: float, train_s: float) -> dict:
-        return {**step_metrics(rollout, rewards, correct, update, rollout_s, train_s, self._reward_failures),
-                **self._policy_metrics(), "lr": self.optimizer.param_groups[0]["lr"]}
+        return {**step_metrics(rollout, rewards, correct, update, rollout_s, train_s, self.reward_failures),
+                **self.policy_metrics(), "lr": self.optimizer.param_groups[0]["lr"]}
 
-    def _policy_metrics(self) -> dict:
+    def policy_metrics(self) -> dict:
         """τ and tokens/s per arm of the adaptive policy (cumulative over the run: it carries across steps)."""
         policy = self.engine.speculation
         if not hasattr(policy, "summary"):
