@@ -25,32 +25,10 @@ from tlt.distributed.controller import DistributedGRPO  # noqa: E402
 from tlt.models import LoadedModel, ModelSpec  # noqa: E402
 from tlt.rl.config import load_config  # noqa: E402
 from tlt.rl.rewards import Reward  # noqa: E402
-from tlt.tasks.example import TaskExample  # noqa: E402
+from tlt.tasks.synthetic import IdTokenizer, TargetTokenTask, share_of_target  # noqa: E402
 
 TARGET, VOCAB, EOS = 5, 16, 3
 KEYS = ("reward_mean", "response_len_mean", "sd/tau", "spot_train_steps")
-
-
-class IdTokenizer:
-    pad_token_id, eos_token_id = 0, EOS
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(i) for i in ids)
-
-
-class RandomPrompts:
-    def sample(self, count, seed):
-        generator = torch.Generator().manual_seed(seed)
-        return [TaskExample(f"p{i}", str(TARGET), {"ids": torch.randint(6, VOCAB, (4,), generator=generator).tolist()})
-                for i in range(count)]
-
-    def prompt_ids(self, example):
-        return example.meta["ids"]
-
-
-def share_of_target(completion, example):
-    tokens = completion.split()
-    return sum(t == str(TARGET) for t in tokens) / max(1, len(tokens))
 
 
 def small_model(seed: int):
@@ -61,7 +39,7 @@ def small_model(seed: int):
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                          bos_token_id=1, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False)
     model = LlamaForCausalLM(config).eval()
-    return LoadedModel(model, IdTokenizer(), ModelSpec.from_config(config), "small-llama")
+    return LoadedModel(model, IdTokenizer(eos_token_id=EOS), ModelSpec.from_config(config), "small-llama")
 
 
 def run(mode: str, seed: int, steps: int) -> list[dict]:
@@ -70,7 +48,8 @@ def run(mode: str, seed: int, steps: int) -> list[dict]:
                 "run.seed": seed, "run.tensorboard": False, "run.gate": 64, "run.publish_every": 5}
     settings["run.speculative"] = "adaptive" if mode == "tlt" else "off"  # tlt: spot training trains the drafter
     config = load_config(None, [f"{k}={v}" for k, v in settings.items()])
-    controller = DistributedGRPO(config, loaded=small_model(0), task=RandomPrompts(), reward=Reward(share_of_target))
+    controller = DistributedGRPO(config, loaded=small_model(0), task=TargetTokenTask(TARGET, VOCAB),
+                                 reward=Reward(share_of_target))
     try:
         return [controller.train_step() for _ in range(steps)]
     finally:

@@ -9,16 +9,9 @@ from tlt.models import LoadedModel, ModelSpec
 from tlt.rl.config import load_config
 from tlt.rl.rewards import Reward
 from tlt.tasks.example import TaskExample
+from tlt.tasks.synthetic import IdTokenizer
 
 EOS, STOPPER, RUNNER = 3, 5, 7  # after STOPPER the model ends at once; after anything else it never ends
-
-
-class IdTokenizer:
-    pad_token_id = 0
-    eos_token_id = EOS
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(i) for i in ids)
 
 
 class ShortLongTask:
@@ -46,7 +39,7 @@ def long_tail_model():
 
 def make_controller(tmp_path, **overrides):
     model = long_tail_model()
-    loaded = LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "markov")
+    loaded = LoadedModel(model, IdTokenizer(eos_token_id=EOS), ModelSpec.from_config(model.config), "markov")
     settings = {"rollout.prompts_per_step": 4, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 160,
                 "optim.lr": 1e-3, "run.workers": 2, "run.backend": "inprocess", "run.speculative": "static",
                 "run.strategy": "S3K1N3", "run.gate": 64, "run.publish_every": 2, "run.swap_poll_s": 0.0,

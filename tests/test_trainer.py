@@ -13,34 +13,9 @@ from tlt.rl.run import train
 from tlt.rl.trainer import GRPOTrainer
 from tlt.rollout.request import Request
 from tlt.rollout.sampling import SamplingParams
-from tlt.tasks.example import TaskExample
+from tlt.tasks.synthetic import IdTokenizer, TargetTokenTask, share_of_target
 
 TARGET = 5  # the toy task rewards emitting this token
-
-
-class IdTokenizer:
-    """Decodes token ids to space-separated numbers; enough for rewards that read the ids back."""
-
-    pad_token_id = 0
-    eos_token_id = 3
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(i) for i in ids)
-
-
-class ToyTask:
-    def sample(self, count, seed):
-        generator = torch.Generator().manual_seed(seed)
-        return [TaskExample(f"p{i}", str(TARGET), {"ids": torch.randint(6, 16, (4,), generator=generator).tolist()})
-                for i in range(count)]
-
-    def prompt_ids(self, example):
-        return example.meta["ids"]
-
-
-def share_of_target(completion, example):
-    tokens = completion.split()
-    return sum(t == str(TARGET) for t in tokens) / max(1, len(tokens))
 
 
 def make_trainer(tmp_path, seed=0, **overrides):
@@ -50,7 +25,8 @@ def make_trainer(tmp_path, seed=0, **overrides):
                 "rollout.max_new_tokens=6",
                 "optim.lr=0.01", "optim.micro_batch_size=8", f"run.out_dir={tmp_path}", "run.tensorboard=false",
                 *[f"{k}={v}" for k, v in overrides.items()]]
-    return GRPOTrainer(load_config(None, settings), loaded=loaded, task=ToyTask(), reward=Reward(share_of_target))
+    return GRPOTrainer(load_config(None, settings), loaded=loaded, task=TargetTokenTask(TARGET),
+                       reward=Reward(share_of_target))
 
 
 def test_reward_rises_on_a_learnable_task(tmp_path):
