@@ -9,7 +9,7 @@ ray = pytest.importorskip("ray")
 
 import conftest  # noqa: E402
 import test_distributed  # noqa: E402
-from test_distributed import make_controller  # noqa: E402
+from test_distributed import assert_spot_training_ends_at_the_barrier, make_controller  # noqa: E402
 from tlt.distributed.backends import WorkerError  # noqa: E402
 from tlt.rl.checkpoint import latest_checkpoint  # noqa: E402
 from tlt.rl.run import train  # noqa: E402
@@ -43,6 +43,7 @@ def test_two_ray_workers_spot_train_hot_swap_and_stay_identical(tmp_path):
     assert "spot_train" in kinds[0] and "rollout_sd" in kinds[1]
     assert metrics["spot_train_steps"] > 0
     assert all(count > 1 for count in metrics["drafter_versions_per_sample"][4:])
+    assert_spot_training_ends_at_the_barrier(controller.last_timeline)
 
 
 def test_a_killed_worker_is_a_clear_error_and_resume_loses_no_step(tmp_path):
