@@ -1,4 +1,5 @@
 """Does spot training on one CPU core slow the rollout decoding on the other? (Shared memory bandwidth.)
+And what would data-parallel spot training cost: a gloo all-reduce of the drafter's gradients vs a drafter step.
 
 Process A decodes SmolLM2-135M at batch 8 on 1 thread; process B, on the other core, trains a SmolLM2-sized
 EAGLE drafter on 1 thread (or does nothing). Ratios of A's median step time with B training vs B idle, measured in
@@ -43,7 +44,7 @@ def decode_steps(steps: int, ready, go, out) -> None:
         out.put(statistics.median(s.wall_s for s in result.steps if s.kind == "decode"))
 
 
-def train_drafter(active, stop) -> None:
+def train_drafter(active, stop, timings) -> None:
     import torch
 
     from tlt.drafter.buffer import FeatureBuffer
@@ -58,11 +59,33 @@ def train_drafter(active, stop) -> None:
     for _ in range(16):
         buffer.add(torch.randint(0, 8192, (256,)), torch.randn(256, loaded.model.config.hidden_size), 0)
     trainer = DrafterTrainer(drafter, buffer)
+    steps = []
     while not stop.is_set():
         if active.is_set():
-            trainer.train_steps(1)
+            steps.append(trainer.train_steps(1)[0]["step_s"])
         else:
             time.sleep(0.01)
+    timings.put({"drafter_step_s": statistics.median(steps),
+                 "drafter_parameters": sum(p.numel() for p in drafter.parameters())})
+
+
+def all_reduce_ms(rank: int, numel: int, port: int, out) -> None:
+    """Median time of a gloo all-reduce of `numel` floats between two processes (one thread each)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    flat = torch.randn(numel)
+    times = []
+    for _ in range(12):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(flat)
+        times.append(time.perf_counter() - started)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(statistics.median(times[2:]) * 1e3)
 
 
 def main() -> None:
@@ -73,9 +96,9 @@ def main() -> None:
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     ready, active, stop = ctx.Event(), ctx.Event(), ctx.Event()
-    go, out = ctx.Queue(), ctx.Queue()
+    go, out, timings = ctx.Queue(), ctx.Queue(), ctx.Queue()
     decoder = ctx.Process(target=decode_steps, args=(args.steps, ready, go, out))
-    trainer = ctx.Process(target=train_drafter, args=(active, stop))
+    trainer = ctx.Process(target=train_drafter, args=(active, stop, timings))
     decoder.start()
     trainer.start()
     ready.wait()
@@ -90,13 +113,34 @@ def main() -> None:
     go.put(None)
     stop.set()
     decoder.join()
+    drafter = timings.get()
     trainer.join()
+    drafter["all_reduce_ms"] = round(_measure_all_reduce(ctx, drafter["drafter_parameters"]), 2)
     result = {"environment": environment(), "batch": 8, "threads_each": 1,
               "decode_step_ms_alone": [round(v * 1e3, 2) for v in alone],
               "decode_step_ms_with_spot_training": [round(v * 1e3, 2) for v in contended],
-              "slowdown_median": round(statistics.median(c / a for a, c in zip(alone, contended)), 3)}
+              "slowdown_median": round(statistics.median(c / a for a, c in zip(alone, contended)), 3),
+              "data_parallel": {**drafter, "drafter_step_s": round(drafter["drafter_step_s"], 3),
+                                "all_reduce_share_of_step": round(drafter["all_reduce_ms"] / 1e3
+                                                                  / drafter["drafter_step_s"], 4)}}
     write_json(args.json, result)
     print(result)
+
+
+def _measure_all_reduce(ctx, numel: int) -> float:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = ctx.Queue()
+    ranks = [ctx.Process(target=all_reduce_ms, args=(rank, numel, port, out)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    result = out.get()
+    for process in ranks:
+        process.join()
+    return result
 
 
 if __name__ == "__main__":
