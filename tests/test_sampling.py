@@ -79,3 +79,45 @@ def test_large_vocabulary_nucleus_search_is_exact(scale, top_k, top_p):
     assert torch.equal(torch.isinf(ours), torch.isinf(ref))
     finite = ~torch.isinf(ref)
     assert (ours[finite] - ref[finite]).abs().max() < 1e-4
+
+
+MIXED_SETTINGS = [SamplingParams(), SamplingParams(top_k=3), SamplingParams(top_p=0.7), SamplingParams(top_k=300),
+                  SamplingParams(temperature=0.5, top_k=40, top_p=0.9), SamplingParams(temperature=0),
+                  SamplingParams(temperature=1.7, top_p=0.99), SamplingParams(top_k=1)]
+
+
+@pytest.mark.parametrize("vocab", [10, 600])
+def test_each_row_in_a_mixed_batch_matches_its_own_reference(vocab):
+    """Continuous batching mixes rows with different settings: none may inherit another row's top-k or top-p."""
+    generator = torch.Generator().manual_seed(5)
+    for trial in range(20):
+        picks = torch.randint(0, len(MIXED_SETTINGS), (4,), generator=generator).tolist()
+        params = [MIXED_SETTINGS[i] for i in picks]
+        logits = torch.randn(4, vocab, generator=generator) * 2
+        ours = processed_logprobs(logits, RowSampling.from_params(params, "cpu"))
+        for row, p in enumerate(params):
+            ref = hf_processed(logits[row:row + 1], p.temperature or 1.0, min(p.top_k, vocab), p.top_p)[0]
+            assert torch.equal(torch.isinf(ours[row]), torch.isinf(ref)), (trial, params)
+            finite = torch.isfinite(ref)
+            assert (ours[row][finite] - ref[finite]).abs().max() < 1e-5
+
+
+def test_unfiltered_row_keeps_the_whole_vocabulary_beside_a_top_k_row():
+    """The issue's repro: a plain row next to a top_k=3 row kept only 3 tokens."""
+    rows = RowSampling.from_params([SamplingParams(), SamplingParams(top_k=3)], "cpu")
+    ours = processed_logprobs(torch.randn(2, 10, generator=torch.Generator().manual_seed(6)), rows)
+    assert torch.isfinite(ours[0]).sum() == 10 and torch.isfinite(ours[1]).sum() == 3
+
+
+def test_mixed_batch_draws_follow_each_rows_distribution():
+    """Draws through sample_next in a mixed batch: the plain row samples tokens outside the other row's top-k."""
+    logits = torch.randn(10, generator=torch.Generator().manual_seed(7)).expand(2, -1).contiguous()
+    rows = RowSampling.from_params([SamplingParams(), SamplingParams(top_k=2)], "cpu")
+    uniforms = torch.rand(2000, 2, generator=torch.Generator().manual_seed(8))
+    tokens = torch.stack([sample_next(logits, rows, u)[0] for u in uniforms])
+    top2 = set(logits[0].topk(2).indices.tolist())
+    assert set(tokens[:, 1].tolist()) <= top2
+    probs = torch.softmax(logits[0], -1)
+    plain = torch.bincount(tokens[:, 0], minlength=10).double() / 2000
+    assert (plain - probs.double()).abs().max() < 5 * math.sqrt(0.25 / 2000)
+    assert not set(tokens[:, 0].tolist()) <= top2

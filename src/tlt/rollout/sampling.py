@@ -103,7 +103,8 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     """
     vocab = scaled.shape[-1]
     k_rows = torch.where(top_k > 0, top_k, vocab)
-    any_top_p = bool((top_p < 1).any())
+    nucleus = top_p < 1                      # rows that apply top-p at all
+    any_top_p = bool(nucleus.any())
     k_needed = int(k_rows[top_k > 0].max()) if bool((top_k > 0).any()) else 0
     candidates = min(vocab, max(k_needed, TOP_P_FIRST_CANDIDATES if any_top_p else 0))
     # Normalizer of the top-k-filtered distribution: all of a row's kept tokens must be among the candidates,
@@ -113,20 +114,26 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         values, indices = torch.topk(scaled, candidates, dim=-1)  # sorted, descending
         rank = torch.arange(candidates, device=scaled.device)[None, :]
         remove = rank >= k_rows[:, None]
+        within = k_rows <= candidates        # the row's top-k set lies inside the candidates
         if any_top_p:
-            within = k_rows[:, None] <= candidates
-            lse = torch.where(within, torch.logsumexp(values.masked_fill(remove, -math.inf), -1, keepdim=True),
-                              full_lse)
+            lse = torch.where(within[:, None],
+                              torch.logsumexp(values.masked_fill(remove, -math.inf), -1, keepdim=True), full_lse)
             probs = (values - lse).exp().masked_fill(remove, 0.0)
             mass = probs.cumsum(dim=-1)
-            complete = within[:, 0] | (mass[:, -1] >= top_p)  # the nucleus ends inside the candidates
+            complete = within | ~nucleus | (mass[:, -1] >= top_p)  # the nucleus ends inside the candidates
             if not bool(complete.all()) and candidates < vocab:
                 # A wide nucleus (a flat distribution): past 1/8 of the vocabulary a full sort is cheaper.
                 candidates = vocab if candidates * 8 > vocab // 8 else candidates * 8
                 continue
-            remove |= ((mass - probs) >= top_p[:, None]) & (rank > 0)
+            # Rows without top-p are left alone: rounding can push their cumulative mass to 1 before the end.
+            remove |= ((mass - probs) >= top_p[:, None]) & (rank > 0) & nucleus[:, None]
         kept = values.masked_fill(remove, -math.inf)
-        return torch.full_like(scaled, -math.inf).scatter_(-1, indices, kept)
+        # Tokens outside the candidates are removed only for rows whose kept set provably lies inside them
+        # (top-k within, or a nucleus that ended there); a row with neither filter keeps them. Each row is
+        # decided on its own: the batch's largest k or top-p must never truncate another row.
+        truncated = within | nucleus
+        outside = torch.where(truncated[:, None], torch.full_like(scaled, -math.inf), scaled)
+        return outside.scatter_(-1, indices, kept)
 
 
 CDF_BLOCK = 256
