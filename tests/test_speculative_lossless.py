@@ -130,3 +130,20 @@ def test_tree_acceptance_equals_the_target_mass_of_the_drafted_children(branchin
                     tree=16)
     measured = result.speculation_summary()["acceptance_by_depth"][0]
     assert abs(measured - float(top_mass)) < 0.03, (measured, float(top_mass))
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy.chain(3), SpecStrategy(3, 2, 6)], ids=str)
+def test_row_admitted_mid_rollout_beside_a_row_near_its_budget(strategy):
+    """A long prompt admitted late must catch the drafter up while another row is near the end of its cache:
+    the catch-up pads every row to the newcomer's width (it once overflowed the drafter's KV cache)."""
+    model = tiny_model("llama")
+    never_stop = dict(temperature=0, stop_token_ids=())
+    short, long_prompt, other = random_prompts([5, 150, 4], seed=11)
+    requests = [Request(short, params=SamplingParams(max_new_tokens=200, **never_stop)),
+                Request(other, params=SamplingParams(max_new_tokens=170, **never_stop)),
+                Request(long_prompt, params=SamplingParams(max_new_tokens=20, **never_stop))]
+    _, plain = run(model, requests, batch=2)
+    _, spec = run(model, requests, EagleDrafter(model.config), strategy, batch=2)
+    admitted = [t for t in spec.steps if t.kind == "prefill"]
+    assert len(admitted) == 2  # the long prompt joined mid-rollout
+    assert [s.token_ids for s in spec.samples] == [s.token_ids for s in plain.samples]

@@ -36,6 +36,13 @@ class SpeculativeDecoder:
         self.accept_rule = None  # tests swap in a biased rule to show the losslessness tests can fail
 
     def allocate(self, rows: int, length: int) -> None:
+        """A drafter cache for `rows` rows of a target cache of `length` slots.
+
+        Twice the target's length: a catch-up writes max(missing) pairs to every row at seen + t, so a row
+        admitted mid-rollout (missing = its whole prompt) beside a row near the end of its budget (seen close
+        to `length`) writes up to 2 * length slots; the padded writes are never committed. One layer, so the
+        headroom costs 2 / num_layers of the target cache."""
+        length = 2 * length
         if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < length:
             self.cache = None
             self.cache = self.drafter.new_cache(rows, length)
@@ -81,11 +88,11 @@ class SpeculativeDecoder:
         missing = committed - seen                                                  # >= 1 per row
         width = int(missing.max())
         pair = seen[:, None] + torch.arange(width, device=device)[None, :]           # [B, M] pair index i
-        limit = self.cache.max_len - 1
+        features = target_rows.slots("features")
+        limit = features.shape[1] - 1  # pairs past a row's `missing` are padding: clamp their reads
         next_slot = (pair + 1).clamp(max=limit)
         tokens = target_rows.slots("tokens").gather(1, next_slot)
         tokens = torch.where(pair + 1 == committed[:, None], pending[:, None], tokens)
-        features = target_rows.slots("features")
         features = features.gather(1, pair.clamp(max=limit)[:, :, None].expand(-1, -1, features.shape[-1]))
         hidden = self.drafter.step(tokens, features, draft_rows, pair)
         draft_rows.advance(missing)
