@@ -93,3 +93,11 @@ def assert_logprobs_match_target(model, samples, params) -> None:
         picked = expected.gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
         assert torch.isfinite(picked).all()
         assert torch.allclose(torch.tensor(sample.logprobs), picked, atol=1e-4)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """CLI entry points set torch's thread count for their process; a test calling them must not leak it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

@@ -5,12 +5,42 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tlt import __version__
 from tlt.errors import TltError
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends an option's default to its help, unless the help already says it or there is none to say."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or "default" in text or _unstated(action.default):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+def _unstated(default) -> bool:
+    """None, a store_true's False and SUPPRESS say nothing worth printing (0 does: `is`, not `==`)."""
+    return default is None or default is False or default is argparse.SUPPRESS
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's --help shows the defaults, also for options declared without a help text."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if "help" not in kwargs and not _unstated(kwargs.get("default")):
+            kwargs["help"] = "(default: %(default)s)"  # argparse prints nothing for an option without help
+        return super().add_argument(*args, **kwargs)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="tlt", description="RL for reasoning LLMs with lossless speculative "
-                                     "rollouts that tame the long tail.")
+    parser = _Parser(prog="tlt", description="RL for reasoning LLMs with lossless speculative "
+                     "rollouts that tame the long tail.")
+    parser.add_argument("--version", action="version", version=f"tlt-rl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands.add_parser("generate", help="sample responses with the rollout engine"))
     _add_generate(commands.add_parser("demo", help="the default demo: a mixed-length rollout on SmolLM2"))
@@ -117,6 +147,7 @@ def _add_verify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=1e-3, help="fail when the KS p-value is below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON to OUT")
+    _add_threads(parser)
     parser.add_argument("--negative-control", action="store_true", help="also run with a deliberately "
                         "over-accepting rule, which must FAIL: shows the test can see a real bug at these settings")
 
@@ -144,9 +175,11 @@ def _run_verify(args) -> int:
     from tlt.models.eagle import EagleDrafter
     from tlt.rollout.sampling import SamplingParams
     from tlt.tasks import ArithmeticTask, ChatTask
+    from tlt.threads import pick_threads
     from tlt.verify import over_accepting_rule, verify
 
     strategy = _parse_strategy(args.strategy)
+    pick_threads(args.threads)
     console = Console()
     with console.status("loading model"):
         loaded = load_model(args.model)
@@ -217,6 +250,12 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch-size", type=int, default=64)
+    _add_threads(parser)
+
+
+def _add_threads(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0 = the cores idle now: a busy "
+                        "core shared by torch's threads slows every op)")
 
 
 if __name__ == "__main__":

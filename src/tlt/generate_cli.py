@@ -20,9 +20,11 @@ def run_generate(args, *, demo: bool) -> int:
     from tlt.rollout.engine import RolloutEngine
     from tlt.rollout.request import Request
     from tlt.rollout.sampling import SamplingParams
+    from tlt.threads import pick_threads
 
     console = Console()
     prompts = args.prompts or DEMO_PROMPTS
+    pick_threads(args.threads)
     with console.status("loading model (first run: fetches and converts SmolLM2-135M-Instruct, ~1 min)"):
         loaded = load_model(args.model)
     if loaded.tokenizer is None or not getattr(loaded.tokenizer, "chat_template", None):

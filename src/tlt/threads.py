@@ -1,0 +1,37 @@
+"""How many CPU threads a single-process command should use.
+
+Torch's intra-op pool synchronizes at every operator: with one thread per core and another process busy on one
+of those cores, each op waits for the slowest thread (measured on 2 cores: 0.9 tok/s with 2 threads vs 8.7 tok/s
+with 1 under load). So a command takes the cores that are idle now, not all cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def available_cores() -> int:
+    """Cores this process may run on (CPU affinity, e.g. a container's cpuset), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def idle_cores() -> int:
+    """Cores not taken by other runnable processes, from the 1-minute load average (at least 1)."""
+    cores = available_cores()
+    try:
+        busy = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return cores
+    return max(1, min(cores, cores - int(busy + 0.5)))
+
+
+def pick_threads(requested: int = 0) -> int:
+    """`requested` when > 0; else the idle cores. Sets torch's intra-op pool and returns the count."""
+    import torch
+
+    threads = requested if requested > 0 else idle_cores()
+    torch.set_num_threads(threads)
+    return threads
