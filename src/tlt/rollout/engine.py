@@ -287,7 +287,7 @@ class RolloutEngine:
         rows = cache.rows(0, len(running))
         pending = torch.tensor([s.tokens[-1] for s in running], device=self.device)
         settings = RowSampling.from_params([s.request.params for s in running], self.device)
-        uniforms = draw_uniforms([s.generator for s in running], 2 * (strategy.depth + 1))
+        uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row)
         outcome = self.speculative.step(rows, pending, settings, uniforms, strategy)
         result = outcome.acceptance
         emitted = 0

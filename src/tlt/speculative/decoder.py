@@ -17,6 +17,7 @@ from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
 from tlt.rollout.sampling import RowSampling, processed_logprobs
 from tlt.speculative.acceptance import Acceptance, accept
+from tlt.speculative.q_sampling import DraftDistributions, accept_q, sampling_pick
 from tlt.speculative.strategy import SpecStrategy
 from tlt.speculative.tree import draft_tree, select_tree
 
@@ -33,7 +34,10 @@ class SpeculativeDecoder:
         self.target = target
         self.drafter = drafter
         self.cache: KVCache | None = None
-        self.accept_rule = None  # tests swap in a biased rule to show the losslessness tests can fail
+        # Tests swap in biased rules to show that the losslessness tests can fail.
+        self.accept_rule = None       # target-only rule
+        self.q_accept_rule = None     # q-sampling: acceptance test
+        self.q_residual_rule = None   # q-sampling: residual after a rejected child
 
     def allocate(self, rows: int, length: int) -> None:
         """A drafter cache for `rows` rows of a target cache of `length` slots.
@@ -65,14 +69,25 @@ class SpeculativeDecoder:
         started = time.perf_counter()
         draft_rows = self.cache.rows(target_rows.start, target_rows.count)
         root_hidden = self._catch_up(target_rows, draft_rows, pending)
-        candidates = draft_tree(self.drafter, root_hidden, draft_rows, draft_rows.lengths.clone(), strategy)
-        tree = select_tree(pending, *candidates, strategy)
+        positions = draft_rows.lengths.clone()
+        if strategy.rule == "q":
+            draft_draws, uniforms = uniforms[:, :strategy.tree_size], uniforms[:, strategy.tree_size:]
+            pick = sampling_pick(settings, draft_draws.to(pending.device))
+            candidates = draft_tree(self.drafter, root_hidden, draft_rows, positions, strategy, pick)
+        else:
+            candidates = draft_tree(self.drafter, root_hidden, draft_rows, positions, strategy)
+        tree = select_tree(pending, candidates, strategy)
         drafted = time.perf_counter()
         committed = target_rows.lengths.to(pending.device)
         out = self.target(tree.tokens, target_rows, positions=committed[:, None] + tree.depths,
                           new_token_mask=tree.attention(), logits_at="all")
         logprobs = processed_logprobs(out.logits, settings)
-        acceptance = accept(tree, logprobs, settings.greedy, uniforms, accept_rule=self.accept_rule)
+        if strategy.rule == "q":
+            drafts = DraftDistributions.from_candidates(candidates, tree.size + 1)
+            acceptance = accept_q(tree, logprobs, drafts, self.drafter.draft_to_target, settings.greedy, uniforms,
+                                  accept_rule=self.q_accept_rule, residual_rule=self.q_residual_rule)
+        else:
+            acceptance = accept(tree, logprobs, settings.greedy, uniforms, accept_rule=self.accept_rule)
         slots = committed[:, None] + torch.arange(tree.tokens.shape[1], device=pending.device)[None, :]
         target_rows.write_slots("tokens", slots, tree.tokens)
         target_rows.write_slots("features", slots, out.hidden)

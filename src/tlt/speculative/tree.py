@@ -40,19 +40,40 @@ class DraftTree:
         return visible
 
 
+@dataclass
+class Candidates:
+    """Every drafted candidate [B, C]; parents index candidates (-1 = the root). expanded: per expansion, the
+    candidate ids it expanded ([B, F], -1 = the root) and the draft distribution the children came from
+    ([B, F, Vd] log-probs over the draft vocabulary), kept only when a pick returns one (q-sampling)."""
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    parents: torch.Tensor
+    expanded: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def top_children(logits: torch.Tensor, k: int, depth: int):
+    """Target-only rule: the K most probable draft tokens (draft-vocabulary ids) and their log-probs."""
+    scores, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return scores, ids, None
+
+
 def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positions: torch.Tensor,
-               strategy: SpecStrategy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               strategy: SpecStrategy, pick=top_children) -> Candidates:
     """Grow candidates from root_hidden [B, H] (the drafter's output at the last committed pair).
 
-    Returns (tokens, scores, parents) over all candidates [B, C]; parents index candidates (-1 = the root).
-    The drafter cache holds the committed pairs; the frontier nodes' pairs are written past them, uncommitted:
-    each depth re-runs all frontier nodes so far with a mask that shows every node only its own path (a few
-    dozen one-layer token-steps at most). base_positions [B]: the position of the first draft pair.
+    pick(logits [B, F, Vd], k, depth) -> (log-scores [B, F, K], draft ids [B, F, K], distribution or None)
+    chooses each expanded node's K children. The drafter cache holds the committed pairs; the frontier nodes'
+    pairs are written past them, uncommitted: each depth re-runs all frontier nodes so far with a mask that shows
+    every node only its own path (a few dozen one-layer token-steps at most). base_positions [B]: the position
+    of the first draft pair.
     """
     k = strategy.branching
     batch, hidden_size = root_hidden.shape
     device = root_hidden.device
-    scores, ids = torch.log_softmax(drafter.draft_logits(root_hidden).float(), dim=-1).topk(k, dim=-1)
+    scores, ids, dist = pick(drafter.draft_logits(root_hidden)[:, None], k, 1)
+    scores, ids = scores[:, 0], ids[:, 0]
+    expanded = [] if dist is None else [(torch.full((batch, 1), -1, dtype=torch.long, device=device), dist)]
     tokens, all_scores = [drafter.to_target_ids(ids)], [scores]
     parents = [torch.full((batch, k), -1, dtype=torch.long, device=device)]
     frontier = torch.arange(k, device=device).expand(batch, k)        # candidate ids of the frontier
@@ -68,7 +89,9 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
         positions = base_positions.to(device)[:, None] + torch.arange(count, device=device)[None, :] // k
         hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, positions,
                               new_token_mask=visible)[:, -k:]             # the newest frontier [B, K, H]
-        child_scores, child_ids = torch.log_softmax(drafter.draft_logits(hidden).float(), dim=-1).topk(k, dim=-1)
+        child_scores, child_ids, dist = pick(drafter.draft_logits(hidden), k, depth)
+        if dist is not None:
+            expanded.append((frontier, dist))
         total = (torch.cat(all_scores, 1).gather(1, frontier)[:, :, None] + child_scores).reshape(batch, k * k)
         first_id = sum(t.shape[1] for t in tokens)
         tokens.append(drafter.to_target_ids(child_ids).reshape(batch, k * k))
@@ -78,7 +101,7 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
         frontier_parent = best // k
         frontier_features = hidden.gather(1, frontier_parent[:, :, None].expand(-1, -1, hidden_size))
         frontier = first_id + best
-    return torch.cat(tokens, 1), torch.cat(all_scores, 1), torch.cat(parents, 1)
+    return Candidates(torch.cat(tokens, 1), torch.cat(all_scores, 1), torch.cat(parents, 1), expanded)
 
 
 def _extend_visibility(visible: torch.Tensor, frontier_parent: torch.Tensor | None, k: int) -> torch.Tensor:
@@ -94,9 +117,12 @@ def _extend_visibility(visible: torch.Tensor, frontier_parent: torch.Tensor | No
     return grown
 
 
-def select_tree(root_tokens: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor,
-                strategy: SpecStrategy) -> DraftTree:
-    """Keep the N best candidates (closed under ancestors), renumbered 1..N in candidate order."""
+def select_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: SpecStrategy) -> DraftTree:
+    """Keep the N best candidates (closed under ancestors), renumbered 1..N in candidate order.
+
+    Children are offered to the acceptance rule best draft score first (target-only) or in the order they
+    were sampled (q-sampling: recursive rejection sampling is exact only in draw order)."""
+    tokens, scores, parents = candidates.tokens, candidates.scores, candidates.parents
     batch, count = tokens.shape
     device = tokens.device
     n = strategy.tree_size
@@ -114,6 +140,8 @@ def select_tree(root_tokens: torch.Tensor, tokens: torch.Tensor, scores: torch.T
     for node in range(1, n + 1):
         depths[:, node] = depths.gather(1, tree_parents[:, node:node + 1].clamp(min=0))[:, 0] + 1
     node_scores = torch.cat([torch.zeros(batch, 1, device=device), scores.gather(1, keep)], 1)
+    if strategy.rule == "q":  # draw order = candidate order
+        node_scores = -torch.arange(n + 1, device=device, dtype=node_scores.dtype).expand(batch, -1)
     return DraftTree(tree_tokens, tree_parents, depths, _children_table(tree_parents, node_scores, strategy.branching))
 
 

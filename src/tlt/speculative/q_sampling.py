@@ -1,0 +1,184 @@
+"""Speculative sampling with the drafter's own probabilities q, for chains and trees (exact for every q).
+
+Drafting: every expanded node's K children are drawn from the drafter's processed distribution q (the same
+temperature / top-k / top-p as the target) without replacement, in order c_1, c_2, ...: c_i is drawn from q_i,
+which is q with c_1..c_{i-1} removed and renormalized. Greedy rows take the top-K of q instead.
+
+Verification at a node with target distribution p, by recursive rejection sampling (Jeon et al. 2024,
+"Recursive Speculative Decoding"; for K = 1 it is Leviathan et al. 2023):
+
+    r_0 = p
+    for i = 1..K:  accept c_i with probability min(1, r_{i-1}(c_i) / q_i(c_i))
+                   on rejection r_i = normalize(max(0, r_{i-1} - q_i))
+    if every child was rejected: emit a sample of r_K and stop
+
+Why it is exact: for a proposal c ~ q_i, "accept with min(1, r/q_i), else continue with (r - q_i)+" emits x with
+probability min(q_i(x), r(x)) + (1 - sum min(q_i, r)) * (r(x) - min(q_i(x), r(x))) / sum (r - q_i)+ = r(x),
+because sum (r - q_i)+ = 1 - sum min(q_i, r). The rest of the procedure after a rejection emits a sample of
+r_i whatever c_i was (induction over i, for any proposal q_{i+1}), so the node emits a sample of r_0 = p. An
+accepted child continues the same way at its own node, whose children were drawn independently of this
+node's coins, so every emitted token is an exact sample of the target given the tokens before it.
+
+Why without replacement and every child kept: a duplicate child wastes a verified slot, and dropping some of
+a node's sampled children by their draft score (EAGLE-2's N-best selection) would bias the draws; which nodes
+get expanded may depend on their own draft scores, since their children are drawn after that choice.
+Acceptance of one drafted token is 1 - TV(p, q) at depth 1 for a chain, instead of p(argmax q) for the
+target-only rule: a drafter trained toward the target's whole distribution is worth its probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt.rollout.sampling import RowSampling, processed_logprobs, sample_from_logprobs
+from tlt.speculative.acceptance import Acceptance
+from tlt.speculative.tree import Candidates, DraftTree
+
+
+@dataclass
+class DraftDistributions:
+    """The distributions children were drawn from: dists [B, E, Vd] log-probs over the draft vocabulary of the
+    E expanded nodes; slot [B, N + 1] maps a tree node to its row in dists (-1 = a leaf)."""
+
+    dists: torch.Tensor
+    slot: torch.Tensor
+
+    @classmethod
+    def from_candidates(cls, candidates: Candidates, tree_nodes: int) -> "DraftDistributions":
+        """Every candidate is kept in order (tree node = candidate id + 1, the root is node 0)."""
+        ids = torch.cat([node_ids for node_ids, _ in candidates.expanded], 1) + 1  # [B, E]
+        dists = torch.cat([dist for _, dist in candidates.expanded], 1)
+        batch, expanded = ids.shape
+        slot = torch.full((batch, tree_nodes), -1, dtype=torch.long, device=ids.device)
+        slot.scatter_(1, ids, torch.arange(expanded, device=ids.device).expand(batch, -1))
+        return cls(dists, slot)
+
+
+def sampling_pick(settings: RowSampling, uniforms: torch.Tensor):
+    """A `draft_tree` pick that draws children from q without replacement; uniforms [B, tree_size]."""
+    used = 0
+
+    def pick(logits: torch.Tensor, k: int, depth: int):
+        nonlocal used
+        batch, frontier, _ = logits.shape
+        logq = processed_logprobs(logits, settings)                      # [B, F, Vd]
+        draws = uniforms[:, used:used + frontier * k].reshape(batch, frontier, k)
+        used += frontier * k
+        scores, ids = draw_without_replacement(logq, draws, settings.greedy)
+        return scores, ids, logq
+
+    return pick
+
+
+def draw_without_replacement(logq: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor):
+    """K sequential draws per row of logq [B, F, V] from uniforms [B, F, K]; greedy rows [B] take the top-K.
+
+    Returns (log q of each drawn token [B, F, K], with -inf for a draw made after q ran out of mass, and the
+    token ids [B, F, K]). Such a draw has q_i = 0: the acceptance rule never accepts it."""
+    batch, frontier, vocab = logq.shape
+    remaining = logq.clone()
+    scores, ids = [], []
+    for i in range(uniforms.shape[-1]):
+        drawn = sample_from_logprobs(remaining.reshape(-1, vocab), uniforms[..., i].reshape(-1))
+        drawn = drawn.view(batch, frontier).clamp(max=vocab - 1)
+        drawn = torch.where(greedy[:, None], remaining.argmax(-1), drawn)
+        alive = torch.isfinite(remaining.gather(-1, drawn[..., None]))[..., 0]
+        scores.append(torch.where(alive, logq.gather(-1, drawn[..., None])[..., 0], -torch.inf))
+        ids.append(drawn)
+        remaining.scatter_(-1, drawn[..., None], -torch.inf)
+    return torch.stack(scores, -1), torch.stack(ids, -1)
+
+
+def accept_q(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistributions, draft_to_target, greedy,
+             uniforms: torch.Tensor, *, accept_rule=None, residual_rule=None) -> Acceptance:
+    """logprobs [B, N + 1, V]: processed target log-probs at each node; uniforms [B, (S + 1) * (K + 1)].
+
+    accept_rule(u, r_c, q_c) -> bool [B] and residual_rule(r, q) -> the next residual can replace the exact
+    rule's parts (tests use them to show that a biased rule is detected)."""
+    batch, _, vocab = logprobs.shape
+    device = logprobs.device
+    k = tree.children.shape[-1]
+    max_depth = int(tree.depths.max())
+    rows = torch.arange(batch, device=device)
+    current = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    tokens = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
+    token_logprobs = torch.zeros(batch, max_depth + 2, device=device)
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    for step in range(max_depth + 1):
+        node_logprobs = logprobs[rows, current]                                    # [B, V]
+        children = tree.children[rows, current]                                   # [B, K]
+        child_tokens = tree.tokens.gather(1, children.clamp(min=0))
+        q = _draft_probs(drafts, rows, current, draft_to_target, vocab)           # [B, V]
+        coins = uniforms[:, step * (k + 1):(step + 1) * (k + 1)].to(device)
+        choice, residual = _verify_children(node_logprobs, q, children >= 0, child_tokens, coins, greedy,
+                                            accept_rule, residual_rule)
+        found = (choice >= 0) & active
+        next_node = children.gather(1, choice.clamp(min=0)[:, None])[:, 0]
+        take = found
+        tokens[take, step] = child_tokens[take, choice[take]]
+        path[take, step + 1] = next_node[take]
+        accepted += take.long()
+        stop = active & ~found
+        if bool(stop.any()):
+            final = sample_from_logprobs(residual[stop].log(), coins[stop, k])
+            tokens[stop, step] = torch.where(greedy[stop], node_logprobs[stop].argmax(-1), final)
+        emitted = tokens[:, step].clamp(min=0)
+        token_logprobs[:, step] = torch.where(active, node_logprobs.gather(1, emitted[:, None])[:, 0], 0.0)
+        active = found
+        current = torch.where(found, next_node, current)
+        if not bool(active.any()):
+            break
+    return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
+
+
+def _draft_probs(drafts: DraftDistributions, rows, current, draft_to_target, vocab: int) -> torch.Tensor:
+    """q at each row's current node over the target vocabulary [B, V] (zeros at a leaf)."""
+    slot = drafts.slot[rows, current]
+    probs = drafts.dists[rows, slot.clamp(min=0)].exp() * (slot >= 0)[:, None]    # [B, Vd]
+    if draft_to_target is None:
+        return probs
+    return torch.zeros(probs.shape[0], vocab, dtype=probs.dtype, device=probs.device).index_copy_(
+        1, draft_to_target, probs)
+
+
+def _verify_children(node_logprobs, q, valid, child_tokens, coins, greedy, accept_rule, residual_rule):
+    """Recursive rejection sampling over one node's children in draw order. Returns the accepted child's
+    position (-1 = none) [B] and the residual r_K [B, V] to sample from when none was accepted."""
+    p = node_logprobs.exp()
+    residual = p
+    argmax = node_logprobs.argmax(-1)
+    choice = torch.full_like(argmax, -1)
+    for i in range(child_tokens.shape[1]):
+        child = child_tokens[:, i:i + 1]
+        q_c, r_c = q.gather(1, child)[:, 0], residual.gather(1, child)[:, 0]
+        open_ = valid[:, i] & (choice < 0)
+        u = 1.0 - coins[:, i]                                                      # (0, 1]
+        rule = (u * q_c <= r_c) if accept_rule is None else accept_rule(u, r_c, q_c)
+        drawn = open_ & (q_c > 0)                                                  # a real draw from q_i
+        hit = torch.where(greedy, open_ & (child[:, 0] == argmax), drawn & rule)
+        choice = torch.where(hit, torch.full_like(choice, i), choice)
+        rejected = drawn & ~hit & ~greedy
+        if bool(rejected.any()):
+            nxt = _next_residual(residual, q) if residual_rule is None else residual_rule(residual, q)
+            residual = torch.where(rejected[:, None], nxt, residual)
+            q = torch.where(rejected[:, None], _without(q, child), q)
+    return choice, residual
+
+
+def _next_residual(residual: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, r - q)); a residual with no mass left (r == q up to rounding) keeps r."""
+    nxt = (residual - q).clamp(min=0)
+    mass = nxt.sum(-1, keepdim=True)
+    return torch.where(mass > 1e-12, nxt / mass.clamp(min=1e-30), residual)
+
+
+def _without(q: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """q_{i+1}: q_i with the rejected child removed, renormalized (sampling without replacement)."""
+    q = q.scatter(1, token, 0.0)
+    mass = q.sum(-1, keepdim=True)
+    return q / mass.clamp(min=1e-30)
