@@ -106,3 +106,19 @@ def test_cli_verify_on_a_model_directory(tmp_path, capsys):
 
 def test_cli_verify_rejects_a_bad_strategy(tmp_path):
     assert main(["verify", "--model", str(tmp_path), "--strategy", "deep"]) == 2
+
+
+def test_verify_covers_q_sampling_and_its_negative_control():
+    """The q rule passes both checks; its over-accepting control (min(1, r/q + 0.3)) fails the sampled check."""
+    from tlt.verify import over_accepting_q_rule
+
+    model, _ = markov_model(16, sharpness=1.5, context=0.05, seed=1)
+    drafter = oracle_drafter(model)
+    with torch.no_grad():  # q close to p but not equal: rejections and residuals happen
+        drafter.fc.weight.add_(torch.randn(drafter.fc.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.3)
+    settings = dict(strategy=SpecStrategy.parse("S3K2q"), prompts=random_prompts([3, 5, 4, 6], vocab_size=16),
+                    params=PARAMS[0], samples_per_prompt=16, seed=0)
+    report = verify(model, drafter, **settings)
+    assert report.passed and report.tau > 1.3, report.to_dict()
+    control = verify(model, drafter, **settings, accept_rule=over_accepting_q_rule, check_greedy=False)
+    assert not control.sampled_passed, control.to_dict()

@@ -137,7 +137,8 @@ def _add_verify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None, help="a tlt drafter directory (default: an untrained drafter; "
                         "losslessness must hold for ANY drafter, a well-trained one is accepted more often and "
                         "exercises the acceptance rule harder)")
-    parser.add_argument("--strategy", default="S4K2N8", help="depth S, branching K, tree size N")
+    parser.add_argument("--strategy", default="S4K2N8", help="depth S, branching K, tree size N (target-only "
+                        "acceptance), or S4K2q: q-sampling with the drafter's probabilities")
     parser.add_argument("--prompts", type=int, default=8, help="arithmetic-task chat prompts")
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -153,14 +154,9 @@ def _add_verify(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_strategy(text: str):
-    import re
-
     from tlt.speculative.strategy import SpecStrategy
 
-    match = re.fullmatch(r"S(\d+)K(\d+)N(\d+)", text)
-    if match is None:
-        raise TltError(f"--strategy must look like S4K2N8 (depth, branching, tree size), got {text!r}")
-    return SpecStrategy(*(int(g) for g in match.groups()))
+    return SpecStrategy.parse(text)
 
 
 def _run_verify(args) -> int:
@@ -176,7 +172,7 @@ def _run_verify(args) -> int:
     from tlt.rollout.sampling import SamplingParams
     from tlt.tasks import ArithmeticTask, ChatTask
     from tlt.threads import pick_threads
-    from tlt.verify import over_accepting_rule, verify
+    from tlt.verify import OVER_ACCEPTING, verify
 
     strategy = _parse_strategy(args.strategy)
     pick_threads(args.threads)
@@ -196,7 +192,8 @@ def _run_verify(args) -> int:
     control = None
     if args.negative_control:
         with console.status("negative control: an over-accepting rule"):
-            control = verify(loaded, drafter, **settings, accept_rule=over_accepting_rule, check_greedy=False)
+            control = verify(loaded, drafter, **settings, accept_rule=OVER_ACCEPTING[strategy.rule],
+                             check_greedy=False)
     _print_verify(console, report, control, args.drafter or "untrained")
     if args.json:
         Path(args.json).write_text(json.dumps({

@@ -65,6 +65,14 @@ def over_accepting_rule(u: torch.Tensor, cumulative: torch.Tensor, child_probs: 
     return u[:, None] <= cumulative + 0.3
 
 
+def over_accepting_q_rule(u: torch.Tensor, residual_prob: torch.Tensor, draft_prob: torch.Tensor) -> torch.Tensor:
+    """The same bug for q-sampling: a drafted child is accepted with min(1, r/q + 0.3) instead of min(1, r/q)."""
+    return u * draft_prob <= residual_prob + 0.3 * draft_prob
+
+
+OVER_ACCEPTING = {"target": over_accepting_rule, "q": over_accepting_q_rule}  # negative control per rule
+
+
 def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]], params: SamplingParams,
            samples_per_prompt: int, alpha: float = 1e-3, seed: int = 0, accept_rule=None,
            check_greedy: bool = True) -> VerifyReport:
@@ -94,7 +102,8 @@ def _sd_engine(loaded, drafter, strategy: SpecStrategy, accept_rule) -> RolloutE
     """An engine that speculates at every step, with room for the strategy's tree past the committed tokens."""
     room = max(strategy.tree_size, (strategy.depth - 1) * strategy.branching)
     engine = RolloutEngine(loaded, drafter=drafter, speculation=strategy, max_tree_size=room)
-    engine.speculative.accept_rule = accept_rule
+    # the rule's own hook: the target-only and q-sampling rules have different signatures
+    setattr(engine.speculative, "q_accept_rule" if strategy.rule == "q" else "accept_rule", accept_rule)
     return engine
 
 
