@@ -2,7 +2,8 @@
 
 Prompts are the built-in task's (chat template, as in RL); temperature 1 (the RL setting); no stop tokens, so
 every sample emits exactly max_new_tokens and both modes do the same amount of output. Tokens/s, τ (tokens per
-row per verify step) and the speedup of the best strategy at each batch size.
+row per verify step) and the speedup of the best strategy at each batch size, overall and per acceptance rule
+(target-only `S4K2N8` vs q-sampling `S4K2q`), measured side by side in one run.
 
     python benchmarks/speculative.py --json benchmarks/results/speculative.json [--drafter DIR] [--quick]
 """
@@ -24,7 +25,10 @@ from tlt.rollout.sampling import SamplingParams  # noqa: E402
 from tlt.speculative.strategy import SpecStrategy  # noqa: E402
 from tlt.tasks import ArithmeticTask, ChatTask  # noqa: E402
 
-STRATEGIES = [SpecStrategy.chain(3), SpecStrategy(4, 2, 8), SpecStrategy(5, 3, 16), SpecStrategy(6, 4, 32)]
+STRATEGIES = [SpecStrategy.chain(3), SpecStrategy(4, 2, 8), SpecStrategy(5, 3, 16), SpecStrategy(6, 4, 32),
+              SpecStrategy.chain(3, "q"), SpecStrategy.chain(5, "q"), SpecStrategy(4, 2, rule="q"),
+              SpecStrategy(3, 3, rule="q")]
+QUICK = ["S3K1N3", "S4K2N8", "S3K1N3q", "S4K2N14q"]
 
 
 def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed):
@@ -44,13 +48,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--png", help="speedup plot (default: next to --json)")
     args = parser.parse_args(argv)
     batches = [1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32]
-    strategies = STRATEGIES[:2] if args.quick else STRATEGIES
+    strategies = [s for s in STRATEGIES if s.name in QUICK] if args.quick else STRATEGIES
     max_new = 48 if args.quick else 128
 
     loaded = load_model()
     drafter = EagleDrafter.load(args.drafter, loaded.model) if args.drafter else EagleDrafter(loaded.model.config)
     task = ChatTask(ArithmeticTask(), loaded.tokenizer)
     results = {"plain_tok_s": {}, "sd_tok_s": {}, "speedup": {}, "tau": {}, "strategy": {}, "by_strategy": {},
+               "best_by_rule": {"target": {}, "q": {}},
                "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new}
     for batch in batches:
         prompts = [task.prompt_ids(e) for e in task.sample(batch, seed=100 + batch)]
@@ -64,6 +69,10 @@ def main(argv=None) -> dict:
                                                                          "speedup": tok_s / plain}
             if best is None or tok_s > best[0]:
                 best = (tok_s, summary["tau"], strategy.name)
+            by_rule = results["best_by_rule"][strategy.rule]
+            if key not in by_rule or tok_s > by_rule[key]["tok_s"]:
+                by_rule[key] = {"strategy": strategy.name, "tok_s": tok_s, "tau": summary["tau"],
+                                "speedup": tok_s / plain}
         results["sd_tok_s"][key], results["tau"][key], results["strategy"][key] = best
         results["speedup"][key] = best[0] / plain
         print(f"batch {batch:2d}: plain {plain:6.1f} tok/s  best SD {best[0]:6.1f} tok/s ({best[2]}, "
