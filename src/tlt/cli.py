@@ -105,6 +105,8 @@ def _add_warmup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--draft-vocab", type=int, default=8192, help="0 = full vocabulary")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--ce-weight", type=float, default=0.1, help="weight of the soft cross-entropy to the "
+                        "target's token distribution (beside the feature loss of weight 1)")
 
 
 def _run_warmup(args) -> int:
@@ -117,7 +119,8 @@ def _run_warmup(args) -> int:
     source = ArithmeticTask() if args.data == "arithmetic" else DatasetTask(load_examples(args.data))
     config = WarmupConfig(prompts=args.prompts, steps=args.steps, max_new_tokens=args.max_new_tokens,
                           draft_vocab=args.draft_vocab)
-    warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config, DrafterTrainConfig(lr=args.lr))
+    warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config,
+           DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature))
     return 0
 
 

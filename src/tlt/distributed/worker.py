@@ -178,7 +178,8 @@ class RolloutWorker:
 
         if self._spot is None:
             drafter = EagleDrafter(self.drafter.config, self.drafter.draft_to_target).attach(self.engine.forward)
-            config = DrafterTrainConfig(lr=self.config.run.drafter_lr, seed=self.config.run.seed + self.rank)
+            config = DrafterTrainConfig(lr=self.config.run.drafter_lr, seed=self.config.run.seed + self.rank,
+                                        temperature=self.config.rollout.temperature)
             buffer = FeatureBuffer(self.config.run.drafter_buffer_tokens, seed=self.config.run.seed + self.rank)
             self._spot = [drafter, DrafterTrainer(drafter, buffer, config), buffer, 0]
         return self._spot

@@ -27,7 +27,9 @@ class DrafterTrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5
     feature_weight: float = 1.0     # SmoothL1 on the predicted hidden state
-    ce_weight: float = 0.1          # soft cross-entropy against the target's token distribution
+    ce_weight: float = 0.1          # soft cross-entropy against the target's token distribution (forward KL:
+                                    # q-sampling accepts 1 - TV(p, q), so the whole distribution matters)
+    temperature: float = 1.0        # the rollout temperature: p and q are compared as the sampler processes them
     feature_noise: float = 0.0      # uniform noise on input features (EAGLE's robustness trick), as a fraction
     entries_per_step: int = 8       # samples drawn from the buffer per optimizer step
     row_length: int = 256           # pairs per packed row
@@ -100,9 +102,10 @@ class DrafterTrainer:
         valid = batch.valid
         feature_loss = F.smooth_l1_loss(predicted[valid], batch.target_features[valid])
         draft_logits = self.drafter.draft_logits(predicted[valid])
+        scale = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0  # greedy rollouts: the untempered p
         with torch.no_grad():
-            target_probs = torch.softmax(self.drafter.draft_logits(batch.target_features[valid]), dim=-1)
-        ce = -(target_probs * torch.log_softmax(draft_logits, dim=-1)).sum(-1).mean()
+            target_probs = torch.softmax(self.drafter.draft_logits(batch.target_features[valid]) * scale, dim=-1)
+        ce = -(target_probs * torch.log_softmax(draft_logits * scale, dim=-1)).sum(-1).mean()
         loss = cfg.feature_weight * feature_loss + cfg.ce_weight * ce
         agreement = (draft_logits.argmax(-1) == target_probs.argmax(-1)).float().mean()
         return loss, {"loss": float(loss.detach()), "feature_loss": float(feature_loss.detach()),
