@@ -18,8 +18,8 @@ from tlt.tasks.synthetic import IdTokenizer, TargetTokenTask, share_of_target
 TARGET = 5  # the toy task rewards emitting this token
 
 
-def make_trainer(tmp_path, seed=0, **overrides):
-    model = tiny_model("llama", vocab_size=16, seed=seed)
+def make_trainer(tmp_path, seed=0, tied=False, **overrides):
+    model = tiny_model("llama", vocab_size=16, seed=seed, tie_word_embeddings=tied)
     loaded = LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "tiny")
     settings = ["run.speculative=off", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=8",
                 "rollout.max_new_tokens=6",
@@ -70,14 +70,17 @@ def test_loss_variants_and_kl_run(tmp_path, loss):
     assert "train/kl" in metrics and metrics["train/kl"] >= 0
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_resume_continues_exactly(tmp_path, tied):
+    """Tied: the default SmolLM2 ties embed_tokens and lm_head; the checkpoint keeps one name of the pair."""
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    full = make_trainer(full_dir, **{"run.steps": 3})
+    full = make_trainer(full_dir, tied=tied, **{"run.steps": 3})
     expected = train(full.config, trainer=full)
-    partial = make_trainer(resumed_dir, **{"run.steps": 2})
+    partial = make_trainer(resumed_dir, tied=tied, **{"run.steps": 2})
     train(partial.config, trainer=partial)
     config = dataclasses.replace(partial.config, run=dataclasses.replace(partial.config.run, steps=3))
-    fresh = make_trainer(resumed_dir, seed=123, **{"run.steps": 3})  # different init: resume must overwrite it
+    # different init: resume must overwrite it
+    fresh = make_trainer(resumed_dir, seed=123, tied=tied, **{"run.steps": 3})
     history = train(config, resume=True, trainer=fresh)
     assert len(history) == 1
     for key in ("reward_mean", "response_len_p50", "train/loss", "train/ratio_mean"):

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             config_path, overrides = args.config, list(args.overrides)
             if config_path is not None and "=" in config_path:  # `tlt train key=value ...` without a file
                 config_path, overrides = None, [config_path] + overrides
-            train(load_config(config_path, overrides), resume=args.resume)
+            train(load_config(config_path, overrides), resume=args.resume, overwrite=args.overwrite)
             return 0
         if args.command == "report":
             from tlt.report import write_report
@@ -94,6 +94,8 @@ def _add_train(parser: argparse.ArgumentParser) -> None:
                         "[grpo], [optim], [run] sections (default: the embedded default)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. rollout.max_new_tokens=128")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.out_dir")
+    parser.add_argument("--overwrite", action="store_true", help="start a new run in run.out_dir even if it holds "
+                        "one (deletes that run's checkpoints, metrics, timeline, TensorBoard logs and final policy)")
 
 
 def _add_warmup(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from tlt.distributed.backends import WorkerError, make_backend
 from tlt.distributed.timeline import merge_step, time_shares
+from tlt.rl.checkpoint import latest_checkpoint
 from tlt.rollout.request import RolloutResult
 
 
@@ -86,8 +87,15 @@ class DistributedGRPO:
         except Exception as error:  # noqa: BLE001 - any worker failure ends the step with one clear message
             raise WorkerError(
                 f"worker {rank} failed during {phase} of RL step {self.step + 1} "
-                f"({type(error).__name__}: {_first_line(error)}); nothing of this step was saved — "
-                f"`tlt train ... --resume` continues from the last checkpoint") from error
+                f"({type(error).__name__}: {_first_line(error)}); nothing of this step was saved{self._next_move()}"
+            ) from error
+
+    def _next_move(self) -> str:
+        """Point at --resume only when there is a checkpoint to resume from."""
+        checkpoint = latest_checkpoint(self.config.run.out_dir)
+        if checkpoint is None:
+            return ""
+        return f" — `tlt train ... --resume` continues from {checkpoint.name}"
 
     # -- metrics ----------------------------------------------------------------------------------------------
 
@@ -128,6 +136,9 @@ class DistributedGRPO:
 
     def save(self, run_dir) -> str:
         return self._call(0, "save", str(run_dir), {"workers": self.size})
+
+    def save_final(self, directory) -> str:
+        return self._call(0, "save_final", str(directory))
 
     def resume(self, checkpoint) -> None:
         steps = self._gather({r: self.backend.submit(r, "resume", str(checkpoint)) for r in range(self.size)},

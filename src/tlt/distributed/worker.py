@@ -225,8 +225,12 @@ class RolloutWorker:
                 tensors, meta = _flatten_optimizer(state["optimizer"])
                 files["drafter_optimizer.safetensors"] = tensors
                 extra["drafter"]["trainer"] = {"steps": state["steps"], "optimizer": meta}
-        return str(save_checkpoint(run_dir, self.trainer.step, self.trainer.model, self.trainer.optimizer, extra,
-                                   files=files))
+        optimizer = self.trainer.optimizer if self.config.run.save_optimizer else None
+        return str(save_checkpoint(run_dir, self.trainer.step, self.trainer.model, optimizer, extra, files=files))
+
+    def save_final(self, directory: str) -> str:
+        """The policy as a Hugging Face model directory (replicas are identical: rank 0's copy)."""
+        return str(self.trainer.save_final(directory))
 
     def resume(self, checkpoint: str) -> int:
         self.trainer.resume(checkpoint)

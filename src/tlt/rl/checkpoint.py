@@ -7,6 +7,7 @@ written to a temporary directory and renamed into place, so a run killed mid-sav
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file, save_model
 from tlt.errors import TltError
 
 CHECKPOINT_PREFIX = "step-"
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(TltError):
@@ -34,8 +36,10 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | No
     staging = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=run_dir))
     try:
         save_model(model, str(staging / "policy.safetensors"))
-        tensors, meta = _flatten_optimizer(optimizer.state_dict())
-        save_file(tensors, str(staging / "optimizer.safetensors"))
+        meta = None
+        if optimizer is not None:  # None: a smaller checkpoint; resuming starts a fresh optimizer
+            tensors, meta = _flatten_optimizer(optimizer.state_dict())
+            save_file(tensors, str(staging / "optimizer.safetensors"))
         save_file({"torch_rng": torch.get_rng_state()}, str(staging / "rng.safetensors"))
         for name, tensors in (files or {}).items():
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(staging / name))
@@ -49,6 +53,34 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | No
     return target
 
 
+def save_final_model(model, tokenizer, directory: Path) -> Path:
+    """The trained policy as a Hugging Face model directory (config, safetensors weights, tokenizer) that
+    `AutoModelForCausalLM.from_pretrained` loads; written to a staging directory and renamed into place."""
+    directory = Path(directory)
+    staging = Path(tempfile.mkdtemp(prefix=".final-", dir=directory.parent))
+    try:
+        model.save_pretrained(str(staging), safe_serialization=True)
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(str(staging))
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (keep <= 0: keep all); returns the deleted ones."""
+    if keep <= 0:
+        return []
+    found = sorted(p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if (p / "state.json").exists())
+    doomed = found[:-keep]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = sorted(p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if (p / "state.json").exists())
     return found[-1] if found else None
@@ -59,9 +91,9 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     path = Path(path)
     if not (path / "state.json").exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no state.json)")
-    weights = load_file(str(path / "policy.safetensors"))
+    weights = _read(path / "policy.safetensors")
     own = model.state_dict()
-    missing = [name for name in own if name not in weights and not _is_tied_alias(model, name)]
+    missing = [name for name in own if name not in weights and not _saved_under_another_name(own, weights, name)]
     if missing or any(weights[n].shape != own[n].shape for n in weights if n in own):
         raise CheckpointError(f"{path}: weights do not fit this model (missing {missing[:3]}...)")
     with torch.no_grad():
@@ -69,11 +101,26 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
             if name in own:
                 own[name].copy_(tensor)
     state = json.loads((path / "state.json").read_text())
-    optimizer.load_state_dict(_unflatten_optimizer(load_file(str(path / "optimizer.safetensors")),
-                                                   state["optimizer"]))
-    torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_rng"])
+    if state.get("optimizer") is None:
+        log.warning("%s holds no optimizer state (run.save_optimizer=false): the optimizer starts fresh", path)
+    else:
+        optimizer.load_state_dict(_unflatten_optimizer(_read(path / "optimizer.safetensors"),
+                                                       state["optimizer"]))
+    torch.set_rng_state(_read(path / "rng.safetensors")["torch_rng"])
     random.setstate(_as_python_rng_state(state["python_rng"]))
     return state
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as error:  # noqa: BLE001 - safetensors raises several types for missing/corrupt files
+        raise CheckpointError(f"cannot read checkpoint file {path}: {_first_line(error)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
 
 
 def _flatten_optimizer(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -95,8 +142,11 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def _is_tied_alias(model, name: str) -> bool:
-    return name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
+def _saved_under_another_name(own: dict, weights: dict, name: str) -> bool:
+    """Tied tensors (e.g. embed_tokens and lm_head) share storage; safetensors keeps one of their names, and
+    which one is its choice: a missing name is fine when a tensor it shares storage with was saved."""
+    pointer = own[name].data_ptr()
+    return any(other in weights and tensor.data_ptr() == pointer for other, tensor in own.items() if other != name)
 
 
 def _python_rng_state() -> list:

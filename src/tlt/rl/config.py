@@ -77,6 +77,9 @@ class RunConfig:
     seed: int = 0
     out_dir: str = "runs/default"
     checkpoint_every: int = 1      # save policy + optimizer + RNG every K steps (0 = only at the end)
+    keep_checkpoints: int = 2      # keep the newest N checkpoints, delete older ones (0 = keep all)
+    save_optimizer: bool = True    # include the optimizer state (2x the policy's size); without it a resumed
+                                   # run starts a fresh optimizer (with a warning)
     tensorboard: bool = True       # write TensorBoard scalars when tensorboard is installed
     speculative: str = "adaptive"  # "adaptive" (TLT: batch-size gate + bandit over strategies), "static" (SD
                                    # with `strategy` at batch <= gate) or "off" (the baseline: no SD)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tlt.rl.checkpoint import CheckpointError, latest_checkpoint
+from tlt.rl.checkpoint import prune_checkpoints
 from tlt.rl.config import TrainConfig
+from tlt.rl.run_dir import prepare_run_dir
 
 METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  len p50/p90/max "
                 "{response_len_p50:.0f}/{response_len_p90:.0f}/{response_len_max}  rollout {rollout_s:.1f}s  "
@@ -16,38 +17,39 @@ METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  l
 WORKERS_LINE = "      idle {idle_fraction:.0%}  spot-train {spot_train_share:.0%} ({spot_train_steps} steps)  drafter v{v}"
 
 
-def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None, trainer=None):
-    """Run config.run.steps RL steps (continuing from the latest checkpoint with resume=True)."""
+def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False, console: Console | None = None,
+          trainer=None):
+    """Run config.run.steps RL steps (continuing from the latest checkpoint with resume=True; overwrite=True
+    replaces a run already in run.out_dir). The run directory is checked before the policy loads."""
     from tlt.distributed.controller import DistributedGRPO
 
-    console = console or Console()
+    # soft_wrap: a step line stays one line in logs and pipes (rich wraps at 80 columns off a terminal)
+    console = console or Console(soft_wrap=True)
     run_dir = Path(config.run.out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite)
     owned = trainer is None
     with console.status(f"loading the policy ({config.run.workers} worker(s))"):
         trainer = trainer or DistributedGRPO(config)
         trainer.progress = console.is_terminal
     try:
-        return _loop(config, trainer, run_dir, resume, console)
+        history = _loop(config, trainer, run_dir, checkpoint, console)
+        final = trainer.save_final(run_dir / "final")
     finally:
         if owned:
             trainer.close()
+    console.print(f"run saved in {run_dir} (final policy: {final}); see it with: tlt report {run_dir}")
+    return history
 
 
-def _loop(config, trainer, run_dir: Path, resume: bool, console):
+def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
     from tlt.distributed.timeline import save_timeline
     from tlt.metrics.logger import MetricsLogger
 
     logger = MetricsLogger(run_dir, tensorboard=config.run.tensorboard)
-    if resume:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise CheckpointError(f"--resume: no checkpoint in {run_dir}")
+    if checkpoint is not None:
         trainer.resume(checkpoint)
         logger.truncate_after(trainer.step)
         console.print(f"resumed from {checkpoint.name} (step {trainer.step})")
-    else:
-        logger.truncate_after(-1)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
     history = []
     while trainer.step < config.run.steps:
@@ -61,5 +63,6 @@ def _loop(config, trainer, run_dir: Path, resume: bool, console):
         every = config.run.checkpoint_every
         if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
             trainer.save(run_dir)
+            prune_checkpoints(run_dir, config.run.keep_checkpoints)
     logger.close()
     return history

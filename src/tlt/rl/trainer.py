@@ -190,7 +190,13 @@ class GRPOTrainer:
         extra = {"config": self.config.to_dict()}
         if hasattr(self.engine.speculation, "state_dict"):  # the bandit's experience carries across steps
             extra["speculation"] = self.engine.speculation.state_dict()
-        return save_checkpoint(run_dir, self.step, self.model, self.optimizer, extra)
+        optimizer = self.optimizer if self.config.run.save_optimizer else None
+        return save_checkpoint(run_dir, self.step, self.model, optimizer, extra)
+
+    def save_final(self, directory: Path) -> Path:
+        from tlt.rl.checkpoint import save_final_model
+
+        return save_final_model(self.model, self.tokenizer, directory)
 
     def resume(self, checkpoint: Path) -> None:
         from tlt.rl.checkpoint import load_checkpoint

@@ -1,0 +1,106 @@
+"""A run directory: what `tlt train` writes there, and the rules that keep one run from clobbering another.
+
+A fresh run refuses a directory that already holds a run (its history would be lost, and a later `--resume`
+would continue the other run's checkpoint under the new config) unless told `--resume` or `--overwrite`.
+`--resume` refuses a config that changes what the run means (model, task, sampling, loss, optimizer, seed);
+operational settings (steps, workers, backend, checkpointing, speculation: lossless) may change.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tlt.errors import TltError
+from tlt.rl.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
+
+# Everything tlt writes into a run directory; --overwrite deletes exactly these, nothing else.
+RUN_FILES = ("metrics.jsonl", "config.json")
+RUN_DIRS = ("timeline", "tensorboard", "report", "final")
+MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
+MEANING_RUN_KEYS = ("seed",)
+
+
+class RunDirError(TltError):
+    """A run directory that cannot be used as asked."""
+
+
+def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite: bool) -> Path | None:
+    """Check (and with overwrite, clear) the run directory; returns the checkpoint to resume from, if any."""
+    run_dir = Path(run_dir)
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite contradict each other: choose one")
+    _make(run_dir)
+    if resume:
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise RunDirError(f"nothing to resume in {run_dir}: it holds no checkpoint (run without --resume "
+                              f"to start a new run there)")
+        _check_same_run(run_dir, config_dict)
+        return checkpoint
+    if holds_run(run_dir):
+        if not overwrite:
+            raise RunDirError(f"{run_dir} already holds a run ({describe(run_dir)}): continue it with --resume, "
+                              f"start over with --overwrite (deletes that run), or set another run.out_dir")
+        clear_run(run_dir)
+    return None
+
+
+def holds_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in RUN_FILES) or _checkpoints(run_dir) != []
+
+
+def describe(run_dir: Path) -> str:
+    checkpoints = _checkpoints(run_dir)
+    if not checkpoints:
+        return "metrics, no checkpoint"
+    return f"{len(checkpoints)} checkpoint(s), the last at step {int(checkpoints[-1].name[len(CHECKPOINT_PREFIX):])}"
+
+
+def clear_run(run_dir: Path) -> None:
+    """Delete what tlt wrote (checkpoints, staging dirs, metrics, timeline, TensorBoard, report, final)."""
+    for path in _checkpoints(run_dir) + sorted(run_dir.glob(".ckpt-*")):
+        shutil.rmtree(path)
+    for name in RUN_DIRS:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def _make(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as error:
+        raise RunDirError(f"cannot use run.out_dir={run_dir}: {error.filename or run_dir} is a file, "
+                          f"not a directory") from None
+    except OSError as error:
+        raise RunDirError(f"cannot create run.out_dir={run_dir}: {error.strerror}") from None
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+
+
+def _check_same_run(run_dir: Path, config_dict: dict) -> None:
+    saved_path = run_dir / "config.json"
+    if not saved_path.exists():
+        return  # a run from before config.json was written: nothing to compare against
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RunDirError(f"{saved_path} is not valid JSON: cannot check that --resume continues the same run")
+    changed = [f"{section}.{key}" for section in MEANING_SECTIONS
+               for key in sorted(set(saved.get(section, {})) | set(config_dict.get(section, {})))
+               if _norm(saved.get(section, {}).get(key)) != _norm(config_dict.get(section, {}).get(key))]
+    changed += [f"run.{key}" for key in MEANING_RUN_KEYS
+                if _norm(saved.get("run", {}).get(key)) != _norm(config_dict.get("run", {}).get(key))]
+    if changed:
+        raise RunDirError(f"--resume would continue the run in {run_dir} under a different config "
+                          f"({', '.join(changed)} changed): keep those values, or start a new run with "
+                          f"--overwrite or another run.out_dir")
+
+
+def _norm(value):
+    """JSON turns tuples into lists: compare the two forms as equal."""
+    return list(value) if isinstance(value, tuple) else value
