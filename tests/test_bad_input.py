@@ -63,3 +63,116 @@ def test_strategy_larger_than_the_reserved_tree_slots():
         engine.generate([Request([5, 6], params=SamplingParams(max_new_tokens=4))])
     with pytest.raises(StrategyError, match="tree_size"):
         SpecStrategy(3, 1, 5)
+
+
+# -- `tlt train` with bad input: one line naming the problem, exit 2, in both backends ---------------------------
+
+import json  # noqa: E402
+
+from test_verify import byte_tokenizer  # noqa: E402
+from tlt.cli import main  # noqa: E402
+from tlt.models.loading import save_model_dir  # noqa: E402
+
+FAST = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "run.steps=1",
+        "run.tensorboard=false", "run.speculative=off"]
+
+
+def model_dir(root, name="model", **overrides):
+    settings = {"vocab_size": 257, "eos_token_id": 256, "max_position_embeddings": 512, **overrides}
+    save_model_dir(tiny_model("llama", **settings), byte_tokenizer(), root / name)
+    return root / name
+
+
+def run_cli(capfd, args):
+    code = main(["train", *FAST, *args])
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    return code, err
+
+
+def assert_one_line(code, err, expected):
+    errors = [line for line in err if line.startswith("tlt: error:")]
+    assert code == 2, err
+    assert len(errors) == 1 and expected in errors[0], err
+    assert not any("Traceback" in line or "ActorDiedError" in line for line in err), err
+
+
+def bad_inputs(root):
+    """(name, extra CLI args, expected text): every kind of bad input a user can hand `tlt train`."""
+    good = model_dir(root)
+    (root / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    gpt2 = root / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (root / "empty.jsonl").write_text("")
+    (root / "answerless.jsonl").write_text(json.dumps({"question": "1+1?"}) + "\n")
+    record = {"question": "caf\u00e9", "answer": "1"}
+    (root / "latin1.jsonl").write_bytes(json.dumps(record, ensure_ascii=False).encode("latin-1") + b"\n")
+    (root / "small.jsonl").write_text(json.dumps(record) + "\n")
+    from tlt.models.eagle import EagleDrafter
+    other = tiny_model("llama", vocab_size=97)
+    EagleDrafter(other.config).save(root / "foreign-drafter")
+    out = ["run.out_dir=" + str(root / "run")]
+    data = lambda f: ["task.name=jsonl", f"task.path={root / f}"]  # noqa: E731
+    return [
+        ("missing model", [f"model.path={root / 'nope'}"], "model path not found"),
+        ("bad gguf", [f"model.path={root / 'broken.gguf'}"], "cannot read GGUF"),
+        ("wrong architecture", [f"model.path={gpt2}"], "gpt2"),
+        ("empty jsonl", [f"model.path={good}", *data("empty.jsonl")], "no records"),
+        ("answerless jsonl", [f"model.path={good}", *data("answerless.jsonl")], "missing field 'answer'"),
+        ("non-utf8 jsonl", [f"model.path={good}", *data("latin1.jsonl")], "not UTF-8"),
+        ("dataset too small", [f"model.path={good}", *data("small.jsonl")], "fewer than the 2 one step needs"),
+        ("foreign drafter", [f"model.path={good}", "run.speculative=static",
+                             f"run.drafter={root / 'foreign-drafter'}"], "made for another model"),
+        ("not a drafter", [f"model.path={good}", "run.speculative=static", f"run.drafter={root}"], "not a tlt drafter"),
+    ], out
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "ray"])
+def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backend):
+    cases, out = bad_inputs(tmp_path)
+    for name, args, expected in cases:
+        code, err = run_cli(capfd, [*out, f"run.backend={backend}", "run.workers=2", *args])
+        assert_one_line(code, err, expected)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("run.speculative=turbo", "run.speculative must be one of"), ("grpo.loss=ppo", "grpo.loss must be one of"),
+    ("run.strategy=deep", "run.strategy"), ("run.backend=mpi", "run.backend must be one of"),
+    ("rollout.temperature=-1", "rollout.temperature must be > 0"), ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.max_batch_size=0", "rollout.max_batch_size must be >= 1"),
+    ("rollout.samples_per_prompt=1", "samples_per_prompt must be >= 2"), ("task.name=csv", "task.name"),
+    ("optim.lr=0", "optim.lr must be > 0"), ("run.workers=0", "run.workers must be >= 1")])
+def test_config_errors_come_before_anything_loads(tmp_path, capfd, override, expected):
+    """model.path points nowhere: had anything loaded first, the error would be about the model."""
+    code, err = run_cli(capfd, [f"run.out_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'nope'}", override])
+    assert_one_line(code, err, expected)
+
+
+def truncated_model(root):
+    path = model_dir(root)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return path
+
+
+def test_corrupt_weights_in_process(tmp_path, capfd):
+    args = [f"run.out_dir={tmp_path / 'run'}", "run.backend=inprocess", f"model.path={truncated_model(tmp_path)}"]
+    assert_one_line(*run_cli(capfd, args), "cannot load the weights")
+
+
+def test_output_dir_under_a_file(tmp_path, capfd):
+    (tmp_path / "file").write_text("x")
+    args = [f"run.out_dir={tmp_path / 'file' / 'run'}", f"model.path={model_dir(tmp_path)}"]
+    assert_one_line(*run_cli(capfd, args), "is a file, not a directory")
+
+
+def test_ray_workers_hand_back_their_own_errors(tmp_path, capfd):
+    """Errors met inside Ray actors: a corrupt model while a worker starts, and a request error mid-rollout
+    (a context too short for prompt + budget), each as its own one-line message, not Ray's."""
+    ray_args = ["run.backend=ray", "run.workers=2", "run.threads_per_worker=1"]
+    code, err = run_cli(capfd, [f"run.out_dir={tmp_path / 'a'}", *ray_args, f"model.path={truncated_model(tmp_path)}"])
+    assert_one_line(code, err, "cannot load the weights")
+    short = model_dir(tmp_path, "short", max_position_embeddings=64)
+    code, err = run_cli(capfd, [f"run.out_dir={tmp_path / 'b'}", *ray_args, f"model.path={short}",
+                                "rollout.max_new_tokens=60"])
+    assert_one_line(code, err, "exceeds the model's context")

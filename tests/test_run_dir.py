@@ -81,7 +81,8 @@ def test_final_policy_is_a_hugging_face_model_directory(tmp_path, tied):
 
 def test_cli_out_dir_under_a_file_is_one_line_before_loading(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
-    code = main(["train", f"run.out_dir={tmp_path / 'file' / 'run'}", f"model.path={tmp_path / 'no-model'}"])
+    from test_bad_input import model_dir
+    code = main(["train", f"run.out_dir={tmp_path / 'file' / 'run'}", f"model.path={model_dir(tmp_path)}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "is a file, not a directory" in err[0], err
 

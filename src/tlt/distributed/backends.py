@@ -90,19 +90,43 @@ class RayBackend:
             raise TltError("run.backend=ray needs Ray: pip install 'tlt-rl[ray]'") from error
         self.size = config.run.workers
         threads = threads_per_worker(config)
-        if not ray.is_initialized():
-            ray.init(num_cpus=max(os.cpu_count() or 1, self.size * threads), include_dashboard=False,
-                     log_to_driver=True, logging_level="WARNING")
         use_gpu = config.model.device not in (None, "cpu") or _cuda_available()
+        if use_gpu and self.size > _cuda_devices():
+            raise TltError(f"run.workers={self.size} asks for one GPU per worker, but this machine has "
+                           f"{_cuda_devices()}: set run.workers={max(1, _cuda_devices())}")
+        if not ray.is_initialized():
+            # ERROR: Ray's start-up notices (e.g. its token-auth warning) would otherwise open every run's log
+            ray.init(num_cpus=max(os.cpu_count() or 1, self.size * threads), include_dashboard=False,
+                     log_to_driver=True, logging_level="ERROR")
         self._hub = ray.remote(DrafterHub).options(num_cpus=0).remote(config.run.drafter_buffer_tokens)
         self.hub = HubClient(self._hub)
-        actor = ray.remote(RolloutWorker).options(num_cpus=threads, num_gpus=1 if use_gpu else 0)
+        actor = ray.remote(_RayWorker).options(num_cpus=threads, num_gpus=1 if use_gpu else 0)
         self.workers = [actor.remote(config, rank, self.size, self._hub, threads=threads, loaded=loaded, task=task,
                                      reward=reward) for rank in range(self.size)]
-        self._check(ray.get([w.ping.remote() for w in self.workers]))
+        self._check(self._started([w.ping.remote() for w in self.workers]))
         if self.size > 1:
             address = f"127.0.0.1:{_free_port()}"
             ray.get([w.join_group.remote(address) for w in self.workers])
+
+    def _started(self, pings) -> list[int]:
+        """The ranks the workers answer with, or the first worker's own start-up error (bad model, task file,
+        drafter...), raised here as itself rather than buried under Ray's ActorDiedError."""
+        import ray
+
+        try:
+            answers = ray.get(pings, timeout=WORKER_START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise WorkerError(f"the workers did not start within {WORKER_START_TIMEOUT_S} s (Ray could not place "
+                              f"them, or loading the model hangs)") from None
+        except ray.exceptions.RayError as error:
+            self.shutdown()
+            raise WorkerError(f"a worker died while starting: {_last_line(error)}") from None
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if failed:
+            self.shutdown()
+            raise failed[0]
+        return answers
 
     def _check(self, ranks):
         if sorted(ranks) != list(range(self.size)):
@@ -118,9 +142,15 @@ class RayBackend:
         return done
 
     def result(self, future):
+        """The call's value; a worker's TltError (bad input met mid-step) comes back as itself."""
         import ray
 
-        return ray.get(future)
+        try:
+            return ray.get(future)
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(error.cause, TltError):
+                raise error.cause from None
+            raise
 
     def kill_worker(self, rank: int) -> None:
         """For fault tests: the worker process dies as if its machine had failed."""
@@ -134,6 +164,29 @@ class RayBackend:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         ray.kill(self._hub, no_restart=True)
+
+
+WORKER_START_TIMEOUT_S = 900  # a first run converts the default model's GGUF (about a minute) in every worker
+
+
+class _RayWorker(RolloutWorker):
+    """A worker whose start-up TltError is kept and handed back by `ping`: raised in an actor's constructor it
+    would kill the actor, and the driver would see only Ray's ActorDiedError and a page of remote traceback."""
+
+    def __init__(self, *args, **kwargs):
+        self.start_error = None
+        try:
+            super().__init__(*args, **kwargs)
+        except TltError as error:
+            self.start_error = error
+
+    def ping(self):
+        return self.start_error if self.start_error is not None else super().ping()
+
+
+def _last_line(error: Exception) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__
 
 
 def _replica(loaded, size: int):
@@ -152,3 +205,9 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -17,13 +17,13 @@ import torch
 
 from tlt.distributed.backends import WorkerError, make_backend
 from tlt.distributed.timeline import merge_step, time_shares
+from tlt.errors import TltError
 from tlt.rl.checkpoint import latest_checkpoint
 from tlt.rollout.request import RolloutResult
 
 
 class DistributedGRPO:
     def __init__(self, config, *, backend=None, **backend_kwargs):
-        from tlt.errors import TltError
 
         if config.rollout.prompts_per_step < config.run.workers:
             raise TltError(f"rollout.prompts_per_step={config.rollout.prompts_per_step} is fewer than "
@@ -84,6 +84,8 @@ class DistributedGRPO:
     def _result(self, future, phase: str, rank: int):
         try:
             return self.backend.result(future)
+        except TltError:
+            raise  # bad input met by a worker (a prompt too long, a broken reward...): its own message
         except Exception as error:  # noqa: BLE001 - any worker failure ends the step with one clear message
             raise WorkerError(
                 f"worker {rank} failed during {phase} of RL step {self.step + 1} "

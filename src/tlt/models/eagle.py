@@ -166,10 +166,14 @@ class EagleDrafter(nn.Module):
         directory = Path(directory)
         if not (directory / CONFIG_FILE).exists() or not (directory / WEIGHTS_FILE).exists():
             raise DrafterError(f"{directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-        meta = json.loads((directory / CONFIG_FILE).read_text())
-        settings = dict(meta["target_config"])
-        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-        tensors = load_file(str(directory / WEIGHTS_FILE))
+        try:
+            meta = json.loads((directory / CONFIG_FILE).read_text())
+            settings = dict(meta["target_config"])
+            config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+            tensors = load_file(str(directory / WEIGHTS_FILE))
+        except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, corrupt safetensors
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise DrafterError(f"{directory}: cannot read the drafter ({type(error).__name__}: {first})") from None
         drafter = cls(config, tensors.get("draft_to_target"))
         drafter.attach(target)
         own = drafter.state_dict()

@@ -49,34 +49,77 @@ def load_model(source=None, *, tokenizer=None, device=None, dtype: torch.dtype =
 def _load_from_path(source):
     from tlt.models.default_model import default_model_dir
 
-    if source is None or str(source) in DEFAULT_MODEL_ALIASES:
-        path = default_model_dir()
-    else:
-        path = Path(source).expanduser()
+    path = default_model_dir() if is_default_source(source) else check_model_path(source)
+    if path.is_file():
+        model, tokenizer = load_gguf(path)
+        return model, tokenizer, str(path)
+    return (*load_hf_dir(path), str(path))
+
+
+def is_default_source(source) -> bool:
+    return source is None or str(source) in DEFAULT_MODEL_ALIASES
+
+
+def check_model_path(source) -> Path:
+    """The cheap checks of a user-given model path, before anything loads: it exists, and is a .gguf file or a
+    Hugging Face directory (config.json of a supported family, safetensors weights)."""
+    path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path not found: {source} (expected a Hugging Face model directory, "
                              f"a .gguf file, or 'smollm2' for the default model)")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf; give a model directory or a .gguf file")
-        model, tokenizer = load_gguf(path)
-        return model, tokenizer, str(path)
-    return (*load_hf_dir(path), str(path))
+        _read_gguf_config(path)  # the header only: a broken file fails here, before any worker starts
+        return path
+    _read_hf_config(path)
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no .safetensors weights (tlt never loads pickled checkpoints)")
+    return path
 
 
-def load_hf_dir(path: Path):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _read_hf_config(path: Path):
+    from transformers import AutoConfig
 
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as error:  # bad JSON, unknown model_type, unreadable file
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(error)}") from None
     check_supported(config)
+    return config
+
+
+def load_hf_dir(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = _read_hf_config(path)
     if not list(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no .safetensors weights (tlt never loads pickled checkpoints)")
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True,
-                                                 use_safetensors=True, dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True,
+                                                     use_safetensors=True, dtype=torch.float32)
+    except Exception as error:  # noqa: BLE001 - safetensors and transformers raise many types for bad weights
+        raise ModelLoadError(f"cannot load the weights in {path}: {_first_line(error)}") from None
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if _has_tokenizer(path) else None
     return model, tokenizer
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _read_gguf_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - a truncated or foreign file fails in many ways (struct, ValueError...)
+        raise ModelLoadError(f"cannot read GGUF {path}: {_first_line(error)}") from None
+    check_supported(config)
+    return config
 
 
 def load_gguf(path: Path):
@@ -85,13 +128,12 @@ def load_gguf(path: Path):
 
     path = Path(path)
     kwargs = dict(gguf_file=path.name, local_files_only=True)
+    _read_gguf_config(path)
     try:
-        config = AutoConfig.from_pretrained(path.parent, **kwargs)
-    except (ValueError, KeyError, OSError) as error:
-        raise ModelLoadError(f"cannot read GGUF {path}: {error}") from error
-    check_supported(config)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    except Exception as error:  # noqa: BLE001 - a truncated or foreign GGUF fails in many ways
+        raise ModelLoadError(f"cannot read GGUF {path}: {_first_line(error)}") from None
     return model, tokenizer
 
 

@@ -126,6 +126,75 @@ class TrainConfig:
         return dataclasses.replace(self, **{section_name: dataclasses.replace(section, **{name: coerced})})
 
 
+TASK_NAMES = ("arithmetic", "jsonl", "parquet")
+SPECULATIVE_MODES = ("off", "static", "adaptive")
+BACKENDS = ("auto", "ray", "inprocess")
+BUILTIN_REWARDS = ("auto", "integer", "math_verify")
+
+
+def validate(config: TrainConfig) -> TrainConfig:
+    """Every choice and range, checked before anything loads; raises ConfigError naming the first bad key."""
+    from tlt.rl.grpo import AGGREGATIONS
+    from tlt.speculative.strategy import SpecStrategy
+
+    task, rollout, grpo, optim, run = config.task, config.rollout, config.grpo, config.optim, config.run
+    _choice("task.name", task.name, TASK_NAMES)
+    _check(task.name == "arithmetic" or bool(task.path), f"task.name={task.name} needs task.path (a dataset file)")
+    _check(task.reward in BUILTIN_REWARDS or ":" in task.reward,
+           f"task.reward must be one of {', '.join(BUILTIN_REWARDS)} or 'package.module:function', "
+           f"got {task.reward!r}")
+    _at_least("task.min_operations", task.min_operations, 1)
+    _at_least("task.max_operations", task.max_operations, task.min_operations, "task.min_operations")
+    _at_least("task.eval_size", task.eval_size, 0)
+    _at_least("rollout.prompts_per_step", rollout.prompts_per_step, 1)
+    _check(rollout.samples_per_prompt >= 2, f"rollout.samples_per_prompt must be >= 2, got "
+           f"{rollout.samples_per_prompt}: GRPO compares the samples of one prompt (a group of 1 has no advantage)")
+    _at_least("rollout.max_new_tokens", rollout.max_new_tokens, 1)
+    _at_least("rollout.max_batch_size", rollout.max_batch_size, 1)
+    _check(0 < rollout.temperature < float("inf"), f"rollout.temperature must be > 0, got {rollout.temperature}: "
+           f"greedy samples of one prompt are identical, so every GRPO advantage would be 0")
+    _check(0 < rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
+    _at_least("rollout.top_k", rollout.top_k, 0)
+    _choice("grpo.loss", grpo.loss, tuple(AGGREGATIONS))
+    _check(0 <= grpo.clip_low < 1, f"grpo.clip_low must be in [0, 1), got {grpo.clip_low}")
+    _at_least("grpo.clip_high", grpo.clip_high, 0)
+    _at_least("grpo.kl_coef", grpo.kl_coef, 0)
+    _at_least("grpo.updates_per_step", grpo.updates_per_step, 1)
+    _check(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
+    _at_least("optim.weight_decay", optim.weight_decay, 0)
+    _check(all(0 <= b < 1 for b in optim.betas), f"optim.betas must each be in [0, 1), got {list(optim.betas)}")
+    _at_least("optim.micro_batch_size", optim.micro_batch_size, 1)
+    _at_least("optim.grad_clip", optim.grad_clip, 0)
+    _choice("run.speculative", run.speculative, SPECULATIVE_MODES)
+    _choice("run.backend", run.backend, BACKENDS)
+    try:
+        SpecStrategy.parse(run.strategy)
+    except TltError as error:
+        raise ConfigError(f"run.strategy: {error}") from None
+    for key in ("steps", "checkpoint_every", "keep_checkpoints", "gate", "threads_per_worker"):
+        _at_least(f"run.{key}", getattr(run, key), 0)
+    for key in ("workers", "publish_every", "drafter_buffer_tokens"):
+        _at_least(f"run.{key}", getattr(run, key), 1)
+    _check(run.swap_poll_s > 0, f"run.swap_poll_s must be > 0, got {run.swap_poll_s}")
+    _check(run.drafter_lr > 0, f"run.drafter_lr must be > 0, got {run.drafter_lr}")
+    _check(rollout.prompts_per_step >= run.workers, f"rollout.prompts_per_step={rollout.prompts_per_step} is "
+           f"fewer than run.workers={run.workers}: every worker needs at least one prompt")
+    return config
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _choice(key: str, value, choices: tuple) -> None:
+    _check(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _at_least(key: str, value, low, low_name: str | None = None) -> None:
+    _check(value >= low, f"{key} must be >= {low_name or low}, got {value}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the YAML file (nested sections), then `section.key=value` overrides."""
     config = TrainConfig()
@@ -146,7 +215,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         if not sep:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         config = config.override(key.strip(), raw.strip(), text=True)
-    return config
+    return validate(config)
 
 
 def _parse_text(raw: str, annotation):

@@ -8,7 +8,8 @@ from pathlib import Path
 from rich.console import Console
 
 from tlt.rl.checkpoint import prune_checkpoints
-from tlt.rl.config import TrainConfig
+from tlt.rl.config import TrainConfig, validate
+from tlt.rl.preflight import preflight
 from tlt.rl.run_dir import prepare_run_dir
 
 METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  len p50/p90/max "
@@ -25,9 +26,12 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
 
     # soft_wrap: a step line stays one line in logs and pipes (rich wraps at 80 columns off a terminal)
     console = console or Console(soft_wrap=True)
+    validate(config)  # a config built in code gets the same checks as one from the command line
+    owned = trainer is None
+    if owned:
+        preflight(config)  # before --overwrite deletes anything
     run_dir = Path(config.run.out_dir)
     checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite)
-    owned = trainer is None
     with console.status(f"loading the policy ({config.run.workers} worker(s))"):
         trainer = trainer or DistributedGRPO(config)
         trainer.progress = console.is_terminal

@@ -234,8 +234,6 @@ def step_metrics(rollout: RolloutResult, rewards: torch.Tensor, correct: torch.T
 
 def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair."""
-    import re
-
     from tlt.errors import TltError
     from tlt.models.eagle import EagleDrafter
     from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate
@@ -253,16 +251,16 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     else:
         raise TltError(f"run.speculative={run.speculative} needs run.drafter (make one with `tlt drafter warmup`) "
                        f"or spot training (run.spot_training=true with run.workers >= 2) to train one from scratch")
-    match = re.fullmatch(r"S(\d+)K(\d+)N(\d+)", run.strategy)
-    if match is None:
-        raise TltError(f"run.strategy must look like S4K2N8 (depth, branching, tree size), got {run.strategy!r}")
-    strategy = SpecStrategy(*(int(g) for g in match.groups()))
+    strategy = SpecStrategy.parse(run.strategy)
     if run.speculative == "static":
         gate = run.gate
         policy = lambda batch_size: strategy if batch_size <= gate else None  # noqa: E731
         return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=policy,
                              max_tree_size=strategy.tree_size)
-    arms = [SpecStrategy.chain(3), strategy, SpecStrategy(5, 3, 16)]
+    # Both acceptance rules compete: q-sampling wins where the drafter's q is close to p (1 - TV(p, q) per
+    # token), target-only where its trees are cheaper to verify (N = 8 or 16 instead of K + (S - 1) K^2).
+    arms = [SpecStrategy.chain(3), strategy, SpecStrategy(5, 3, 16), SpecStrategy.chain(4, "q"),
+            SpecStrategy(3, 2, rule="q")]
     arms = list(dict.fromkeys(arms))
     policy = AdaptiveSpeculation(arms, BatchSizeGate(threshold=run.gate))
     return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=policy,

@@ -49,7 +49,15 @@ def load_examples(path: str | Path, prompt_field: str = "question", answer_field
 
 
 def _jsonl_records(path: Path):
-    for number, text in enumerate(path.read_text().splitlines(), start=1):
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[:error.start].count(b"\n") + 1
+        raise DatasetError(f"{path}, line {line}: not UTF-8 text (byte {error.object[error.start]:#04x}); "
+                           f"save the file as UTF-8") from None
+    except IsADirectoryError:
+        raise DatasetError(f"{path} is a directory, not a .jsonl file") from None
+    for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
@@ -66,8 +74,11 @@ def _parquet_records(path: Path):
         import pyarrow.parquet as pq
     except ImportError as error:
         raise DatasetError("reading parquet needs pyarrow: pip install 'tlt-rl[data]'") from error
-    for number, record in enumerate(pq.read_table(path).to_pylist(), start=1):
-        yield number, record
+    try:
+        records = pq.read_table(path).to_pylist()
+    except Exception as error:  # noqa: BLE001 - pyarrow raises several types for unreadable files
+        raise DatasetError(f"{path}: not a readable parquet file ({str(error).splitlines()[0]})") from None
+    yield from enumerate(records, start=1)
 
 
 class DatasetTask:

@@ -1,0 +1,44 @@
+"""Checks of a run's input files before any worker starts: a missing model, task file or drafter fails in a
+second with one line, instead of after a model load in every worker (or inside a Ray actor)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tlt.models.eagle import CONFIG_FILE, WEIGHTS_FILE, DrafterError
+from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
+from tlt.tasks import DatasetError, load_examples
+
+SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "model_type")
+
+
+def preflight(config) -> None:
+    model_path = None
+    if not is_default_source(config.model.path):
+        model_path = check_model_path(config.model.path)
+    if config.task.name in ("jsonl", "parquet"):
+        examples = load_examples(config.task.path, config.task.prompt_field, config.task.answer_field)
+        needed = config.rollout.prompts_per_step + config.task.eval_size
+        if len(examples) < needed:
+            raise DatasetError(f"{config.task.path} has {len(examples)} example(s), fewer than the "
+                               f"{needed} one step needs (rollout.prompts_per_step + task.eval_size)")
+    if config.run.drafter:
+        _check_drafter(Path(config.run.drafter), model_path)
+
+
+def _check_drafter(directory: Path, model_path: Path | None) -> None:
+    if not (directory / CONFIG_FILE).exists() or not (directory / WEIGHTS_FILE).exists():
+        raise DrafterError(f"run.drafter={directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE}; "
+                           f"make one with `tlt drafter warmup`)")
+    if model_path is None or model_path.is_file():
+        return  # the default model or a GGUF: its shapes are checked when the drafter attaches
+    try:
+        drafter = json.loads((directory / CONFIG_FILE).read_text())["target_config"]
+        target = json.loads((model_path / "config.json").read_text())
+    except (ValueError, KeyError, OSError) as error:
+        raise ModelLoadError(f"cannot compare run.drafter with the model: {error}") from None
+    different = [k for k in SHAPE_KEYS if drafter.get(k) != target.get(k)]
+    if different:
+        raise DrafterError(f"run.drafter={directory} was made for another model: "
+                           + ", ".join(f"{k} {drafter.get(k)} vs {target.get(k)}" for k in different))
