@@ -124,7 +124,7 @@ def _read_gguf_config(path: Path):
 
 def load_gguf(path: Path):
     """Read a GGUF with transformers' GGUF support, dequantized to fp32."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     kwargs = dict(gguf_file=path.name, local_files_only=True)
