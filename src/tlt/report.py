@@ -20,6 +20,7 @@ KIND_COLORS = {"rollout": "#4c72b0", "rollout_sd": "#55a868", "logprobs": "#8172
 TAU_KEYS = ("sd/tau", "sd/mean_accepted", "drafter/tau")  # newest name first; older runs used the others
 # (header, metric key, format) of the step table; a column appears when any step has its key
 STEP_COLUMNS = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), ("accuracy", "accuracy", "{:.3f}"),
+                ("held-out acc", "eval_accuracy", "{:.3f}"),
                 ("len p50", "response_len_p50", "{:.0f}"), ("len p90", "response_len_p90", "{:.0f}"),
                 ("len max", "response_len_max", "{:.0f}"), ("rollout s", "rollout_s", "{:.2f}"),
                 ("train s", "train_s", "{:.2f}"), ("tok/s", "rollout_tok_s", "{:.1f}")]
@@ -111,7 +112,8 @@ def _series(metrics: list[dict], key: str) -> tuple[list, list]:
 def _draw_curves(metrics: list[dict], out: Path) -> list[tuple[str, str]]:
     """The run's curves as (title, file name); a figure with none of its keys present is skipped."""
     tau = [key for key in TAU_KEYS if _series(metrics, key)[0]]
-    figures = [("reward and accuracy", "curves_reward.png", [("reward_mean", "reward"), ("accuracy", "accuracy")]),
+    figures = [("reward and accuracy", "curves_reward.png", [("reward_mean", "reward"), ("accuracy", "accuracy"),
+                                                             ("eval_accuracy", "held-out accuracy (greedy)")]),
                ("response length", "curves_length.png", [("response_len_p50", "p50"), ("response_len_p90", "p90"),
                                                          ("response_len_max", "max")]),
                ("speculative decoding τ", "curves_tau.png", [(key, key) for key in tau])]

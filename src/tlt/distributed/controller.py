@@ -54,8 +54,9 @@ class DistributedGRPO:
         step_end = time.time()
         timeline = merge_step(self.step, [updates[r]["timeline"] for r in range(self.size)], step_start, step_end)
         self.last_timeline = timeline
-        return self._metrics(rollouts, prepared, spot, updates, timeline, rollout_end - step_start,
-                             step_end - rollout_end)
+        metrics = self._metrics(rollouts, prepared, spot, updates, timeline, rollout_end - step_start,
+                                step_end - rollout_end)
+        return {**metrics, **self._call(0, "evaluate")}
 
     def _run_workers(self, shards: list[list]) -> tuple[dict, dict, dict]:
         """rollout → prepare → (spot_train while any rollout is still running), per worker, as futures finish."""

@@ -140,6 +140,10 @@ class RolloutWorker:
         return {"update": stats, "timeline": self.timeline, "end": time.time(),
                 "lr": self.trainer.optimizer.param_groups[0]["lr"], "policy_metrics": self.trainer.policy_metrics()}
 
+    def evaluate(self) -> dict:
+        """Held-out greedy accuracy after the update (replicas are identical: rank 0 evaluates for all)."""
+        return self.trainer.evaluate() if self.trainer.evaluation_due() else {}
+
     # -- drafter versions -------------------------------------------------------------------------------------
 
     def _between_steps(self, engine) -> None:

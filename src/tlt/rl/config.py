@@ -38,7 +38,8 @@ class TaskConfig:
                                    # gives a 135M model a learning signal before it gets answers right
     min_operations: int = 1        # built-in task: easiest problems use this many operations
     max_operations: int = 4        # built-in task: hardest problems (the long tail of response lengths)
-    eval_size: int = 0             # held-out problems scored greedily every eval_every steps (0 = none)
+    eval_size: int = 0             # held-out problems (never trained on) scored with greedy decoding (0 = none)
+    eval_every: int = 1            # evaluate every K steps and after the last one (with eval_size > 0)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _at_least("task.min_operations", task.min_operations, 1)
     _at_least("task.max_operations", task.max_operations, task.min_operations, "task.min_operations")
     _at_least("task.eval_size", task.eval_size, 0)
+    _at_least("task.eval_every", task.eval_every, 1)
     _at_least("rollout.prompts_per_step", rollout.prompts_per_step, 1)
     _check(rollout.samples_per_prompt >= 2, f"rollout.samples_per_prompt must be >= 2, got "
            f"{rollout.samples_per_prompt}: GRPO compares the samples of one prompt (a group of 1 has no advantage)")
@@ -175,7 +177,7 @@ def validate(config: TrainConfig) -> TrainConfig:
         _at_least(f"run.{key}", getattr(run, key), 0)
     for key in ("workers", "publish_every", "drafter_buffer_tokens"):
         _at_least(f"run.{key}", getattr(run, key), 1)
-    _check(run.swap_poll_s > 0, f"run.swap_poll_s must be > 0, got {run.swap_poll_s}")
+    _at_least("run.swap_poll_s", run.swap_poll_s, 0)  # 0: check for a newer drafter before every decode step
     _check(run.drafter_lr > 0, f"run.drafter_lr must be > 0, got {run.drafter_lr}")
     _check(rollout.prompts_per_step >= run.workers, f"rollout.prompts_per_step={rollout.prompts_per_step} is "
            f"fewer than run.workers={run.workers}: every worker needs at least one prompt")

@@ -69,8 +69,29 @@ class GRPOTrainer:
         batch = self.score(examples, rollout)
         update = self.update(batch)
         self.step += 1
-        return self._metrics(rollout, batch.rewards, batch.correct, update, rollout_s,
-                             time.perf_counter() - started - rollout_s)
+        metrics = self._metrics(rollout, batch.rewards, batch.correct, update, rollout_s,
+                                time.perf_counter() - started - rollout_s)
+        return {**metrics, **self.evaluate()} if self.evaluation_due() else metrics
+
+    def evaluation_due(self) -> bool:
+        """After a step: every task.eval_every steps and after the last, when there is a held-out set."""
+        task = self.config.task
+        return bool(getattr(self.task, "eval_examples", None)) and (
+            self.step % task.eval_every == 0 or self.step == self.config.run.steps)
+
+    def evaluate(self) -> dict:
+        """Greedy accuracy and mean reward on the held-out examples (decoded like a rollout, without noise)."""
+        started = time.perf_counter()
+        examples = self.task.eval_examples
+        params = SamplingParams(temperature=0, max_new_tokens=self.config.rollout.max_new_tokens)
+        self.model.eval()
+        if hasattr(self.engine.speculation, "reset"):
+            self.engine.speculation.reset()
+        result = self.engine.generate([Request(self.task.prompt_ids(e), params=params) for e in examples])
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in result.samples]
+        scored = self.reward.score(texts, [examples[s.request_index] for s in result.samples])
+        return {"eval_accuracy": sum(scored.correct) / len(examples),
+                "eval_reward_mean": sum(scored.rewards) / len(examples), "eval_s": time.perf_counter() - started}
 
     def step_seed(self) -> int:
         return self.config.run.seed * 1_000_003 + self.step

@@ -6,15 +6,17 @@ from tlt.errors import TltError
 from tlt.tasks.arithmetic import ArithmeticTask, ArithmeticTaskConfig
 from tlt.tasks.chat import chat_prompt_ids
 from tlt.tasks.example import TaskExample
+from tlt.tasks.held_out import split_held_out
 from tlt.tasks.loaders import DatasetError, DatasetTask, load_examples
 
 
 class ChatTask:
     """A task plus how its prompts become token ids (the chat template and optional system prompt)."""
 
-    def __init__(self, source, tokenizer, system_prompt: str | None = None):
+    def __init__(self, source, tokenizer, system_prompt: str | None = None, eval_examples=()):
         self.source, self.tokenizer, self.system_prompt = source, tokenizer, system_prompt
         self.kind = "integer" if isinstance(source, ArithmeticTask) else "math"
+        self.eval_examples = list(eval_examples)  # held out: never among `sample`'s draws
 
     def sample(self, count: int, seed: int) -> list[TaskExample]:
         return self.source.sample(count, seed)
@@ -34,7 +36,8 @@ def build_task(config, tokenizer) -> ChatTask:
         source = DatasetTask(load_examples(config.path, config.prompt_field, config.answer_field))
     else:
         raise TltError(f"unknown task.name {config.name!r}: use arithmetic, jsonl or parquet")
-    return ChatTask(source, tokenizer, config.system_prompt)
+    source, held_out = split_held_out(source, config.eval_size)
+    return ChatTask(source, tokenizer, config.system_prompt, held_out)
 
 
 __all__ = ["ArithmeticTask", "ArithmeticTaskConfig", "ChatTask", "DatasetError", "DatasetTask", "TaskExample",
