@@ -84,9 +84,10 @@ def assert_spot_training_ends_at_the_barrier(timeline):
     by_worker = {w["worker"]: w["intervals"] for w in timeline["workers"]}
     tail_ready = max(i["end"] for i in by_worker[1] if i["kind"] == "logprobs")  # the step's critical path
     spot_end = max(i["end"] for i in by_worker[0] if i["kind"] == "spot_train")
-    update_start = min(i["start"] for i in by_worker[1] if i["kind"] == "update")
-    assert spot_end <= update_start + 0.05
-    assert spot_end - tail_ready < 0.5  # one drafter micro-step of a tiny model, plus the hand-off
+    own_update = min(i["start"] for i in by_worker[0] if i["kind"] == "update")
+    # ordering, not wall-clock thresholds (the stop latency is measured in benchmarks/spot_training.py): the
+    # trainer used the whole tail (it stopped only once the long worker was ready) and stopped before its update
+    assert tail_ready <= spot_end <= own_update
 
 
 def test_policy_replicas_are_identical_after_every_update(tmp_path):
@@ -117,7 +118,7 @@ def test_spot_training_failure_keeps_the_last_good_drafter(tmp_path, monkeypatch
         controller.close()
     assert metrics["spot_train_errors"] == 1
     assert metrics["drafter_versions"] == [] and metrics["drafter_version"] == 0
-    assert metrics["sd/tau"] >= 1.0  # SD kept running on version 0
+    assert metrics["sd/sd_step_share"] > 0  # SD kept running on version 0
 
 
 def test_fewer_prompts_than_workers_is_an_error(tmp_path):

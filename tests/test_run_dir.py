@@ -95,3 +95,20 @@ def test_config_change_of_the_seed_is_refused_but_speculation_is_not(tmp_path):
     speculative = dataclasses.replace(config, run=dataclasses.replace(config.run, speculative="adaptive"))
     from tlt.rl.run_dir import prepare_run_dir
     assert prepare_run_dir(tmp_path, speculative.to_dict(), resume=True, overwrite=False) == latest_checkpoint(tmp_path)
+
+
+def test_the_driver_is_told_when_the_rollout_is_over(tmp_path):
+    """The spinner after the rollout bar: minutes of log-probs and update would otherwise pass in silence."""
+    from test_distributed import make_controller
+
+    phases = []
+    trainer = make_trainer(tmp_path / "single")
+    trainer.on_phase = phases.append
+    trainer.train_step()
+    controller = make_controller(tmp_path / "workers")
+    controller.on_phase = phases.append
+    try:
+        controller.train_step()
+    finally:
+        controller.close()
+    assert phases == ["step 1: log-probs and update"] * 2

@@ -33,6 +33,7 @@ class DistributedGRPO:
         self.size = self.backend.size
         self.step = 0
         self.progress = False
+        self.on_phase = None  # callable(text): the driver's status line, told when the rollout is over
         self.last_timeline: dict | None = None
         self.speculative = config.run.speculative != "off"
         self.spot_training = self.speculative and config.run.spot_training and self.size > 1
@@ -67,6 +68,8 @@ class DistributedGRPO:
             for future in self.backend.wait_any(pending):
                 phase, rank = pending.pop(future)
                 results[phase][rank] = self._result(future, phase, rank)
+                if phase == "rollout" and len(results["rollout"]) == self.size:
+                    self._phase(f"step {self.step + 1}: log-probs and update")
                 if phase == "rollout":
                     pending[self.backend.submit(rank, "prepare")] = ("prepare", rank)
                 elif phase == "prepare" and self.spot_training and len(results["prepare"]) < self.size:
@@ -75,6 +78,11 @@ class DistributedGRPO:
                 self.backend.hub.stop(self.step)  # the last worker is ready for the update: stop spot training
                 stopped = True
         return results["rollout"], results["prepare"], results["spot_train"]
+
+    def _phase(self, text: str) -> None:
+        """Tell the driver's display what the step is doing (minutes pass between rollout and step line)."""
+        if self.on_phase is not None:
+            self.on_phase(text)
 
     def _gather(self, futures: dict, phase: str) -> dict:
         return {rank: self._result(future, phase, rank) for rank, future in futures.items()}

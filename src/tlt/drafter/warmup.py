@@ -80,7 +80,8 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     engine.max_tree_size = config.eval_strategy.tree_size
     engine.max_batch_size = 1
     eval_requests = [Request(task.prompt_ids(e), n=1, params=params) for e in eval_examples]
-    measured = engine.generate(eval_requests).speculation_summary()
+    log(f"measuring τ: speculative decoding at batch 1 on {len(eval_requests)} held-out prompts")
+    measured = engine.generate(eval_requests, progress=True).speculation_summary()
     report = {"pairs": pairs, "generated_tokens": rollout.generated_tokens, "generate_s": generated_s,
               "train_s": trained_s, "steps": config.steps, "held_out": held_out,
               "measured_tau": measured["tau"], "acceptance_by_depth": measured["acceptance_by_depth"],

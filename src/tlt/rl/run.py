@@ -56,8 +56,13 @@ def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
         console.print(f"resumed from {checkpoint.name} (step {trainer.step})")
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
     history = []
+    status = _PhaseStatus(console)
+    trainer.on_phase = status
     while trainer.step < config.run.steps:
-        metrics = trainer.train_step()
+        try:
+            metrics = trainer.train_step()
+        finally:
+            status.stop()
         logger.log(trainer.step, metrics)
         history.append(metrics)
         console.print(METRICS_LINE.format(step=trainer.step, **metrics))
@@ -70,3 +75,24 @@ def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
             prune_checkpoints(run_dir, config.run.keep_checkpoints)
     logger.close()
     return history
+
+
+class _PhaseStatus:
+    """A spinner naming the step's phase after the rollout bar closes (terminals only: logs get step lines)."""
+
+    def __init__(self, console: Console):
+        self.console, self.live = console, None
+
+    def __call__(self, text: str) -> None:
+        if not self.console.is_terminal:
+            return
+        if self.live is None:
+            self.live = self.console.status(text)
+            self.live.start()
+        else:
+            self.live.update(text)
+
+    def stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None

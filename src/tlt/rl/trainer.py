@@ -57,6 +57,7 @@ class GRPOTrainer:
         # When set, the actor's old-log-prob pass also feeds the drafter's FeatureBuffer (no extra forward).
         self.feature_buffer = feature_buffer
         self.progress = False  # a rollout progress bar (the CLI turns it on)
+        self.on_phase = None   # callable(text): the driver's status line, told when the rollout is over
         self.step = 0
 
     # -- one RL step ----------------------------------------------------------------------------------
@@ -66,6 +67,8 @@ class GRPOTrainer:
         examples = self.task.sample(self.config.rollout.prompts_per_step, seed=self.step_seed())
         rollout = self.rollout(examples)
         rollout_s = time.perf_counter() - started
+        if self.on_phase is not None:
+            self.on_phase(f"step {self.step + 1}: log-probs and update")
         batch = self.score(examples, rollout)
         update = self.update(batch)
         self.step += 1
