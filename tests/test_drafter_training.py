@@ -112,3 +112,24 @@ def test_save_load_and_shape_mismatch(setup, tmp_path):
     other, _ = markov_model(8)
     with pytest.raises(DrafterError, match="do not fit"):
         EagleDrafter.load(tmp_path / "d", other)
+
+
+def test_evaluation_reports_acceptance_per_rule_not_just_agreement(setup):
+    """An exact drafter (q = p) is accepted with probability 1 by q-sampling, but by the target-only rule only
+    with the target's top-1 mass; its top-1 agreement is 1 either way, which is why agreement overstates τ."""
+    from conftest import oracle_drafter
+
+    model, transition = markov_model(16, sharpness=1.0, seed=1)
+    engine = RolloutEngine(model, max_batch_size=16)
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(), seed=1)
+    result = engine.generate([Request(p, n=2, params=params) for p in random_prompts([4] * 8, vocab_size=16)])
+    buffer = FeatureBuffer(max_tokens=100_000)
+    collect_features(LeanForward(model), [list(s.prompt_ids) for s in result.samples],
+                     [s.token_ids for s in result.samples], buffer, step=0)
+    report = DrafterTrainer(oracle_drafter(model).attach(model), buffer).evaluate(list(buffer.entries))
+    assert report["top1"] == 1.0
+    assert report["accept_q"] == pytest.approx(1.0, abs=1e-5)
+    top1_mass = torch.softmax(transition, -1).max(-1).values  # per current token
+    assert 0.2 < report["accept_target_only"] < 0.95
+    assert top1_mass.min() - 1e-5 <= report["accept_target_only"] <= top1_mass.max() + 1e-5
+    assert report["implied_tau_q"] == pytest.approx(6.0, abs=1e-3)  # 1 + 1 + ... at eval_depth 5

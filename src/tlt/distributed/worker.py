@@ -214,12 +214,9 @@ class RolloutWorker:
     def save(self, run_dir: str, extra: dict) -> str:
         """Policy, optimizer, RNG and bandit (replicas are identical: rank 0's copy is the run's), plus the
         latest drafter version and its trainer's optimizer state, in one atomic checkpoint directory."""
-        from tlt.rl.checkpoint import _flatten_optimizer, save_checkpoint
+        from tlt.rl.checkpoint import _flatten_optimizer
 
-        extra = {**extra, "config": self.config.to_dict()}
-        if hasattr(self.engine.speculation, "state_dict"):
-            extra["speculation"] = self.engine.speculation.state_dict()
-        files = {}
+        extra, files = dict(extra), {}
         if self.drafter is not None:
             version, weights = self.hub.latest()
             files["drafter.safetensors"] = weights
@@ -229,8 +226,7 @@ class RolloutWorker:
                 tensors, meta = _flatten_optimizer(state["optimizer"])
                 files["drafter_optimizer.safetensors"] = tensors
                 extra["drafter"]["trainer"] = {"steps": state["steps"], "optimizer": meta}
-        optimizer = self.trainer.optimizer if self.config.run.save_optimizer else None
-        return str(save_checkpoint(run_dir, self.trainer.step, self.trainer.model, optimizer, extra, files=files))
+        return str(self.trainer.save(run_dir, extra, files))
 
     def save_final(self, directory: str) -> str:
         """The policy as a Hugging Face model directory (replicas are identical: rank 0's copy)."""

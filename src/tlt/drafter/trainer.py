@@ -107,20 +107,32 @@ class DrafterTrainer:
             target_probs = torch.softmax(self.drafter.draft_logits(batch.target_features[valid]) * scale, dim=-1)
         ce = -(target_probs * torch.log_softmax(draft_logits * scale, dim=-1)).sum(-1).mean()
         loss = cfg.feature_weight * feature_loss + cfg.ce_weight * ce
-        agreement = (draft_logits.argmax(-1) == target_probs.argmax(-1)).float().mean()
+        with torch.no_grad():
+            drafted = draft_logits.argmax(-1)
+            agreement = (drafted == target_probs.argmax(-1)).float().mean()
+            # depth-1 acceptance (over the draft vocabulary, the drafter fed the target's own features):
+            # target-only accepts the drafted token with p(argmax q); q-sampling with sum_x min(p(x), q(x))
+            accept_target = target_probs.gather(-1, drafted[:, None]).mean()
+            accept_q = torch.minimum(target_probs, torch.softmax(draft_logits.detach() * scale, -1)).sum(-1).mean()
         return loss, {"loss": float(loss.detach()), "feature_loss": float(feature_loss.detach()),
-                      "ce": float(ce.detach()), "top1": float(agreement)}
+                      "ce": float(ce.detach()), "top1": float(agreement),
+                      "accept_target_only": float(accept_target), "accept_q": float(accept_q)}
 
     # -- evaluation -------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def evaluate(self, entries: list[FeatureEntry]) -> dict:
-        """Held-out loss, top-1 agreement with the target, and the chain τ it implies: 1 + a + a^2 + ... + a^S."""
+        """Held-out loss, top-1 agreement, depth-1 acceptance under each rule, and the chain τ each implies,
+        1 + a + ... + a^S (the same acceptance a at every depth: an optimistic guess, since deeper drafts feed on
+        the drafter's own features). Top-1 agreement is NOT an acceptance rate at T > 0: at T = 1 a token that
+        matches the target's argmax is still accepted only with probability p(token)."""
         self.drafter.eval()
         batch = self._to_device(pack_pairs(entries, self.config.row_length))
         _, parts = self.loss(batch)
-        a = parts["top1"]
-        parts["expected_tau"] = sum(a ** d for d in range(self.config.eval_depth + 1))
+        depth = self.config.eval_depth
+        for rule in ("target_only", "q"):
+            a = parts[f"accept_{rule}"]
+            parts[f"implied_tau_{rule}"] = sum(a ** d for d in range(depth + 1))
         return parts
 
     def _to_device(self, batch: PackedPairs) -> PackedPairs:

@@ -59,13 +59,18 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     generated_s = time.perf_counter() - started
     log(f"generated {rollout.generated_tokens} tokens in {generated_s:.0f}s")
 
+    # Held out by prompt: every response of the last prompts (~10%) is kept out of training, so the held-out
+    # numbers measure prompts the drafter has never seen (holding out positions would leak their neighbours).
+    held_from = len(rollout.samples) - config.samples_per_prompt * max(1, config.prompts // 10)
     buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=config.seed)
-    pairs = collect_features(engine.forward, prompts, responses, buffer, step=0)
+    held_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=config.seed)
+    pairs = collect_features(engine.forward, prompts[:held_from], responses[:held_from], buffer, step=0)
+    collect_features(engine.forward, prompts[held_from:], responses[held_from:], held_buffer, step=0)
     vocab = loaded.spec.vocab_size
     draft_vocab = frequent_tokens(responses, config.draft_vocab, vocab) if 0 < config.draft_vocab < vocab else None
     drafter = EagleDrafter(loaded.model.config, draft_vocab).attach(engine.forward)
     trainer = DrafterTrainer(drafter, buffer, train_config)
-    train_entries, held = buffer.split_holdout(0.1)
+    held = list(held_buffer.entries)
     with tqdm(total=config.steps, desc="drafter warm-up", unit="step") as bar:
         for _ in range(config.steps):
             stats = trainer.train_steps(1)[-1]
@@ -88,6 +93,8 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
               "eval_strategy": config.eval_strategy.name, "draft_vocab": config.draft_vocab,
               "total_s": time.perf_counter() - started}
     (Path(out) / "warmup_report.json").write_text(__import__("json").dumps(report, indent=1))
-    log(f"held-out top-1 {held_out['top1']:.3f}, measured τ (T={config.temperature}, batch 1, "
-        f"{config.eval_strategy.name}) = {measured['tau']:.2f}; warm-up took {report['total_s'] / 60:.1f} min")
+    log(f"held-out prompts: top-1 agreement {held_out['top1']:.3f}; depth-1 acceptance at T={config.temperature}: "
+        f"target-only {held_out['accept_target_only']:.3f}, q-sampling {held_out['accept_q']:.3f}")
+    log(f"measured τ (T={config.temperature}, batch 1, {config.eval_strategy.name}) = {measured['tau']:.2f}; "
+        f"warm-up took {report['total_s'] / 60:.1f} min")
     return report

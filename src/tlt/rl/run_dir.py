@@ -35,8 +35,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
     if resume:
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:
-            raise RunDirError(f"nothing to resume in {run_dir}: it holds no checkpoint (run without --resume "
-                              f"to start a new run there)")
+            raise RunDirError(f"nothing to resume in {run_dir}: it holds no checkpoint ({_start_instead(run_dir)})")
         _check_same_run(run_dir, config_dict)
         return checkpoint
     if holds_run(run_dir):
@@ -48,7 +47,14 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
 
 
 def holds_run(run_dir: Path) -> bool:
-    return any((run_dir / name).exists() for name in RUN_FILES) or _checkpoints(run_dir) != []
+    return any((run_dir / name).exists() for name in RUN_FILES + ("final",)) or _checkpoints(run_dir) != []
+
+
+def _start_instead(run_dir: Path) -> str:
+    """What to do instead of --resume: a run that died before its first checkpoint can only start over."""
+    if holds_run(run_dir):
+        return "its run ended before its first checkpoint: start over with --overwrite, or set another run.out_dir"
+    return "run without --resume to start a new run there"
 
 
 def describe(run_dir: Path) -> str:
@@ -89,16 +95,28 @@ def _check_same_run(run_dir: Path, config_dict: dict) -> None:
     try:
         saved = json.loads(saved_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RunDirError(f"{saved_path} is not valid JSON: cannot check that --resume continues the same run")
-    changed = [f"{section}.{key}" for section in MEANING_SECTIONS
-               for key in sorted(set(saved.get(section, {})) | set(config_dict.get(section, {})))
-               if _norm(saved.get(section, {}).get(key)) != _norm(config_dict.get(section, {}).get(key))]
-    changed += [f"run.{key}" for key in MEANING_RUN_KEYS
-                if _norm(saved.get("run", {}).get(key)) != _norm(config_dict.get("run", {}).get(key))]
+        saved = None
+    if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
+        raise RunDirError(f"{saved_path} is not a tlt config (JSON sections): cannot check that --resume "
+                          f"continues the same run")
+    keys = [(section, key) for section in MEANING_SECTIONS for key in sorted(config_dict.get(section, {}))]
+    keys += [("run", key) for key in MEANING_RUN_KEYS]
+    changed = [f"{section}.{key}" for section, key in keys
+               if _norm(_saved_value(saved, section, key)) != _norm(config_dict[section][key])]
     if changed:
         raise RunDirError(f"--resume would continue the run in {run_dir} under a different config "
                           f"({', '.join(changed)} changed): keep those values, or start a new run with "
                           f"--overwrite or another run.out_dir")
+
+
+def _saved_value(saved: dict, section: str, key: str):
+    """A field the saved config lacks was added to tlt after that run started: it ran with the default.
+    (Fields the saved config has and this tlt lacks are ignored: they no longer mean anything.)"""
+    from tlt.rl.config import TrainConfig
+
+    if key in saved.get(section, {}):
+        return saved[section][key]
+    return TrainConfig().to_dict()[section][key]
 
 
 def _norm(value):

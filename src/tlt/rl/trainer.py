@@ -208,14 +208,15 @@ class GRPOTrainer:
             param.requires_grad_(False)
         return reference
 
-    def save(self, run_dir: Path) -> Path:
+    def save(self, run_dir: Path, extra: dict | None = None, files: dict | None = None) -> Path:
+        """The one checkpoint writer of a run (workers add their drafter as `extra` and `files`)."""
         from tlt.rl.checkpoint import save_checkpoint
 
-        extra = {"config": self.config.to_dict()}
+        extra = {**(extra or {}), "config": self.config.to_dict()}
         if hasattr(self.engine.speculation, "state_dict"):  # the bandit's experience carries across steps
             extra["speculation"] = self.engine.speculation.state_dict()
         optimizer = self.optimizer if self.config.run.save_optimizer else None
-        return save_checkpoint(run_dir, self.step, self.model, optimizer, extra)
+        return save_checkpoint(run_dir, self.step, self.model, optimizer, extra, files=files)
 
     def save_final(self, directory: Path) -> Path:
         from tlt.rl.checkpoint import save_final_model
