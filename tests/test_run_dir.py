@@ -112,3 +112,99 @@ def test_the_driver_is_told_when_the_rollout_is_over(tmp_path):
     finally:
         controller.close()
     assert phases == ["step 1: log-probs and update"] * 2
+
+
+def test_step_lines_never_wrap_and_the_run_ends_saying_where_it_is(tmp_path, capsys, monkeypatch):
+    """Off a terminal rich wraps at 80 columns: a step line (~95 characters) would break in logs and pipes."""
+    monkeypatch.setenv("COLUMNS", "80")
+    run(tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 2 and all(line.endswith("tok/s") for line in steps), lines
+    assert lines[-1] == (f"run saved in {tmp_path} (final policy: {tmp_path / 'final'}); "
+                         f"see it with: tlt report {tmp_path}")
+
+
+def fake_run(run_dir, config_dict, checkpoint=True):
+    """A run directory as tlt leaves it, without training: config.json, metrics, maybe one checkpoint."""
+    (run_dir / "config.json").write_text(json.dumps(config_dict))
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    if checkpoint:
+        (run_dir / "step-000001").mkdir()
+        (run_dir / "step-000001" / "state.json").write_text("{}")
+
+
+def test_resume_of_a_run_that_never_saved_points_at_overwrite(tmp_path):
+    from tlt.rl.config import TrainConfig
+    from tlt.rl.run_dir import prepare_run_dir
+
+    config = TrainConfig().to_dict()
+    fake_run(tmp_path, config, checkpoint=False)
+    with pytest.raises(RunDirError, match="no checkpoint.*--overwrite") as error:
+        prepare_run_dir(tmp_path, config, resume=True, overwrite=False)
+    assert "run without --resume" not in str(error.value)  # that would only be refused next
+
+
+def test_resume_accepts_a_config_saved_by_an_older_tlt(tmp_path):
+    """Fields added to tlt since the run started count as their defaults; fields tlt dropped are ignored;
+    evaluating more or less often does not change the run."""
+    from tlt.rl.config import TrainConfig
+    from tlt.rl.run_dir import prepare_run_dir
+
+    config = TrainConfig().to_dict()
+    saved = json.loads(json.dumps(config))
+    del saved["task"]["eval_size"]
+    saved["grpo"]["a_dropped_field"] = 1
+    fake_run(tmp_path, saved)
+    config["task"]["eval_every"] = 5
+    assert prepare_run_dir(tmp_path, config, resume=True, overwrite=False) == tmp_path / "step-000001"
+    config["task"]["eval_size"] = 8
+    with pytest.raises(RunDirError, match=r"\(task\.eval_size changed\)"):
+        prepare_run_dir(tmp_path, config, resume=True, overwrite=False)
+
+
+def test_workers_write_checkpoints_and_the_final_policy_through_the_trainers_save(tmp_path):
+    """The distributed run saves through GRPOTrainer.save (one save path) and adds its drafter; it resumes."""
+    from test_distributed import make_controller
+
+    controller = make_controller(tmp_path, **{"run.steps": 1, "run.save_optimizer": False})
+    try:
+        train(controller.config, trainer=controller)
+    finally:
+        controller.close()
+    checkpoint = latest_checkpoint(tmp_path)
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert {"config", "drafter", "workers"} <= set(state) and state["optimizer"] is None
+    assert (checkpoint / "drafter.safetensors").exists() and not (checkpoint / "optimizer.safetensors").exists()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "final").config.vocab_size == 16
+    resumed = make_controller(tmp_path, **{"run.steps": 2, "run.save_optimizer": False})
+    try:
+        assert len(train(resumed.config, resume=True, trainer=resumed)) == 1
+    finally:
+        resumed.close()
+    assert metric_steps(tmp_path) == [1, 2]
+
+
+def test_cli_refuses_an_occupied_run_dir_in_one_line_and_overwrite_is_a_flag(tmp_path, capsys):
+    from test_bad_input import model_dir
+    from tlt.rl.config import TrainConfig
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    fake_run(run_dir, TrainConfig().to_dict())
+    code = main(["train", f"run.out_dir={run_dir}", f"model.path={model_dir(tmp_path)}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("tlt: error: "), err
+    assert all(hint in err[0] for hint in ("--resume", "--overwrite", "run.out_dir")), err
+    assert (run_dir / "metrics.jsonl").exists()
+
+
+
+def test_cli_passes_overwrite_and_resume_to_train(tmp_path, monkeypatch):
+    import tlt.rl.run
+
+    calls = []
+    monkeypatch.setattr(tlt.rl.run, "train", lambda config, **flags: calls.append(flags))
+    assert main(["train", f"run.out_dir={tmp_path}", "--overwrite"]) == 0
+    assert main(["train", f"run.out_dir={tmp_path}", "--resume"]) == 0
+    assert calls == [{"resume": False, "overwrite": True}, {"resume": True, "overwrite": False}]

@@ -20,6 +20,7 @@ RUN_FILES = ("metrics.jsonl", "config.json")
 RUN_DIRS = ("timeline", "tensorboard", "report", "final")
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
+OPERATIONAL_KEYS = ("task.eval_every",)  # in a meaning section, but only how often the run is measured
 
 
 class RunDirError(TltError):
@@ -101,8 +102,8 @@ def _check_same_run(run_dir: Path, config_dict: dict) -> None:
                           f"continues the same run")
     keys = [(section, key) for section in MEANING_SECTIONS for key in sorted(config_dict.get(section, {}))]
     keys += [("run", key) for key in MEANING_RUN_KEYS]
-    changed = [f"{section}.{key}" for section, key in keys
-               if _norm(_saved_value(saved, section, key)) != _norm(config_dict[section][key])]
+    changed = [f"{section}.{key}" for section, key in keys if f"{section}.{key}" not in OPERATIONAL_KEYS
+               and _norm(_saved_value(saved, section, key)) != _norm(config_dict[section][key])]
     if changed:
         raise RunDirError(f"--resume would continue the run in {run_dir} under a different config "
                           f"({', '.join(changed)} changed): keep those values, or start a new run with "
