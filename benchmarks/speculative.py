@@ -33,7 +33,7 @@ QUICK = ["S3K1N3", "S4K2N8", "S3K1N3q", "S4K2N14q"]
 
 def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed):
     engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy,
-                           max_tree_size=max(s.tree_size for s in STRATEGIES))
+                           max_tree_size=max([s.tree_size for s in STRATEGIES] + [strategy.tree_size if strategy else 0]))
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(), seed=seed)
     engine.generate([Request(prompts[0], params=SamplingParams(max_new_tokens=4, seed=seed))])  # warm-up
     result = engine.generate([Request(p, params=params) for p in prompts])
@@ -46,10 +46,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--drafter", help="a drafter directory (tlt drafter warmup); default: untrained")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--png", help="speedup plot (default: next to --json)")
+    parser.add_argument("--batches", help="comma-separated batch sizes (default: 1,2,4,8,16,32)")
+    parser.add_argument("--strategies", help="comma-separated strategies, e.g. S4K2N8,S4K2q (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
     args = parser.parse_args(argv)
     batches = [1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32]
     strategies = [s for s in STRATEGIES if s.name in QUICK] if args.quick else STRATEGIES
-    max_new = 48 if args.quick else 128
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
+    if args.strategies:
+        strategies = [SpecStrategy.parse(name) for name in args.strategies.split(",")]
+    max_new = args.max_new_tokens or (48 if args.quick else 128)
 
     loaded = load_model()
     drafter = EagleDrafter.load(args.drafter, loaded.model) if args.drafter else EagleDrafter(loaded.model.config)
