@@ -118,3 +118,15 @@ def test_adaptive_speculation_gates_large_batches_and_learns_small_ones():
         policy.observe(1, arm, round(tau), step_time(1, arm) * rng.uniform(0.9, 1.1))
     assert policy.bandit.best(1) == true_best(1)
     assert policy.summary()["gated_steps"] == 4  # 64, 32, 16 and the first step at 1 (hysteresis)
+
+
+def test_state_is_matched_to_arms_by_name_when_the_arm_set_changes():
+    """A run resumed with a different arm list keeps the shared arms' experience, under the right arm."""
+    first = StrategyBandit(ARMS, BanditConfig(seed=4))
+    simulate(first, 2, 60, random.Random(2))
+    reordered = list(reversed(ARMS))[:-1] + ["brand-new"]
+    second = StrategyBandit(reordered, BanditConfig(seed=4))
+    second.load_state_dict(first.state_dict())
+    for arm in reordered[:-1]:
+        assert second.estimate(2, arm) == first.estimate(2, arm), arm
+    assert second._trials[second.bucket(2), "brand-new"] == 0

@@ -161,15 +161,24 @@ class StrategyBandit:
             "tau": [[index[a], list(v)] for a, v in self._tau.items() if a in index],
             "trials": [[b, index[a], n] for (b, a), n in self._trials.items() if a in index],
             "rng": list(self._rng.getstate()[1]),
+            "arms": [str(arm) for arm in self.arms],
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Experience is matched to arms by name: a run resumed with a different arm set keeps what it learned
+        about the arms both sets share and starts the new ones fresh."""
+        by_name = {str(arm): arm for arm in self.arms}
+        saved = state.get("arms", [str(arm) for arm in self.arms])  # older states: same arms, same order
+        arms = {i: by_name[name] for i, name in enumerate(saved) if name in by_name}
         for bucket, arm, values in state["step_time"]:
-            self._step_time[bucket, self.arms[arm]].extend(values)
+            if arm in arms:
+                self._step_time[bucket, arms[arm]].extend(values)
         for arm, values in state["tau"]:
-            self._tau[self.arms[arm]].extend(values)
+            if arm in arms:
+                self._tau[arms[arm]].extend(values)
         for bucket, arm, count in state["trials"]:
-            self._trials[bucket, self.arms[arm]] = count
+            if arm in arms:
+                self._trials[bucket, arms[arm]] = count
         version, _, gauss = self._rng.getstate()
         self._rng.setstate((version, tuple(state["rng"]), gauss))
 
