@@ -166,7 +166,17 @@ def test_output_dir_under_a_file(tmp_path, capfd):
     assert_one_line(*run_cli(capfd, args), "is a file, not a directory")
 
 
-def test_ray_workers_hand_back_their_own_errors(tmp_path, capfd):
+@pytest.fixture
+def own_ray():
+    """`tlt train` starts Ray in this process; stop it so later tests start their own cluster."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def test_ray_workers_hand_back_their_own_errors(tmp_path, capfd, own_ray):
     """Errors met inside Ray actors: a corrupt model while a worker starts, and a request error mid-rollout
     (a context too short for prompt + budget), each as its own one-line message, not Ray's."""
     ray_args = ["run.backend=ray", "run.workers=2", "run.threads_per_worker=1"]

@@ -21,6 +21,8 @@ ray.cloudpickle.register_pickle_by_value(test_distributed)
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
+    if ray.is_initialized():  # a `tlt train` test earlier in this process started its own
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield
     ray.shutdown()
