@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job on its embedded default: a few GRPO steps of SmolLM2-135M-Instruct on the built-in task (~5 min).
+# --overwrite: each `make demo` starts runs/demo afresh (a fresh `tlt train` refuses a directory holding a run).
 demo: $(STAMP)
-	$(VENV)/bin/tlt train run.out_dir=runs/demo
+	$(VENV)/bin/tlt train run.out_dir=runs/demo --overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest -q
