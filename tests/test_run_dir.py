@@ -208,3 +208,13 @@ def test_cli_passes_overwrite_and_resume_to_train(tmp_path, monkeypatch):
     assert main(["train", f"run.out_dir={tmp_path}", "--overwrite"]) == 0
     assert main(["train", f"run.out_dir={tmp_path}", "--resume"]) == 0
     assert calls == [{"resume": False, "overwrite": True}, {"resume": True, "overwrite": False}]
+
+
+def test_a_run_that_died_in_its_first_step_does_not_block_a_retry(tmp_path):
+    """config.json is written before step 1; a crash then leaves nothing worth protecting."""
+    from tlt.rl.config import TrainConfig
+    from tlt.rl.run_dir import prepare_run_dir
+
+    (tmp_path / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert prepare_run_dir(tmp_path, TrainConfig().to_dict(), resume=False, overwrite=False) is None

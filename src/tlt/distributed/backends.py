@@ -28,9 +28,10 @@ def threads_per_worker(config) -> int:
 
 def make_backend(config, **kwargs):
     """run.backend: "ray", "inprocess", or "auto" (Ray for several workers when it is installed)."""
+    from tlt.rl.config import BACKENDS, check_choice
+
     choice = config.run.backend
-    if choice not in ("auto", "ray", "inprocess"):
-        raise TltError(f"run.backend must be auto, ray or inprocess, got {choice!r}")
+    check_choice("run.backend", choice, BACKENDS)  # load_config checked it; a config built in code may not be
     if choice == "auto":
         try:
             import ray  # noqa: F401
@@ -133,7 +134,7 @@ class RayBackend:
             raise WorkerError(f"workers answered as ranks {ranks}, expected 0..{self.size - 1}")
 
     def submit(self, rank: int, method: str, *args):
-        return getattr(self.workers[rank], method).remote(*args)
+        return self.workers[rank].call.remote(method, *args)
 
     def wait_any(self, futures) -> list:
         import ray
@@ -145,12 +146,10 @@ class RayBackend:
         """The call's value; a worker's TltError (bad input met mid-step) comes back as itself."""
         import ray
 
-        try:
-            return ray.get(future)
-        except ray.exceptions.RayTaskError as error:
-            if isinstance(error.cause, TltError):
-                raise error.cause from None
-            raise
+        value = ray.get(future)
+        if isinstance(value, _Failed):
+            raise value.error from None
+        return value
 
     def kill_worker(self, rank: int) -> None:
         """For fault tests: the worker process dies as if its machine had failed."""
@@ -182,6 +181,22 @@ class _RayWorker(RolloutWorker):
 
     def ping(self):
         return self.start_error if self.start_error is not None else super().ping()
+
+    def call(self, method: str, *args):
+        """A step's call. Its TltError comes back as a value: raised, it would reach the driver wrapped in
+        RayTaskError, and a second worker's failure that the driver never collects (it stops at the first)
+        would be printed by Ray as an 'Unhandled error' with a remote traceback."""
+        try:
+            return getattr(self, method)(*args)
+        except TltError as error:
+            return _Failed(error)
+
+
+class _Failed:
+    """A worker call's TltError, handed back as a value (see `_RayWorker.call`)."""
+
+    def __init__(self, error: TltError):
+        self.error = error
 
 
 def _last_line(error: Exception) -> str:

@@ -19,6 +19,7 @@ from tlt.distributed.backends import WorkerError, make_backend
 from tlt.distributed.timeline import merge_step, time_shares
 from tlt.errors import TltError
 from tlt.rl.checkpoint import latest_checkpoint
+from tlt.rl.trainer import evaluation_due
 from tlt.rollout.request import RolloutResult
 
 
@@ -57,7 +58,9 @@ class DistributedGRPO:
         self.last_timeline = timeline
         metrics = self._metrics(rollouts, prepared, spot, updates, timeline, rollout_end - step_start,
                                 step_end - rollout_end)
-        return {**metrics, **self._call(0, "evaluate")}
+        if self.config.task.eval_size > 0 and evaluation_due(self.config, self.step):
+            self._phase(f"step {self.step}: held-out evaluation")
+        return {**metrics, **self._call(0, "evaluate")}  # {} unless rank 0 has a held-out set and it is due
 
     def _run_workers(self, shards: list[list]) -> tuple[dict, dict, dict]:
         """rollout → prepare → (spot_train while any rollout is still running), per worker, as futures finish."""

@@ -6,6 +6,7 @@ a .gguf file (dequantized by transformers), or an in-memory transformers causal 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def is_default_source(source) -> bool:
 
 def check_model_path(source) -> Path:
     """The cheap checks of a user-given model path, before anything loads: it exists, and is a .gguf file or a
-    Hugging Face directory (config.json of a supported family, safetensors weights)."""
+    Hugging Face directory (config.json of a supported family, complete safetensors weights of its shapes)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path not found: {source} (expected a Hugging Face model directory, "
@@ -72,10 +73,60 @@ def check_model_path(source) -> Path:
             raise ModelLoadError(f"{path} is a file but not a .gguf; give a model directory or a .gguf file")
         _read_gguf_config(path)  # the header only: a broken file fails here, before any worker starts
         return path
-    _read_hf_config(path)
+    config = _read_hf_config(path)
     if not list(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no .safetensors weights (tlt never loads pickled checkpoints)")
+    check_weights(path, config)
     return path
+
+
+def check_weights(path: Path, config) -> None:
+    """Header-only checks of a directory's .safetensors files: a truncated file (an interrupted copy) or weights
+    saved for another config fail in a second, not deep inside from_pretrained (in every worker)."""
+    expected = _expected_shapes(config)
+    for file in sorted(path.glob("*.safetensors")):
+        for name, shape in _stored_shapes(file).items():
+            if name in expected and expected[name] != shape:
+                raise ModelLoadError(f"cannot load the weights in {file}: {name} has shape {list(shape)}, but "
+                                     f"{path / 'config.json'} needs {list(expected[name])} (another model's?)")
+
+
+def _stored_shapes(file: Path) -> dict[str, tuple]:
+    """Tensor shapes from a safetensors header (8-byte length, then JSON), once the file is known to hold every
+    byte the header points at."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = handle.read(length) if size >= 8 and 8 + length <= size else None
+    except OSError as error:
+        raise ModelLoadError(f"cannot read {file}: {error.strerror}") from None
+    if header is None:
+        raise ModelLoadError(f"cannot load the weights in {file}: truncated, or not a safetensors file "
+                             f"({size} bytes; its header claims {length})")
+    try:
+        tensors = json.loads(header)
+        tensors.pop("__metadata__", None)
+        end = max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
+        shapes = {name: tuple(entry["shape"]) for name, entry in tensors.items()}
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
+        raise ModelLoadError(f"cannot load the weights in {file}: not a safetensors file ({error})") from None
+    if 8 + length + end > size:
+        raise ModelLoadError(f"cannot load the weights in {file}: truncated ({size} bytes of {8 + length + end}); "
+                             f"copy or download it again")
+    return shapes
+
+
+def _expected_shapes(config) -> dict[str, tuple]:
+    """Parameter shapes of the model `config` describes, from a model on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - an unusual config: skip the shape check, the load reports its own error
+        return {}
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
 def _read_hf_config(path: Path):
@@ -92,18 +143,29 @@ def _read_hf_config(path: Path):
 
 
 def load_hf_dir(path: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     config = _read_hf_config(path)
     if not list(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no .safetensors weights (tlt never loads pickled checkpoints)")
+    tokenizer = _load_tokenizer(path)  # first: cheap, and a broken one then fails before the weights' progress bar
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True,
                                                      use_safetensors=True, dtype=torch.float32)
     except Exception as error:  # noqa: BLE001 - safetensors and transformers raise many types for bad weights
         raise ModelLoadError(f"cannot load the weights in {path}: {_first_line(error)}") from None
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if _has_tokenizer(path) else None
     return model, tokenizer
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if not _has_tokenizer(path):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - tokenizers and transformers raise many types for a broken file
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_first_line(error)}") from None
 
 
 def _first_line(error: Exception) -> str:

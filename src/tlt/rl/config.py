@@ -139,7 +139,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     from tlt.speculative.strategy import SpecStrategy
 
     task, rollout, grpo, optim, run = config.task, config.rollout, config.grpo, config.optim, config.run
-    _choice("task.name", task.name, TASK_NAMES)
+    check_choice("task.name", task.name, TASK_NAMES)
     _check(task.name == "arithmetic" or bool(task.path), f"task.name={task.name} needs task.path (a dataset file)")
     _check(task.reward in BUILTIN_REWARDS or ":" in task.reward,
            f"task.reward must be one of {', '.join(BUILTIN_REWARDS)} or 'package.module:function', "
@@ -157,7 +157,7 @@ def validate(config: TrainConfig) -> TrainConfig:
            f"greedy samples of one prompt are identical, so every GRPO advantage would be 0")
     _check(0 < rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
     _at_least("rollout.top_k", rollout.top_k, 0)
-    _choice("grpo.loss", grpo.loss, tuple(AGGREGATIONS))
+    check_choice("grpo.loss", grpo.loss, tuple(AGGREGATIONS))
     _check(0 <= grpo.clip_low < 1, f"grpo.clip_low must be in [0, 1), got {grpo.clip_low}")
     _at_least("grpo.clip_high", grpo.clip_high, 0)
     _at_least("grpo.kl_coef", grpo.kl_coef, 0)
@@ -167,8 +167,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check(all(0 <= b < 1 for b in optim.betas), f"optim.betas must each be in [0, 1), got {list(optim.betas)}")
     _at_least("optim.micro_batch_size", optim.micro_batch_size, 1)
     _at_least("optim.grad_clip", optim.grad_clip, 0)
-    _choice("run.speculative", run.speculative, SPECULATIVE_MODES)
-    _choice("run.backend", run.backend, BACKENDS)
+    check_choice("run.backend", run.backend, BACKENDS)
     try:
         SpecStrategy.parse(run.strategy)
     except TltError as error:
@@ -181,7 +180,17 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check(run.drafter_lr > 0, f"run.drafter_lr must be > 0, got {run.drafter_lr}")
     _check(rollout.prompts_per_step >= run.workers, f"rollout.prompts_per_step={rollout.prompts_per_step} is "
            f"fewer than run.workers={run.workers}: every worker needs at least one prompt")
+    check_speculation(run)
     return config
+
+
+def check_speculation(run: RunConfig) -> None:
+    """A speculative mode needs a drafter: a warmed one, or one spot training teaches from scratch. Also called
+    where the engine is built, for configs made in code without `validate`."""
+    check_choice("run.speculative", run.speculative, SPECULATIVE_MODES)
+    _check(run.speculative == "off" or bool(run.drafter) or (run.spot_training and run.workers > 1),
+           f"run.speculative={run.speculative} needs run.drafter (make one with `tlt drafter warmup`) or spot "
+           f"training (run.spot_training=true with run.workers >= 2) to train one from scratch")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -189,7 +198,7 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _choice(key: str, value, choices: tuple) -> None:
+def check_choice(key: str, value, choices: tuple) -> None:
     _check(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}")
 
 

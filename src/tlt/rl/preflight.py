@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tlt.errors import RequestError
 from tlt.models.eagle import CONFIG_FILE, WEIGHTS_FILE, DrafterError
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
+from tlt.rl.config import BUILTIN_REWARDS
+from tlt.rl.rewards import load_reward_function
 from tlt.tasks import DatasetError, load_examples
 
 SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "model_type")
@@ -17,6 +20,7 @@ def preflight(config) -> None:
     model_path = None
     if not is_default_source(config.model.path):
         model_path = check_model_path(config.model.path)
+        _check_context(config, model_path)
     if config.task.name in ("jsonl", "parquet"):
         examples = load_examples(config.task.path, config.task.prompt_field, config.task.answer_field)
         needed = config.rollout.prompts_per_step + config.task.eval_size
@@ -25,6 +29,20 @@ def preflight(config) -> None:
                                f"{needed} one step needs (rollout.prompts_per_step + task.eval_size)")
     if config.run.drafter:
         _check_drafter(Path(config.run.drafter), model_path)
+    if config.task.reward not in BUILTIN_REWARDS:
+        load_reward_function(config.task.reward)  # a typo in the module path fails here, not in every worker
+
+
+def _check_context(config, model_path: Path) -> None:
+    """A budget that fills the whole context leaves no room for any prompt (longer prompts are found by the
+    engine, once the task has made them)."""
+    if model_path.is_file():
+        return  # a GGUF: its context is in the header, and the engine checks every request anyway
+    context = json.loads((model_path / "config.json").read_text()).get("max_position_embeddings")
+    budget = config.rollout.max_new_tokens
+    if isinstance(context, int) and budget >= context:
+        raise RequestError(f"rollout.max_new_tokens={budget} leaves no room for a prompt in the model's context "
+                           f"of {context} tokens ({model_path})")
 
 
 def _check_drafter(directory: Path, model_path: Path | None) -> None:

@@ -72,8 +72,8 @@ def load_reward_function(path: str) -> Callable[[str, TaskExample], float]:
         raise RewardError(f"reward {path!r} must be a dotted path like 'my_pkg.rewards:score'")
     try:
         function = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise RewardError(f"cannot load reward function {path!r}: {error}") from error
+    except Exception as error:  # noqa: BLE001 - importing user code: a syntax error or its own exception too
+        raise RewardError(f"cannot load reward function {path!r}: {type(error).__name__}: {error}") from None
     if not callable(function):
         raise RewardError(f"reward {path!r} is not callable")
     return function

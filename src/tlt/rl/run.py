@@ -15,6 +15,7 @@ from tlt.rl.run_dir import prepare_run_dir
 METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  len p50/p90/max "
                 "{response_len_p50:.0f}/{response_len_p90:.0f}/{response_len_max}  rollout {rollout_s:.1f}s  "
                 "train {train_s:.1f}s  {rollout_tok_s:.0f} tok/s")
+EVAL_LINE = "      held-out acc {eval_accuracy:.3f}  reward {eval_reward_mean:.3f}  (greedy, {eval_s:.1f}s)"
 WORKERS_LINE = "      idle {idle_fraction:.0%}  spot-train {spot_train_share:.0%} ({spot_train_steps} steps)  drafter v{v}"
 
 
@@ -66,6 +67,8 @@ def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
         logger.log(trainer.step, metrics)
         history.append(metrics)
         console.print(METRICS_LINE.format(step=trainer.step, **metrics))
+        if "eval_accuracy" in metrics:
+            console.print(EVAL_LINE.format(**metrics))
         if getattr(trainer, "last_timeline", None) is not None:
             save_timeline(run_dir, trainer.last_timeline)
             console.print(WORKERS_LINE.format(v=metrics.get("drafter_version"), **metrics))

@@ -41,14 +41,20 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
         return checkpoint
     if holds_run(run_dir):
         if not overwrite:
-            raise RunDirError(f"{run_dir} already holds a run ({describe(run_dir)}): continue it with --resume, "
-                              f"start over with --overwrite (deletes that run), or set another run.out_dir")
+            # --resume only where there is a checkpoint: without one it would fail with "nothing to resume"
+            hint = "continue it with --resume, " if latest_checkpoint(run_dir) else ""
+            raise RunDirError(f"{run_dir} already holds a run ({describe(run_dir)}): {hint}start over with "
+                              f"--overwrite (deletes that run), or set another run.out_dir")
         clear_run(run_dir)
     return None
 
 
 def holds_run(run_dir: Path) -> bool:
-    return any((run_dir / name).exists() for name in RUN_FILES + ("final",)) or _checkpoints(run_dir) != []
+    """Something a new run would destroy: a checkpoint, a logged step or a final policy. A run that died in its
+    first step (config.json, no metrics line) holds nothing, and a retry may start over it."""
+    metrics = run_dir / "metrics.jsonl"
+    logged = metrics.exists() and metrics.stat().st_size > 0
+    return logged or (run_dir / "final").exists() or _checkpoints(run_dir) != []
 
 
 def _start_instead(run_dir: Path) -> str:

@@ -74,13 +74,14 @@ class GRPOTrainer:
         self.step += 1
         metrics = self._metrics(rollout, batch.rewards, batch.correct, update, rollout_s,
                                 time.perf_counter() - started - rollout_s)
-        return {**metrics, **self.evaluate()} if self.evaluation_due() else metrics
+        if not self.evaluation_due():
+            return metrics
+        if self.on_phase is not None:
+            self.on_phase(f"step {self.step}: held-out evaluation")
+        return {**metrics, **self.evaluate()}
 
     def evaluation_due(self) -> bool:
-        """After a step: every task.eval_every steps and after the last, when there is a held-out set."""
-        task = self.config.task
-        return bool(getattr(self.task, "eval_examples", None)) and (
-            self.step % task.eval_every == 0 or self.step == self.config.run.steps)
+        return bool(getattr(self.task, "eval_examples", None)) and evaluation_due(self.config, self.step)
 
     def evaluate(self) -> dict:
         """Greedy accuracy and mean reward on the held-out examples (decoded like a rollout, without noise)."""
@@ -88,9 +89,13 @@ class GRPOTrainer:
         examples = self.task.eval_examples
         params = SamplingParams(temperature=0, max_new_tokens=self.config.rollout.max_new_tokens)
         self.model.eval()
-        if hasattr(self.engine.speculation, "reset"):
-            self.engine.speculation.reset()
-        result = self.engine.generate([Request(self.task.prompt_ids(e), params=params) for e in examples])
+        # Plain decoding: greedy SD emits the same tokens, but its observations would feed the bandit (whose
+        # τ estimates are for the rollout temperature) and its numerics would depend on the drafter version.
+        speculation, self.engine.speculation = self.engine.speculation, None
+        try:
+            result = self.engine.generate([Request(self.task.prompt_ids(e), params=params) for e in examples])
+        finally:
+            self.engine.speculation = speculation
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in result.samples]
         scored = self.reward.score(texts, [examples[s.request_index] for s in result.samples])
         return {"eval_accuracy": sum(scored.correct) / len(examples),
@@ -232,6 +237,11 @@ class GRPOTrainer:
             self.engine.speculation.load_state_dict(state["speculation"])
 
 
+def evaluation_due(config: TrainConfig, step: int) -> bool:
+    """After step `step`: every task.eval_every steps and after the last one (with a held-out set)."""
+    return step % config.task.eval_every == 0 or step == config.run.steps
+
+
 def step_metrics(rollout: RolloutResult, rewards: torch.Tensor, correct: torch.Tensor, update: dict,
                  rollout_s: float, train_s: float, reward_failures: int) -> dict:
     """What a step's metrics line and metrics.jsonl report: learning, lengths, time, the long tail, SD."""
@@ -259,23 +269,19 @@ def step_metrics(rollout: RolloutResult, rewards: torch.Tensor, correct: torch.T
 
 def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair."""
-    from tlt.errors import TltError
     from tlt.models.eagle import EagleDrafter
+    from tlt.rl.config import check_speculation
     from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate
     from tlt.speculative.strategy import SpecStrategy
 
     run, batch = config.run, config.rollout.max_batch_size
+    check_speculation(run)  # load_config checked it already; a config built in code may not have been
     if run.speculative == "off":
         return RolloutEngine(loaded, max_batch_size=batch)
-    if run.speculative not in ("static", "adaptive"):
-        raise TltError(f"run.speculative must be off, static or adaptive, got {run.speculative!r}")
     if run.drafter:
         drafter = EagleDrafter.load(run.drafter, loaded.model)
-    elif run.spot_training and run.workers > 1:
-        drafter = EagleDrafter(loaded.model.config).attach(loaded.model)  # untrained: spot training teaches it
-    else:
-        raise TltError(f"run.speculative={run.speculative} needs run.drafter (make one with `tlt drafter warmup`) "
-                       f"or spot training (run.spot_training=true with run.workers >= 2) to train one from scratch")
+    else:  # untrained: spot training teaches it
+        drafter = EagleDrafter(loaded.model.config).attach(loaded.model)
     strategy = SpecStrategy.parse(run.strategy)
     if run.speculative == "static":
         gate = run.gate
