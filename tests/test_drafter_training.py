@@ -132,4 +132,124 @@ def test_evaluation_reports_acceptance_per_rule_not_just_agreement(setup):
     top1_mass = torch.softmax(transition, -1).max(-1).values  # per current token
     assert 0.2 < report["accept_target_only"] < 0.95
     assert top1_mass.min() - 1e-5 <= report["accept_target_only"] <= top1_mass.max() + 1e-5
-    assert report["implied_tau_q"] == pytest.approx(6.0, abs=1e-3)  # 1 + 1 + ... at eval_depth 5
+
+
+def greedy_chain_by_hand(transition, token: int, depth: int, temperature: float) -> torch.Tensor:
+    """Reach probabilities of an exact drafter's greedy chain on a context-free Markov target, from `token`."""
+    accepted = []
+    for _ in range(depth):
+        best = int(transition[token].argmax())
+        accepted.append(1.0 if temperature == 0 else float(torch.softmax(transition[token] / temperature, -1)[best]))
+        token = best
+    return torch.tensor(accepted).cumprod(0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chain_tau_of_an_exact_drafter_by_hand(temperature):
+    """At T = 0 an exact drafter's chain is always accepted (τ = depth + 1); at T = 1 depth d is reached with the
+    product of the target's top-1 masses along the chain — far below what top-1 agreement (1.0) suggests."""
+    from conftest import oracle_drafter
+    from tlt.drafter.chain import chain_acceptance
+
+    model, transition = markov_model(16, sharpness=1.0, seed=1)
+    lean = LeanForward(model)
+    prompts, responses = random_prompts([4, 6], vocab_size=16, seed=3), random_prompts([9, 5], vocab_size=16, seed=4)
+    result = chain_acceptance(oracle_drafter(model).attach(lean), lean, prompts, responses, 4, temperature)
+    # chains start at every pending response token but the last: the first response token .. the second-to-last
+    expected = torch.stack([greedy_chain_by_hand(transition, token, 4, temperature)
+                            for response in responses for token in response[:-1]])
+    assert result.chains == 8 + 4
+    assert result.reach_by_depth == pytest.approx(expected.mean(0).tolist(), abs=1e-5)
+    assert result.tau == pytest.approx(1 + float(expected.mean(0).sum()), abs=1e-5)
+    if temperature == 0:
+        assert result.tau == 5.0
+    else:
+        assert 1.2 < result.tau < 2.5
+
+
+def reference_reach(model, drafter, prompt, response, depth, temperature):
+    """One chain at a time with plain forwards: the drafter's training forward on the explicit pairs, the target
+    (transformers' own forward) on the explicit prefix + chain."""
+    from tlt.models import KVCache
+
+    sequence = prompt + response
+    lean = LeanForward(model)
+    features = lean(torch.tensor([sequence]), KVCache(lean.spec, 1, len(sequence)).rows(0, 1), logits_at=None).hidden[0]
+    rows = []
+    for start in range(len(prompt) - 1, len(sequence) - 2):  # pair j: pending token x_{j+1}
+        tokens, feats, drafts = list(sequence[1:start + 2]), list(features[:start + 1]), []
+        for _ in range(depth):
+            count = len(tokens)
+            hidden = drafter(torch.tensor([tokens]), torch.stack(feats)[None], torch.arange(count)[None],
+                             torch.ones(count, count, dtype=torch.bool).tril()[None])[0, -1]
+            drafts.append(int(drafter.to_target_ids(drafter.draft_logits(hidden).argmax(-1))))
+            tokens.append(drafts[-1])
+            feats.append(hidden)
+        logits = model(torch.tensor([sequence[:start + 2] + drafts[:-1]])).logits[0, start + 1:].float()
+        picked = logits.argmax(-1) == torch.tensor(drafts) if temperature == 0 else \
+            torch.softmax(logits / temperature, -1).gather(1, torch.tensor(drafts)[:, None])[:, 0]
+        rows.append(picked.float().cumprod(0))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_chain_scoring_matches_one_chain_at_a_time(monkeypatch, temperature):
+    """The one-forward layout (every chain masked to its own prefix, several passes of chains) against plain
+    forwards: a target whose outputs depend on the prefix, a drafter whose attention matters, a draft vocabulary."""
+    import tlt.drafter.chain
+    from conftest import oracle_drafter
+    from tlt.drafter.chain import chain_reach
+
+    monkeypatch.setattr(tlt.drafter.chain, "BRANCHES_PER_PASS", 3)
+    monkeypatch.setattr(tlt.drafter.chain, "LOGIT_ROWS", 5)
+    model, _ = markov_model(16, sharpness=2.0, context=0.3, seed=2)
+    exact = oracle_drafter(model)
+    drafter = EagleDrafter(model.config, draft_vocab=torch.arange(4, 16))
+    drafter.load_state_dict({**exact.state_dict(), "draft_to_target": drafter.draft_to_target})
+    with torch.no_grad():
+        drafter.layer.self_attn.o_proj.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    drafter.attach(model).eval()
+    prompt, response = random_prompts([5, 10], vocab_size=16, seed=6)
+    with torch.no_grad():
+        expected = reference_reach(model, drafter, prompt, response, 3, temperature)
+    got = chain_reach(drafter, LeanForward(model), prompt, response, 3, temperature)
+    assert got.shape == (9, 3)
+    assert 0 < float(got[:, 0].mean()) < 1 and float(got[:, 1].sum()) > 0  # not all-or-nothing: a real check
+    if temperature == 0:
+        assert torch.equal(got, expected)
+    else:
+        assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_warmup_holds_out_whole_prompts_and_names_its_numbers(tmp_path, monkeypatch):
+    import tlt.drafter.warmup as warmup_module
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.models import LoadedModel, ModelSpec
+    from tlt.tasks.synthetic import IdTokenizer, TargetTokenTask
+
+    model, _ = markov_model(16, sharpness=2.0, context=0.05, seed=1)
+    loaded = LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "markov")
+    calls = {"features": [], "chain": []}
+    collect, chain = warmup_module.collect_features, warmup_module.chain_acceptance
+    monkeypatch.setattr(warmup_module, "collect_features", lambda target, prompts, responses, *a, **k: (
+        calls["features"].append((prompts, responses)) or collect(target, prompts, responses, *a, **k)))
+    monkeypatch.setattr(warmup_module, "chain_acceptance", lambda drafter, target, prompts, responses, *a: (
+        calls["chain"].append((prompts, responses)) or chain(drafter, target, prompts, responses, *a)))
+    config = WarmupConfig(prompts=10, samples_per_prompt=2, eval_prompts=2, max_new_tokens=12, steps=20,
+                          draft_vocab=0, eval_strategy=SpecStrategy.chain(3))
+    lines = []
+    report = warmup(loaded, TargetTokenTask(vocab_size=16), tmp_path / "drafter", config, log=lines.append)
+    (train_prompts, _), (held_prompts, held_responses) = calls["features"]
+    assert calls["chain"] == [(held_prompts, held_responses)]  # the chain τ is scored on the held-out responses
+    assert len(held_prompts) == 2 and len({tuple(p) for p in held_prompts}) == 1  # both samples of one prompt
+    assert len(train_prompts) == 18 and tuple(held_prompts[0]) not in {tuple(p) for p in train_prompts}
+    chain_report = report["held_out_chain"]
+    assert (report["held_out_prompts"], report["held_out_responses"], chain_report["depth"]) == (1, 2, 3)
+    assert chain_report["chains"] == sum(len(r) - 1 for r in held_responses)
+    assert chain_report["tau"] == pytest.approx(1 + sum(chain_report["reach_by_depth"]))
+    text = "\n".join(lines)
+    for label in ("never trained on", "top-1 agreement with the target's argmax (teacher-forced)",
+                  "not an acceptance rate at T=1.0", "target-only E[p(argmax q)]",
+                  "predicted τ of a greedy depth-3 chain, target-only rule, T=1.0",
+                  "measured τ of SD in the engine (S3K1N3, target-only rule, T=1.0, batch 1"):
+        assert label in text, label

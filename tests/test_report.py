@@ -78,3 +78,20 @@ def test_cli_report(run_dir, capsys):
     assert main(["report", str(run_dir)]) == 0
     assert "index.html" in capsys.readouterr().out
     assert main(["report", str(run_dir / "missing")]) == 2
+
+
+def test_held_out_accuracy_column_and_curve(run_dir, monkeypatch):
+    """Held-out accuracy is measured only every task.eval_every steps: its column and curve show those steps."""
+    import tlt.report
+
+    records = [_metrics(step) for step in (1, 2, 3)]
+    records[1]["eval_accuracy"], records[2]["eval_accuracy"] = 0.4375, 0.5625
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plotted = {}
+    line_plot = tlt.report._line_plot
+    monkeypatch.setattr(tlt.report, "_line_plot", lambda metrics, path, title, series: plotted.update(
+        {label: tlt.report._series(metrics, key) for key, label in series}) or line_plot(metrics, path, title, series))
+    page = write_report(run_dir).read_text()
+    steps = re.search(r"<h2>Steps</h2>(.*?)</table>", page).group(1)
+    assert "held-out acc" in steps and "0.438" in steps and "0.562" in steps
+    assert plotted["held-out accuracy (greedy)"] == ([2, 3], [0.4375, 0.5625])

@@ -18,8 +18,8 @@ from tlt.tasks.synthetic import IdTokenizer, TargetTokenTask, share_of_target
 TARGET = 5  # the toy task rewards emitting this token
 
 
-def make_trainer(tmp_path, seed=0, tied=False, **overrides):
-    model = tiny_model("llama", vocab_size=16, seed=seed, tie_word_embeddings=tied)
+def make_trainer(tmp_path, seed=0, tied=False, model=None, **overrides):
+    model = model if model is not None else tiny_model("llama", vocab_size=16, seed=seed, tie_word_embeddings=tied)
     loaded = LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "tiny")
     settings = ["run.speculative=off", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=8",
                 "rollout.max_new_tokens=6",
@@ -134,16 +134,29 @@ def test_actor_pass_feeds_the_drafter_buffer_with_the_engines_features(tmp_path)
     assert (entry.features - hidden[len(prompt) - 1:]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("mode", ["static", "adaptive"])
-def test_speculative_modes_share_the_step(tmp_path, mode):
+@pytest.mark.parametrize("mode,drafter", [("static", "oracle"), ("adaptive", "oracle"), ("static", "wrong")])
+def test_speculative_modes_share_the_step(tmp_path, mode, drafter):
+    """The step's τ comes from the engine's real SD steps: an exact drafter gets drafts accepted (τ > 1), one
+    that only ever drafts a token the target never emits gets none (τ exactly 1, the bonus token alone)."""
+    from conftest import markov_model, oracle_drafter
     from tlt.models.eagle import EagleDrafter
 
-    probe = make_trainer(tmp_path / "probe")
-    EagleDrafter(probe.model.config).save(tmp_path / "drafter")
-    trainer = make_trainer(tmp_path / mode, **{"run.speculative": mode, "run.drafter": str(tmp_path / "drafter"),
-                                               "run.gate": 64})
+    model, transition = markov_model(16, sharpness=2.0, seed=1)
+    # pad, bos and 2: the target never emits them, the wrong drafter drafts nothing else (three: arms branch K <= 3)
+    never = torch.tensor([0, 1, 2])
+    with torch.no_grad():
+        transition[:, never] = -30.0
+        model.lm_head.weight.copy_(transition.t() / 16 ** 0.5)
+    chosen = oracle_drafter(model) if drafter == "oracle" else EagleDrafter(model.config, never)
+    chosen.save(tmp_path / "drafter")
+    trainer = make_trainer(tmp_path / mode, model=model, **{"run.speculative": mode, "run.gate": 64,
+                                                            "run.drafter": str(tmp_path / "drafter")})
     metrics = trainer.train_step()
-    assert metrics["sd/sd_step_share"] > 0 and metrics["reward_mean"] >= 0
+    assert metrics["sd/sd_step_share"] > 0
+    if drafter == "oracle":
+        assert metrics["sd/tau"] > 1.3
+    else:
+        assert metrics["sd/tau"] == 1.0
 
 
 def test_speculative_mode_without_a_drafter_is_a_clear_error(tmp_path):

@@ -8,7 +8,6 @@ stop signal between optimizer steps, so it yields a worker within one step of be
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,6 @@ class DrafterTrainConfig:
     entries_per_step: int = 8       # samples drawn from the buffer per optimizer step
     row_length: int = 256           # pairs per packed row
     rows_per_micro_step: int = 2    # packed rows per forward/backward; a stop request is honored between them
-    eval_depth: int = 5             # chain depth assumed when turning top-1 agreement into expected τ
     seed: int = 0
 
 
@@ -122,18 +120,13 @@ class DrafterTrainer:
 
     @torch.no_grad()
     def evaluate(self, entries: list[FeatureEntry]) -> dict:
-        """Held-out loss, top-1 agreement, depth-1 acceptance under each rule, and the chain τ each implies,
-        1 + a + ... + a^S (the same acceptance a at every depth: an optimistic guess, since deeper drafts feed on
-        the drafter's own features). Top-1 agreement is NOT an acceptance rate at T > 0: at T = 1 a token that
-        matches the target's argmax is still accepted only with probability p(token)."""
+        """Held-out loss, top-1 agreement and depth-1 acceptance under each rule, all teacher-forced (the drafter
+        fed the target's own features). Top-1 agreement is NOT an acceptance rate at T > 0: at T = 1 a token that
+        matches the target's argmax is still accepted only with probability p(token). For the τ these predict,
+        deeper drafts included, see tlt.drafter.chain."""
         self.drafter.eval()
         batch = self._to_device(pack_pairs(entries, self.config.row_length))
-        _, parts = self.loss(batch)
-        depth = self.config.eval_depth
-        for rule in ("target_only", "q"):
-            a = parts[f"accept_{rule}"]
-            parts[f"implied_tau_{rule}"] = sum(a ** d for d in range(depth + 1))
-        return parts
+        return self.loss(batch)[1]
 
     def _to_device(self, batch: PackedPairs) -> PackedPairs:
         device, dtype = self.drafter.fc.weight.device, self.drafter.fc.weight.dtype
@@ -172,7 +165,3 @@ def _row_chunks(batch: PackedPairs, size: int):
         part = slice(start, start + size)
         yield PackedPairs(batch.input_tokens[part], batch.input_features[part], batch.target_features[part],
                           batch.positions[part], batch.attention_mask[part], batch.valid[part])
-
-
-def implied_tau(top1: float, depth: int) -> float:
-    return sum(top1 ** d for d in range(depth + 1)) if not math.isnan(top1) else 1.0
