@@ -219,3 +219,16 @@ def test_ray_workers_hand_back_their_own_errors(tmp_path, capfd, own_ray):
     code, err = run_cli(capfd, [f"run.out_dir={tmp_path / 'b'}", *ray_args, f"model.path={short}",
                                 "rollout.max_new_tokens=60"], settle_s=1)
     assert_one_line(code, err, "exceeds the model's context")
+
+
+def test_branching_wider_than_the_draft_vocabulary():
+    import torch
+
+    from tlt.models.eagle import EagleDrafter
+    from tlt.speculative.strategy import SpecStrategy
+
+    model = tiny_model()
+    drafter = EagleDrafter(model.config, draft_vocab=torch.tensor([4, 5]))
+    engine = RolloutEngine(model, drafter=drafter, speculation=SpecStrategy(3, 3, 9), max_tree_size=16)
+    with pytest.raises(RequestError, match="drafter's vocabulary has only 2 tokens"):
+        engine.generate([Request([5, 6], params=SamplingParams(max_new_tokens=4))])

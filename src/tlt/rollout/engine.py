@@ -284,6 +284,9 @@ class RolloutEngine:
         if max(strategy.tree_size, (strategy.depth - 1) * strategy.branching) > self.max_tree_size:
             raise RequestError(f"strategy {strategy.name} needs more than max_tree_size={self.max_tree_size} "
                                f"cache slots past the committed tokens; raise max_tree_size")
+        if strategy.branching > self.speculative.drafter.draft_vocab_size:
+            raise RequestError(f"strategy {strategy.name} drafts {strategy.branching} children per node, but the "
+                               f"drafter's vocabulary has only {self.speculative.drafter.draft_vocab_size} tokens")
         rows = cache.rows(0, len(running))
         pending = torch.tensor([s.tokens[-1] for s in running], device=self.device)
         settings = RowSampling.from_params([s.request.params for s in running], self.device)
