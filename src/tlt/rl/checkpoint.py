@@ -6,6 +6,7 @@ written to a temporary directory and renamed into place, so a run killed mid-sav
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,8 +34,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | No
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / f"{CHECKPOINT_PREFIX}{step:06d}"
-    staging = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=run_dir))
-    try:
+    with _staged(target, ".ckpt-") as staging:
         save_model(model, str(staging / "policy.safetensors"))
         meta = None
         if optimizer is not None:  # None: a smaller checkpoint; resuming starts a fresh optimizer
@@ -45,28 +45,31 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | No
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(staging / name))
         state = {"step": step, "optimizer": meta, "python_rng": _python_rng_state(), **(extra or {})}
         (staging / "state.json").write_text(json.dumps(state, indent=1))
+    return target
+
+
+@contextlib.contextmanager
+def _staged(target: Path, prefix: str):
+    """A staging directory beside `target`, renamed onto it when the block succeeds (removed when it fails):
+    a run killed mid-save keeps its last complete copy."""
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    try:
+        yield staging
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def save_final_model(model, tokenizer, directory: Path) -> Path:
     """The trained policy as a Hugging Face model directory (config, safetensors weights, tokenizer) that
     `AutoModelForCausalLM.from_pretrained` loads; written to a staging directory and renamed into place."""
     directory = Path(directory)
-    staging = Path(tempfile.mkdtemp(prefix=".final-", dir=directory.parent))
-    try:
+    with _staged(directory, ".final-") as staging:
         model.save_pretrained(str(staging), safe_serialization=True)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(staging))
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(staging, directory)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return directory
 
 

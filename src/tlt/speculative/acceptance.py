@@ -37,14 +37,7 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
     batch, count, _ = logprobs.shape
     device = logprobs.device
     max_depth = int(tree.depths.max())
-    rows = torch.arange(batch, device=device)
-    current = torch.zeros(batch, dtype=torch.long, device=device)
-    active = torch.ones(batch, dtype=torch.bool, device=device)
-    path = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
-    path[:, 0] = 0
-    tokens = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
-    token_logprobs = torch.zeros(batch, max_depth + 2, device=device)
-    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, max_depth, device)
     for step in range(max_depth + 1):
         node_logprobs = logprobs[rows, current]                                    # [B, V]
         children = tree.children[rows, current]                                   # [B, K]
@@ -81,6 +74,20 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
         if not bool(active.any()):
             break
     return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
+
+
+def start_walk(batch: int, max_depth: int, device):
+    """The state of a walk down the tree, every row at the root: (rows, current node, active, path, emitted
+    tokens, their log-probs, accepted count), the path and token buffers sized for max_depth + 1 emissions."""
+    rows = torch.arange(batch, device=device)
+    current = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    tokens = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
+    token_logprobs = torch.zeros(batch, max_depth + 2, device=device)
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    return rows, current, active, path, tokens, token_logprobs, accepted
 
 
 def _residual_sample(logprobs, child_tokens, valid, uniforms, greedy, argmax) -> torch.Tensor:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt.rollout.sampling import RowSampling, processed_logprobs, sample_from_logprobs
-from tlt.speculative.acceptance import Acceptance
+from tlt.speculative.acceptance import Acceptance, start_walk
 from tlt.speculative.tree import Candidates, DraftTree
 
 
@@ -101,14 +101,7 @@ def accept_q(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistributions
     device = logprobs.device
     k = tree.children.shape[-1]
     max_depth = int(tree.depths.max())
-    rows = torch.arange(batch, device=device)
-    current = torch.zeros(batch, dtype=torch.long, device=device)
-    active = torch.ones(batch, dtype=torch.bool, device=device)
-    path = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
-    path[:, 0] = 0
-    tokens = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
-    token_logprobs = torch.zeros(batch, max_depth + 2, device=device)
-    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, max_depth, device)
     for step in range(max_depth + 1):
         node_logprobs = logprobs[rows, current]                                    # [B, V]
         children = tree.children[rows, current]                                   # [B, K]
