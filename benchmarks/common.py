@@ -40,8 +40,16 @@ def environment() -> dict:
                 break
     except OSError:
         pass
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
-            "python": platform.python_version(), "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
+           "python": platform.python_version(), "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    if torch.cuda.is_available():
+        env["device_name"] = torch.cuda.get_device_name()
+    return env
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def median_time(fn, repeats: int) -> float:
@@ -54,13 +62,20 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def memory_bandwidth(megabytes: int = 256, repeats: int = 10) -> dict:
-    """Copy and read bandwidth of a buffer far larger than the caches (GB/s, medians)."""
-    src = torch.randn(megabytes * 2**20 // 4)
+def memory_bandwidth(megabytes: int = 256, repeats: int = 10, device="cpu") -> dict:
+    """Copy and read bandwidth of a buffer far larger than the caches (GB/s, medians), on `device`."""
+    src = torch.randn(megabytes * 2**20 // 4, device=device)
     dst = torch.randn_like(src)  # touched, so the copy really streams both buffers
     nbytes = src.numel() * 4
-    copy_s = median_time(lambda: dst.copy_(src), repeats)
-    read_s = median_time(lambda: src.sum(), repeats)
+
+    def timed(fn):
+        def run():
+            fn()
+            sync(device)
+        return run
+
+    copy_s = median_time(timed(lambda: dst.copy_(src)), repeats)
+    read_s = median_time(timed(lambda: src.sum()), repeats)
     return {"copy_gbs": nbytes / copy_s / 1e9,             # buffer bytes copied per second
             "copy_read_write_gbs": 2 * nbytes / copy_s / 1e9,  # STREAM convention: bytes read + written
             "read_gbs": nbytes / read_s / 1e9}

@@ -6,12 +6,18 @@ Throughput counts useful tokens only (up to and including EOS): padding that `ge
 for finished rows is work, not output. Also measures the batch-1 decode step against the memory floor
 (fp32 weight bytes / measured memory bandwidth).
 
+On CUDA the engine decodes in bf16 from CUDA graphs (its defaults there); it is also run eagerly in bf16, and the
+baseline is `transformers.generate` with a static cache (compiled by transformers) on a bf16 copy of the model:
+the best transformers offers in the same dtype. The floor uses the device's own measured bandwidth.
+
     python benchmarks/rollout_throughput.py --json benchmarks/results/rollout_throughput.json [--quick]
+    python benchmarks/rollout_throughput.py --device cuda --json benchmarks/results/rollout_throughput_h100.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -20,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import MIXED_PROMPTS, environment, memory_bandwidth, unique_parameter_bytes, write_json  # noqa: E402
+from common import (MIXED_PROMPTS, environment, memory_bandwidth, sync, unique_parameter_bytes,  # noqa: E402
+                    write_json)
 
 from tlt.models import load_model  # noqa: E402
 from tlt.rollout.engine import RolloutEngine  # noqa: E402
@@ -41,16 +48,29 @@ def useful_tokens(row: list[int], eos: set[int]) -> int:
     return len(row)
 
 
-def run_hf_generate(model, tokenizer, prompts, max_new_tokens, temperature, eos) -> tuple[float, int]:
-    tokenizer.padding_side = "left"
-    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
-    kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
-                  if tokenizer.pad_token_id is not None else sorted(eos)[0], eos_token_id=sorted(eos))
+def left_padded(prompts, pad_id: int, device) -> dict:
+    """input_ids and attention_mask, left-padded by hand: the tokenizer may have no pad token."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def run_hf_generate(model, tokenizer, prompts, max_new_tokens, temperature, eos, **extra) -> tuple[float, int]:
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sorted(eos)[0]
+    batch = left_padded(prompts, pad_id, model.device)
+    kwargs = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                  eos_token_id=sorted(eos), **extra)
     if temperature > 0:
         kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
+    sync(model.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(**batch, **kwargs)
+    sync(model.device)
     wall = time.perf_counter() - start
     width = batch["input_ids"].shape[1]
     return wall, sum(useful_tokens(row[width:].tolist(), eos) for row in out)
@@ -70,8 +90,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     max_new = args.max_new_tokens or (96 if args.quick else 256)
+    if args.device != "cpu":
+        return main_cuda(args, max_new)
 
     loaded = load_model()
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -110,6 +133,67 @@ def main(argv=None) -> dict:
     })
     write_json(args.json, results)
     return results
+
+
+def main_cuda(args, max_new: int) -> dict:
+    """The engine (bf16, CUDA graphs; and eager bf16) vs transformers generate with a static cache in bf16."""
+    loaded = load_model(device=args.device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    eos = set(loaded.eos_token_ids)
+    hf_model = copy.deepcopy(model).to(torch.bfloat16)
+    results = {"engine_tok_s": {}, "engine_eager_tok_s": {}, "hf_static_tok_s": {}, "speedup_vs_hf_static": {},
+               "speedup_vs_eager": {}, "tokens": {}, "step_ms": {}, "graphs_captured": {}}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = chat_prompts(tokenizer, batch) if batch > 1 else chat_prompts(tokenizer, 2)[1:]
+        key = str(batch)
+        graphed = RolloutEngine(loaded, max_batch_size=batch)
+        eager = RolloutEngine(loaded, max_batch_size=batch, cuda_graphs=False)
+        run_engine(graphed, prompts, max_new, args.temperature)  # warm-up: captures this run's graphs
+        run_engine(eager, prompts[:1], 8, args.temperature)
+        engine_s, engine_tokens, decode_ms = run_engine(graphed, prompts, max_new, args.temperature)
+        eager_s, eager_tokens, _ = run_engine(eager, prompts, max_new, args.temperature)
+        run_hf_generate(hf_model, tokenizer, prompts, max_new, args.temperature, eos,
+                        cache_implementation="static")  # warm-up: transformers compiles its static decode step
+        hf_s, hf_tokens = run_hf_generate(hf_model, tokenizer, prompts, max_new, args.temperature, eos,
+                                          cache_implementation="static")
+        results["engine_tok_s"][key] = engine_tokens / engine_s
+        results["engine_eager_tok_s"][key] = eager_tokens / eager_s
+        results["hf_static_tok_s"][key] = hf_tokens / hf_s
+        results["speedup_vs_hf_static"][key] = results["engine_tok_s"][key] / results["hf_static_tok_s"][key]
+        results["speedup_vs_eager"][key] = results["engine_tok_s"][key] / results["engine_eager_tok_s"][key]
+        results["tokens"][key] = {"engine": engine_tokens, "engine_eager": eager_tokens, "hf_static": hf_tokens}
+        results["step_ms"][key] = statistics.median(decode_ms)
+        results["graphs_captured"][key] = graphed.runner.captures
+        print(f"batch {batch:3d}: engine {results['engine_tok_s'][key]:9.1f} tok/s  eager "
+              f"{results['engine_eager_tok_s'][key]:8.1f}  hf static bf16 {results['hf_static_tok_s'][key]:8.1f}"
+              f"  x{results['speedup_vs_hf_static'][key]:.2f}  step {results['step_ms'][key]:.3f} ms",
+              file=sys.stderr, flush=True)
+    bandwidth = memory_bandwidth(device=args.device)
+    rollout_copy = RolloutEngine(loaded, max_batch_size=1).rollout_copy
+    # bytes a decode step must stream: every weight but the embedding table (one row is gathered per token)
+    weight_bytes = sum(t.numel() * t.element_size() for name, t in rollout_copy.model.named_parameters(
+        remove_duplicate=False) if "embed_tokens" not in name)
+    refresh_ms = median_ms(rollout_copy.refresh, args.device)
+    results.update({
+        "batch1_step_ms": results["step_ms"].get("1"),
+        "batch1_read_floor_ms": weight_bytes / (bandwidth["read_gbs"] * 1e9) * 1000,
+        "weight_bytes": weight_bytes, "bandwidth": bandwidth, "refresh_ms": refresh_ms,
+        "dtype": "bfloat16", "max_new_tokens": max_new, "temperature": args.temperature,
+        "environment": environment(),
+    })
+    write_json(args.json, results)
+    return results
+
+
+def median_ms(fn, device, repeats: int = 20) -> float:
+    times = []
+    for _ in range(repeats + 1):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times[1:])
 
 
 if __name__ == "__main__":

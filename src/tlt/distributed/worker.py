@@ -181,7 +181,8 @@ class RolloutWorker:
         from tlt.models.eagle import EagleDrafter
 
         if self._spot is None:
-            drafter = EagleDrafter(self.drafter.config, self.drafter.draft_to_target).attach(self.engine.forward)
+            drafter = EagleDrafter(self.drafter.config, self.drafter.draft_to_target).attach(
+                self.engine.policy_forward)
             config = DrafterTrainConfig(lr=self.config.run.drafter_lr, seed=self.config.run.seed + self.rank,
                                         temperature=self.config.rollout.temperature)
             buffer = FeatureBuffer(self.config.run.drafter_buffer_tokens, seed=self.config.run.seed + self.rank)

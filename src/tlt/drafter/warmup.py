@@ -73,11 +73,11 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     held_from = len(rollout.samples) - config.samples_per_prompt * held_prompts
     buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=config.seed)
     held_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=config.seed)
-    pairs = collect_features(engine.forward, prompts[:held_from], responses[:held_from], buffer, step=0)
-    collect_features(engine.forward, prompts[held_from:], responses[held_from:], held_buffer, step=0)
+    pairs = collect_features(engine.policy_forward, prompts[:held_from], responses[:held_from], buffer, step=0)
+    collect_features(engine.policy_forward, prompts[held_from:], responses[held_from:], held_buffer, step=0)
     vocab = loaded.spec.vocab_size
     draft_vocab = frequent_tokens(responses, config.draft_vocab, vocab) if 0 < config.draft_vocab < vocab else None
-    drafter = EagleDrafter(loaded.model.config, draft_vocab).attach(engine.forward)
+    drafter = EagleDrafter(loaded.model.config, draft_vocab).attach(engine.policy_forward)
     trainer = DrafterTrainer(drafter, buffer, train_config)
     held = list(held_buffer.entries)
     with tqdm(total=config.steps, desc="drafter warm-up", unit="step") as bar:
@@ -87,7 +87,7 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
             bar.update(1)
     held_out = trainer.evaluate(held)
     log(f"scoring greedy draft chains on the {len(prompts) - held_from} held-out responses")
-    chain = chain_acceptance(drafter, engine.forward, prompts[held_from:], responses[held_from:],
+    chain = chain_acceptance(drafter, engine.policy_forward, prompts[held_from:], responses[held_from:],
                              config.eval_strategy.depth, config.temperature)
     trained_s = time.perf_counter() - started - generated_s
     trainer.save(out)

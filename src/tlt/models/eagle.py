@@ -78,6 +78,13 @@ class EagleDrafter(nn.Module):
         object.__setattr__(self, "_target", lean)  # a plain attribute: not a submodule, not in state_dict
         return self.to(device=lean.device, dtype=lean.dtype)
 
+    def inference_copy(self, target: LeanForward) -> "EagleDrafter":
+        """A copy of this drafter's weights attached to `target` in its dtype (e.g. a bf16 rollout), leaving this
+        one (maybe an fp32 drafter in training) as it is."""
+        copy_ = EagleDrafter(self.config, self.draft_to_target)
+        copy_.load_state_dict(self.state_dict())
+        return copy_.attach(target)
+
     @property
     def target(self) -> LeanForward:
         if self._target is None:
@@ -116,7 +123,7 @@ class EagleDrafter(nn.Module):
         if torch.is_grad_enabled():
             return F.linear(hidden, self.head_weight().detach())  # the target's lm_head is not trained here
         flat = hidden.reshape(-1, hidden.shape[-1])  # 2-D: a 3-D input would turn into a slow batched matmul
-        return self.target.linear(flat, self.head_weight(), None).view(*hidden.shape[:-1], -1)
+        return self.target.project(flat, self.head_weight()).view(*hidden.shape[:-1], -1)
 
     def new_cache(self, max_rows: int, max_len: int) -> KVCache:
         lean = self.target

@@ -58,14 +58,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention_mask(lengths: torch.Tensor, num_new: int, new_token_mask: torch.Tensor | None,
-                   device) -> torch.Tensor:
+                   device, kv_len: int | None = None) -> torch.Tensor:
     """Boolean [B, 1, T, S] mask: every committed slot of the row, plus the new tokens it may see.
 
     new_token_mask [B, T, T] says which new tokens each new token attends to (a tree mask for verification);
-    None means causal. New token t of row b sits at slot lengths[b] + t.
+    None means causal. New token t of row b sits at slot lengths[b] + t. kv_len (S) defaults to the longest
+    row + T, read from host lengths; a CUDA graph passes a fixed S and device lengths (no host sync).
     """
+    if kv_len is None:
+        kv_len = int(lengths.max()) + num_new
     lengths = lengths.to(device)
-    kv_len = int(lengths.max()) + num_new
     rel = torch.arange(kv_len, device=device)[None, :] - lengths[:, None]          # [B, S]
     committed = (rel < 0)[:, None, :]                                                 # [B, 1, S]
     t = torch.arange(num_new, device=device)[None, :, None]                          # [1, T, 1]
@@ -101,18 +103,21 @@ def grouped_query_attention(q, k, v, bias, scale: float) -> torch.Tensor:
     if heads > kv_heads:
         q = q.reshape(batch, kv_heads, heads // kv_heads * num_new, dim)  # head h = kv * G + g, as in repeat_kv
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    return out.view(batch, heads, num_new, dim)
+    return out.reshape(batch, heads, num_new, dim)  # SDPA's output may be strided on CUDA
 
 
 class LeanForward:
     """Inference forward of a transformers Llama/Qwen2/Qwen3 causal LM, sharing its parameters."""
 
-    def __init__(self, model):
+    def __init__(self, model, fused=None):
+        """fused: per decoder layer, a `FusedLayer` whose fused q/k/v and gate/up weights the layer's own
+        projection parameters are views of (a `RolloutCopy`): one GEMM instead of three, and two."""
         self.model = model
         self.spec = ModelSpec.from_config(model.config)
         self.decoder = model.model  # LlamaModel / Qwen2Model / Qwen3Model
         self.lm_head = model.lm_head
         self.linear = pick_linear(self.device, self.dtype)
+        self._fused = {} if fused is None else {id(layer): f for layer, f in zip(self.decoder.layers, fused)}
 
     @property
     def device(self) -> torch.device:
@@ -120,13 +125,18 @@ class LeanForward:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The dtype of activations and the KV cache (a rollout copy may keep its lm_head in fp32)."""
+        return self.decoder.embed_tokens.weight.dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.decoder.embed_tokens.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        return self.project(hidden, self.lm_head.weight, self.lm_head.bias)
+
+    def project(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden @ weight.T in the weight's dtype: an fp32 lm_head gives fp32 logits from bf16 hidden states."""
+        return self.linear(hidden.to(weight.dtype), weight, bias)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, cache: CacheRows, *, positions: torch.Tensor | None = None,
@@ -137,13 +147,20 @@ class LeanForward:
         input_ids: [B, T]; positions: [B, T] RoPE positions (default: the slots, i.e. a plain continuation);
         logits_at: "all", "last", None, or a LongTensor [B] (or [B, K]) of indices into T.
         """
+        return self.run(input_ids, cache, cache.lengths, positions=positions, new_token_mask=new_token_mask,
+                        logits_at=logits_at)
+
+    def run(self, input_ids: torch.Tensor, cache: CacheRows, lengths: torch.Tensor, *,
+            positions: torch.Tensor | None = None, new_token_mask: torch.Tensor | None = None,
+            logits_at: str | torch.Tensor | None = "all", kv_len: int | None = None) -> ForwardOutput:
+        """The forward over explicit row lengths [B]: with device lengths and a fixed kv_len it launches the same
+        kernels on the same shapes every call and never reads a device value on the host (CUDA-graph safe)."""
         device = self.device
-        batch, num_new = input_ids.shape
-        lengths = cache.lengths
+        num_new = input_ids.shape[1]
         slots = lengths.to(device)[:, None] + torch.arange(num_new, device=device)[None, :]
         if positions is None:
             positions = slots
-        mask = attention_mask(lengths, num_new, new_token_mask, device)
+        mask = attention_mask(lengths, num_new, new_token_mask, device, kv_len)
         bias = grouped_attention_bias(mask, self.spec.num_heads // self.spec.num_kv_heads, self.dtype)
         x = self.embed(input_ids.to(device))
         cos, sin = self.rope(x, positions.to(device))
@@ -162,15 +179,20 @@ class LeanForward:
         """One decoder layer: residual + attention(normed), then + MLP. The EAGLE drafter reuses it with an
         identity input norm (normed = residual) and its own cache; bias comes from `grouped_attention_bias`."""
         x = residual + self._attention(layer, index, normed, cos, sin, cache, slots, bias)
-        return x + self._mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm))
+        return x + self._mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm), self._fused.get(id(layer)))
 
     def _attention(self, layer, index: int, h: torch.Tensor, cos, sin, cache: CacheRows, slots, bias):
         attn, spec = layer.self_attn, self.spec
         batch, num_new, _ = h.shape
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q = self.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(batch, num_new, heads, dim)
-        k = self.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(batch, num_new, kv_heads, dim)
-        v = self.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, num_new, kv_heads, dim)
+        fused = self._fused.get(id(layer))
+        if fused is not None:
+            qkv = self.linear(h, fused.qkv_weight, fused.qkv_bias).view(batch, num_new, heads + 2 * kv_heads, dim)
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=2)
+        else:
+            q = self.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(batch, num_new, heads, dim)
+            k = self.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(batch, num_new, kv_heads, dim)
+            v = self.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, num_new, kv_heads, dim)
         if spec.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
             q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
         q = apply_rope(q.transpose(1, 2), cos, sin)   # [B, H, T, D]
@@ -182,7 +204,10 @@ class LeanForward:
         out = out.transpose(1, 2).reshape(batch, num_new, spec.num_heads * spec.head_dim)
         return self.linear(out, attn.o_proj.weight, attn.o_proj.bias)
 
-    def _mlp(self, mlp, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, mlp, h: torch.Tensor, fused=None) -> torch.Tensor:
+        if fused is not None and fused.gate_up_weight is not None:
+            gate, up = self.linear(h, fused.gate_up_weight, None).chunk(2, dim=-1)
+            return self.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         gate = F.silu(self.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
         return self.linear(gate * self.linear(h, mlp.up_proj.weight, mlp.up_proj.bias), mlp.down_proj.weight,
                         mlp.down_proj.bias)

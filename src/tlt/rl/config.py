@@ -51,6 +51,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_batch_size: int = 64       # rows decoded together by the engine
+    dtype: str = "auto"            # decode precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16
+    cuda_graphs: bool = True       # on CUDA, replay decode and verification steps as CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,9 @@ BACKENDS = ("auto", "ray", "inprocess")
 BUILTIN_REWARDS = ("auto", "integer", "math_verify")
 
 
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 def validate(config: TrainConfig) -> TrainConfig:
     """Every choice and range, checked before anything loads; raises ConfigError naming the first bad key."""
     from tlt.rl.grpo import AGGREGATIONS
@@ -157,6 +162,7 @@ def validate(config: TrainConfig) -> TrainConfig:
            f"greedy samples of one prompt are identical, so every GRPO advantage would be 0")
     _check(0 < rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
     _at_least("rollout.top_k", rollout.top_k, 0)
+    check_choice("rollout.dtype", rollout.dtype, ROLLOUT_DTYPES)
     check_choice("grpo.loss", grpo.loss, tuple(AGGREGATIONS))
     _check(0 <= grpo.clip_low < 1, f"grpo.clip_low must be in [0, 1), got {grpo.clip_low}")
     _at_least("grpo.clip_high", grpo.clip_high, 0)

@@ -20,7 +20,8 @@ RUN_FILES = ("metrics.jsonl", "config.json")
 RUN_DIRS = ("timeline", "tensorboard", "report", "final")
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
-OPERATIONAL_KEYS = ("task.eval_every",)  # in a meaning section, but only how often the run is measured
+OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs")  # in a meaning section, but only how the run is
+# measured or how fast it decodes
 
 
 class RunDirError(TltError):

@@ -276,8 +276,10 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
 
     run, batch = config.run, config.rollout.max_batch_size
     check_speculation(run)  # load_config checked it already; a config built in code may not have been
+    precision = dict(dtype=config.rollout.dtype, cuda_graphs=config.rollout.cuda_graphs and
+                     loaded.model.lm_head.weight.device.type == "cuda")
     if run.speculative == "off":
-        return RolloutEngine(loaded, max_batch_size=batch)
+        return RolloutEngine(loaded, max_batch_size=batch, **precision)
     if run.drafter:
         drafter = EagleDrafter.load(run.drafter, loaded.model)
     else:  # untrained: spot training teaches it
@@ -287,7 +289,7 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
         gate = run.gate
         policy = lambda batch_size: strategy if batch_size <= gate else None  # noqa: E731
         return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=policy,
-                             max_tree_size=strategy.tree_size)
+                             max_tree_size=strategy.tree_size, **precision)
     # Both acceptance rules compete: q-sampling wins where the drafter's q is close to p (1 - TV(p, q) per
     # token), target-only where its trees are cheaper to verify (N = 8 or 16 instead of K + (S - 1) K^2).
     arms = [SpecStrategy.chain(3), strategy, SpecStrategy(5, 3, 16), SpecStrategy.chain(4, "q"),
@@ -295,7 +297,7 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     arms = list(dict.fromkeys(arms))
     policy = AdaptiveSpeculation(arms, BatchSizeGate(threshold=run.gate))
     return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=policy,
-                         max_tree_size=max(a.tree_size for a in arms))
+                         max_tree_size=max(a.tree_size for a in arms), **precision)
 
 
 def _chunks(rows: list[int], size: int):

@@ -18,6 +18,8 @@ import torch
 from tlt.errors import RequestError
 from tlt.models.kv_cache import KVCache
 from tlt.models.lean_forward import LeanForward
+from tlt.models.rollout_copy import RolloutCopy
+from tlt.rollout.model_runner import GraphRunner, batch_bucket
 from tlt.rollout.request import Request, RolloutResult, SampleOutput, StepTrace
 from tlt.rollout.sampling import RowSampling, draw_uniforms, sample_generator, sample_next
 
@@ -70,10 +72,13 @@ class RolloutEngine:
     speculation: when and how to speculate, decided before every decode step: None (never), a `SpecStrategy`
         (always), a callable batch_size -> SpecStrategy | None, or a policy object with
         `choose(batch_size)` / `observe(batch_size, arm, emitted_tokens, wall_s, verify_steps)`.
+    dtype: the rollout precision: "auto" (bf16 on CUDA, the model's own dtype elsewhere), a torch dtype or its
+        name. A dtype other than the model's decodes from a `RolloutCopy` refreshed at every `generate()`.
+    cuda_graphs: replay decode and verification steps as CUDA graphs (default: on CUDA).
     """
 
     def __init__(self, model, *, max_batch_size: int = 64, eos_token_ids=None, drafter=None, speculation=None,
-                 max_tree_size: int = 64):
+                 max_tree_size: int = 64, dtype="auto", cuda_graphs: bool | None = None):
         from tlt.models.loading import LoadedModel, eos_token_ids as model_eos
 
         tokenizer = None
@@ -81,7 +86,17 @@ class RolloutEngine:
             model, tokenizer = model.model, model.tokenizer
         if max_batch_size < 1:
             raise RequestError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.forward = LeanForward(model)
+        self.policy_forward = LeanForward(model)  # the master weights: training features, drafter training
+        dtype = resolve_rollout_dtype(dtype, self.policy_forward.device, self.policy_forward.dtype)
+        self.rollout_copy = RolloutCopy(model, dtype) if dtype != self.policy_forward.dtype else None
+        self.forward = self.policy_forward if self.rollout_copy is None else \
+            LeanForward(self.rollout_copy.model, self.rollout_copy.fused)
+        use_graphs = self.forward.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if use_graphs and self.forward.device.type != "cuda":
+            raise RequestError("cuda_graphs=True needs a model on CUDA")
+        self.runner = GraphRunner(self.forward) if use_graphs else None
+        self.target = self.runner if self.runner is not None else self.forward  # what decode steps call
+        self.last_refresh_s = 0.0
         self.spec = self.forward.spec
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else model_eos(model, tokenizer))
@@ -104,7 +119,9 @@ class RolloutEngine:
 
         self.drafter_version = version
         previous = self.speculative.cache if self.speculative is not None else None
-        self.speculative = SpeculativeDecoder(self.forward, drafter.attach(self.forward))
+        if drafter.fc.weight.dtype != self.forward.dtype and drafter._target is not self.forward:
+            drafter = drafter.inference_copy(self.forward)  # the caller's drafter (maybe in training) is untouched
+        self.speculative = SpeculativeDecoder(self.target, drafter.attach(self.forward))
         if previous is not None:
             self.speculative.cache = previous
             previous.lengths.zero_()
@@ -119,6 +136,9 @@ class RolloutEngine:
         step with no forward in flight: the place to hot-swap the drafter (`set_drafter`) mid-rollout."""
         start = self._generate_start = time.perf_counter()
         self._validate(requests)
+        if self.rollout_copy is not None:  # the policy changed since the last rollout: one device-to-device copy
+            self.rollout_copy.refresh()
+            self.last_refresh_s = time.perf_counter() - start
         cache = self._cache_for(requests)
         queue = deque(_Pending(i, 0, r.n) for i, r in enumerate(requests))
         running: list[_Sequence] = []
@@ -159,12 +179,16 @@ class RolloutEngine:
 
     def _cache_for(self, requests: list[Request]) -> KVCache:
         rows = min(self.max_batch_size, sum(r.n for r in requests))
+        if self.runner is not None:  # a graph pads the batch to a bucket: its padded rows need cache rows
+            rows = batch_bucket(rows, 1 << 30) or rows
         length = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if self.speculative is not None:
             length += self.max_tree_size + 1  # a verified tree sits past the committed tokens
         cache = self._cache
         if cache is None or cache.max_rows < rows or cache.max_len < length:
             self._cache = None  # free the old buffers before allocating the new ones
+            if self.runner is not None:
+                self.runner.reset()
             cache = KVCache(self.spec, rows, length, device=self.device, dtype=self.forward.dtype)
             self._cache = cache
         if self.speculative is not None:
@@ -223,7 +247,7 @@ class RolloutEngine:
         if self.speculative is None:
             return
         slots = rows.lengths.to(self.device)[:, None] + torch.arange(ids.shape[1], device=self.device)[None, :]
-        rows.write_slots("tokens", slots, ids)
+        rows.write_slots("tokens", slots, ids.to(self.device))
         rows.write_slots("features", slots, hidden)
 
     def _spawn(self, requests, groups: list[_Pending], first_row: int, cache: KVCache, logits) -> list[_Sequence]:
@@ -259,18 +283,30 @@ class RolloutEngine:
         if strategy is not None and self.speculative is not None:
             trace = self._speculative_step(running, cache, strategy)
         else:
-            ids = torch.tensor([[s.tokens[-1]] for s in running], device=self.device)
-            rows = cache.rows(0, len(running))
-            out = self.forward(ids, rows, logits_at="all")
-            self._store_slot_data(rows, ids, out.hidden)
-            rows.advance(1)
-            self._sample_into(running, out.logits[:, 0])
+            self._plain_step(running, cache)
             trace = StepTrace("decode", len(running), len(running), 0.0)
         trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started, start_s=started - self._generate_start)
         steps.append(trace)
         if hasattr(self.speculation, "observe"):
             self.speculation.observe(trace.batch_size, arm if arm is not None else "off", trace.new_tokens,
                                      trace.wall_s, verify_steps=trace.batch_size)
+
+    def _plain_step(self, running: list[_Sequence], cache: KVCache) -> None:
+        rows = cache.rows(0, len(running))
+        settings = RowSampling.from_params([s.request.params for s in running], self.device)
+        uniforms = draw_uniforms([s.generator for s in running])
+        if self.runner is not None:
+            ids = torch.tensor([[s.tokens[-1]] for s in running])
+            tokens, logprobs, hidden = self.runner.decode(ids, rows, settings, uniforms)
+        else:
+            ids = torch.tensor([[s.tokens[-1]] for s in running], device=self.device)
+            out = self.forward(ids, rows, logits_at="all")
+            tokens, logprobs = sample_next(out.logits[:, 0], settings, uniforms[:, 0])
+            hidden = out.hidden
+        self._store_slot_data(rows, ids, hidden)
+        rows.advance(1)
+        for seq, token, logprob in zip(running, tokens.tolist(), logprobs.tolist()):
+            seq.append(token, logprob)
 
     def _choose(self, batch_size: int):
         policy = self.speculation
@@ -329,6 +365,19 @@ class RolloutEngine:
             running.pop()
         if bar is not None and done:
             bar.update(len(done))
+
+
+def resolve_rollout_dtype(dtype, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """"auto" -> bf16 on CUDA (decode streams half the bytes), else the model's dtype (bf16 matmuls are slow on
+    most CPUs); a name ("bfloat16", "float32", ...) or a torch dtype as given."""
+    if dtype == "auto" or dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else model_dtype
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+            raise RequestError(f"rollout dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        return resolved
+    return dtype
 
 
 def _progress_bar(total: int, enabled: bool):

@@ -53,23 +53,47 @@ class SamplingParams:
 
 @dataclass
 class RowSampling:
-    """Per-row settings of a batch as tensors [B] (built once per batch composition)."""
+    """Per-row settings of a batch as tensors [B] (built once per batch composition).
+
+    The flags say, from the host, which processing steps any row needs, so sampling never reads a device
+    tensor to decide (no host sync inside a decode step). They may over-approximate (a subset of rows keeps
+    its parent's flags): an unneeded step is a no-op, never a different result."""
 
     temperature: torch.Tensor  # float; greedy rows hold 1.0 (their log-probs use the untempered distribution)
     top_k: torch.Tensor        # long; 0 = off
     top_p: torch.Tensor        # float; 1 = off
     greedy: torch.Tensor       # bool
+    any_tempered: bool | None = None   # some row's temperature is not 1
+    any_filtered: bool | None = None   # some row uses top-k or top-p
+    any_greedy: bool | None = None
+    all_greedy: bool | None = None
+
+    def __post_init__(self):  # built from tensors alone: derive the flags once (one sync, outside any step)
+        if self.any_tempered is None:
+            self.any_tempered = bool((self.temperature != 1).any())
+        if self.any_filtered is None:
+            self.any_filtered = bool((self.top_k > 0).any()) or bool((self.top_p < 1).any())
+        if self.any_greedy is None:
+            self.any_greedy = bool(self.greedy.any())
+        if self.all_greedy is None:
+            self.all_greedy = bool(self.greedy.all())
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device) -> "RowSampling":
         temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        greedy = [p.greedy for p in params]
         return cls(torch.tensor(temps, device=device, dtype=torch.float32),
                    torch.tensor([p.top_k for p in params], device=device, dtype=torch.long),
                    torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32),
-                   torch.tensor([p.greedy for p in params], device=device, dtype=torch.bool))
+                   torch.tensor(greedy, device=device, dtype=torch.bool),
+                   any_tempered=any(t != 1 for t in temps),
+                   any_filtered=any(p.top_k > 0 or p.top_p < 1 for p in params),
+                   any_greedy=any(greedy), all_greedy=all(greedy))
 
     def select(self, rows: torch.Tensor) -> "RowSampling":
-        return RowSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy[rows])
+        return RowSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy[rows],
+                           self.any_tempered, self.any_filtered, self.any_greedy,
+                           self.all_greedy)  # False for a subset is safe: greedy rows are overridden
 
 
 def processed_logprobs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
@@ -80,9 +104,9 @@ def processed_logprobs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     batch = logits.shape[0]
     extra = (1,) * (logits.dim() - 2)
     scaled = logits.float()
-    if bool((rows.temperature != 1).any()):
+    if rows.any_tempered:
         scaled = scaled / rows.temperature.view(batch, *extra, 1)
-    if bool((rows.top_k > 0).any()) or bool((rows.top_p < 1).any()):
+    if rows.any_filtered:
         flat = scaled.reshape(-1, scaled.shape[-1])
         repeat = flat.shape[0] // batch
         scaled = filter_top_k_top_p(flat, rows.top_k.repeat_interleave(repeat),
@@ -169,11 +193,11 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
 def sample_next(logits: torch.Tensor, rows: RowSampling, uniforms: torch.Tensor):
     """Pick one token per row from logits [B, V]; returns (tokens [B], their processed log-probs [B])."""
     logprobs = processed_logprobs(logits, rows)
-    if bool(rows.greedy.all()):
+    if rows.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
         tokens = sample_from_logprobs(logprobs, uniforms)
-        if bool(rows.greedy.any()):
+        if rows.any_greedy:
             tokens = torch.where(rows.greedy, logits.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 

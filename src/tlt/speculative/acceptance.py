@@ -36,6 +36,7 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
     that a biased rule is detected)."""
     batch, count, _ = logprobs.shape
     device = logprobs.device
+    uniforms = uniforms.to(device)  # drawn on the host: index it with device masks below
     max_depth = int(tree.depths.max())
     rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, max_depth, device)
     for step in range(max_depth + 1):

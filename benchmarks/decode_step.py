@@ -1,0 +1,100 @@
+"""One decode step of the default model on CUDA, taken apart: eager vs graph replay, kernels per step, and
+(optionally) Inductor-fused kernels under the same graph. Tells where a batch-1 step's time goes.
+
+    python benchmarks/decode_step.py --json out.json [--compile] [--batches 1,16,64] [--kv 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import environment, write_json  # noqa: E402
+
+from tlt.models import load_model  # noqa: E402
+from tlt.models.kv_cache import KVCache  # noqa: E402
+from tlt.models.lean_forward import LeanForward  # noqa: E402
+from tlt.models.rollout_copy import RolloutCopy  # noqa: E402
+
+
+def timed_ms(fn, repeats: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def kernels_per_call(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def capture(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--kv", type=int, default=512, help="attended KV length (a graph's block)")
+    parser.add_argument("--compile", action="store_true", help="also Inductor-compile the step before capture")
+    args = parser.parse_args(argv)
+    loaded = load_model(device="cuda")
+    copy = RolloutCopy(loaded.model, torch.bfloat16)
+    lean = LeanForward(copy.model, copy.fused)
+    results = {"kv_len": args.kv, "by_batch": {}, "environment": environment()}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        cache = KVCache(lean.spec, batch, args.kv, device="cuda", dtype=torch.bfloat16)
+        rows = cache.rows(0, batch)
+        ids = torch.randint(0, lean.spec.vocab_size, (batch, 1), device="cuda")
+        lengths = torch.full((batch,), args.kv // 2, device="cuda")
+
+        def step(forward=lean.run):
+            return forward(ids, rows, lengths, logits_at="all", kv_len=args.kv).logits
+
+        row = {"eager_ms": timed_ms(step), "kernels": kernels_per_call(step)}
+        graph = capture(step)
+        row["graph_ms"] = timed_ms(graph.replay)
+        if args.compile:
+            started = time.perf_counter()
+            compiled = torch.compile(lean.run, fullgraph=False, dynamic=False)
+            step(compiled)
+            row["compile_s"] = time.perf_counter() - started
+            row["compiled_kernels"] = kernels_per_call(lambda: step(compiled))
+            row["compiled_graph_ms"] = timed_ms(capture(lambda: step(compiled)).replay)
+        results["by_batch"][str(batch)] = row
+        print(batch, row, file=sys.stderr, flush=True)
+    write_json(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
