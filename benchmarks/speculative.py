@@ -31,12 +31,16 @@ STRATEGIES = [SpecStrategy.chain(3), SpecStrategy(4, 2, 8), SpecStrategy(5, 3, 1
 QUICK = ["S3K1N3", "S4K2N8", "S3K1N3q", "S4K2N14q"]
 
 
-def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed):
+def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, temperature=1.0):
     engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy,
                            max_tree_size=max([s.tree_size for s in STRATEGIES] + [strategy.tree_size if strategy else 0]))
-    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(), seed=seed)
-    engine.generate([Request(prompts[0], params=SamplingParams(max_new_tokens=4, seed=seed))])  # warm-up
-    result = engine.generate([Request(p, params=params) for p in prompts])
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(), seed=seed)
+    requests = [Request(p, params=params) for p in prompts]
+    if engine.runner is not None:  # CUDA: capture this run's graphs before timing it
+        engine.generate(requests)
+    else:
+        engine.generate([Request(prompts[0], params=SamplingParams(max_new_tokens=4, seed=seed))])  # warm-up
+    result = engine.generate(requests)
     return result.tokens_per_s, result.speculation_summary()
 
 
@@ -49,6 +53,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--batches", help="comma-separated batch sizes (default: 1,2,4,8,16,32)")
     parser.add_argument("--strategies", help="comma-separated strategies, e.g. S4K2N8,S4K2q (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 and CUDA graphs there)")
     args = parser.parse_args(argv)
     batches = [1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32]
     strategies = [s for s in STRATEGIES if s.name in QUICK] if args.quick else STRATEGIES
@@ -58,20 +64,21 @@ def main(argv=None) -> dict:
         strategies = [SpecStrategy.parse(name) for name in args.strategies.split(",")]
     max_new = args.max_new_tokens or (48 if args.quick else 128)
 
-    loaded = load_model()
+    loaded = load_model(device=args.device)
     drafter = EagleDrafter.load(args.drafter, loaded.model) if args.drafter else EagleDrafter(loaded.model.config)
     task = ChatTask(ArithmeticTask(), loaded.tokenizer)
     results = {"plain_tok_s": {}, "sd_tok_s": {}, "speedup": {}, "tau": {}, "strategy": {}, "by_strategy": {},
                "best_by_rule": {"target": {}, "q": {}},
-               "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new}
+               "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new,
+               "temperature": args.temperature}
     for batch in batches:
         prompts = [task.prompt_ids(e) for e in task.sample(batch, seed=100 + batch)]
-        plain, _ = run(loaded, None, prompts, batch, None, max_new, seed=batch)
+        plain, _ = run(loaded, None, prompts, batch, None, max_new, batch, args.temperature)
         key = str(batch)
         results["plain_tok_s"][key] = plain
         best = None
         for strategy in strategies:
-            tok_s, summary = run(loaded, drafter, prompts, batch, strategy, max_new, seed=batch)
+            tok_s, summary = run(loaded, drafter, prompts, batch, strategy, max_new, batch, args.temperature)
             results["by_strategy"].setdefault(strategy.name, {})[key] = {"tok_s": tok_s, "tau": summary["tau"],
                                                                          "speedup": tok_s / plain}
             if best is None or tok_s > best[0]:

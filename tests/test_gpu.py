@@ -76,7 +76,7 @@ def test_sampled_distribution_matches_the_target_on_cuda(strategy):
     model = model.to(CUDA)
     params = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=21)
     engine = RolloutEngine(model, max_batch_size=4000, drafter=oracle_drafter(model), speculation=strategy,
-                           max_tree_size=8, dtype="float32")
+                           max_tree_size=16, dtype="float32")
     result = engine.generate([Request([2, 5], n=12_000, params=params)])
     tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, params))
     assert tv < bound, (tv, bound)

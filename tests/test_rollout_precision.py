@@ -1,0 +1,137 @@
+"""The rollout's own precision and layout: the fused inference copy of the policy, the graph-safe forward over
+device lengths, host-side sampling flags, and `rollout.dtype` (CPU-side; CUDA graphs are in test_gpu.py)."""
+
+import pytest
+import torch
+
+from conftest import random_prompts, tiny_model
+from tlt.errors import RequestError
+from tlt.models.eagle import EagleDrafter
+from tlt.models.kv_cache import KVCache
+from tlt.models.lean_forward import LeanForward
+from tlt.models.rollout_copy import RolloutCopy
+from tlt.rl.config import ConfigError, load_config
+from tlt.rollout.engine import RolloutEngine, resolve_rollout_dtype
+from tlt.rollout.model_runner import KV_BLOCK, batch_bucket, kv_bucket
+from tlt.rollout.request import Request
+from tlt.rollout.sampling import RowSampling, SamplingParams, processed_logprobs, sample_next
+
+
+def forward_logits(lean, ids):
+    cache = KVCache(lean.spec, ids.shape[0], 64, dtype=lean.dtype)
+    return lean(ids, cache.rows(0, ids.shape[0])).logits
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp32_copy_equals_the_master_and_follows_in_place_updates(arch, tied):
+    model = tiny_model(arch, tie_word_embeddings=tied)
+    copy = RolloutCopy(model, torch.float32)
+    ids = torch.tensor(random_prompts([9, 9], seed=2))
+    master, fused = LeanForward(model), LeanForward(copy.model, copy.fused)
+    torch.testing.assert_close(forward_logits(fused, ids), forward_logits(master, ids), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # an optimizer step, in place
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    stale = forward_logits(fused, ids)
+    copy.refresh()
+    fresh = forward_logits(fused, ids)
+    torch.testing.assert_close(fresh, forward_logits(master, ids), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(stale, fresh)
+
+
+def test_copy_fuses_projections_into_one_tensor_and_keeps_an_fp32_lm_head():
+    model = tiny_model("qwen2", tie_word_embeddings=True)
+    copy = RolloutCopy(model, torch.bfloat16)
+    attn = copy.model.model.layers[0].self_attn
+    fused = copy.fused[0]
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.weight.untyped_storage().data_ptr() == fused.qkv_weight.untyped_storage().data_ptr()
+        assert proj.bias.untyped_storage().data_ptr() == fused.qkv_bias.untyped_storage().data_ptr()
+    assert copy.model.lm_head.weight.dtype == torch.float32
+    assert copy.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(copy.model.lm_head.weight, model.model.embed_tokens.weight)  # tied master
+    assert not any(p.requires_grad for p in copy.model.parameters())
+
+
+def test_an_mlp_with_biases_is_not_fused_and_still_exact():
+    model = tiny_model("llama", mlp_bias=True)
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate_proj.bias.normal_()
+    copy = RolloutCopy(model, torch.float32)
+    assert copy.fused[0].gate_up_weight is None
+    ids = torch.tensor(random_prompts([7], seed=3))
+    torch.testing.assert_close(forward_logits(LeanForward(copy.model, copy.fused), ids),
+                               forward_logits(LeanForward(model), ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_forward_over_device_lengths_and_a_fixed_kv_block_equals_the_host_forward(tree):
+    """What a CUDA graph replays: same kernels, a padded KV length and lengths read from a tensor."""
+    lean = LeanForward(tiny_model("llama"))
+    prompts = random_prompts([5, 11, 2], seed=4)
+    cache = KVCache(lean.spec, 3, 300)
+    rows = cache.rows(0, 3)
+    width = max(map(len, prompts))
+    ids = torch.tensor([p + [4] * (width - len(p)) for p in prompts])
+    lean(ids, rows)
+    rows.advance(torch.tensor([len(p) for p in prompts]))
+    new = torch.randint(4, 97, (3, 4))
+    mask = torch.tril(torch.ones(4, 4, dtype=torch.bool)).expand(3, 4, 4).clone() if tree else None
+    if tree:
+        mask[:, 2, 1] = False  # a branch: node 2 hangs off node 0
+    positions = rows.lengths[:, None] + torch.tensor([0, 1, 1, 2]) if tree else None
+    expected = lean(new, rows, positions=positions, new_token_mask=mask)
+    got = lean.run(new, rows, rows.lengths.clone(), positions=positions, new_token_mask=mask, kv_len=KV_BLOCK)
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_buckets():
+    assert [batch_bucket(b, 64) for b in (1, 3, 5, 17, 33, 64)] == [1, 4, 8, 24, 48, 64]
+    assert batch_bucket(65, 64) is None and batch_bucket(3, 3) is None  # no cache rows for the padding
+    assert kv_bucket(10, 1, 4096) == KV_BLOCK and kv_bucket(KV_BLOCK, 1, 4096) == 2 * KV_BLOCK
+    assert kv_bucket(1000, 20, 1030) == 1024 and kv_bucket(1010, 20, 1030) == 1030  # never past the cache
+
+
+def test_sampling_flags_come_from_the_host_and_agree_with_the_tensors():
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=3), SamplingParams()]
+    built = RowSampling.from_params(params, "cpu")
+    derived = RowSampling(built.temperature, built.top_k, built.top_p, built.greedy)
+    flags = lambda s: (s.any_tempered, s.any_filtered, s.any_greedy, s.all_greedy)  # noqa: E731
+    assert flags(built) == flags(derived) == (True, True, True, False)
+    plain = RowSampling.from_params([SamplingParams()] * 2, "cpu")
+    assert flags(plain) == (False, False, False, False)
+    logits = torch.randn(3, 50)
+    uniforms = torch.rand(3)
+    torch.testing.assert_close(processed_logprobs(logits, built), processed_logprobs(logits, derived))
+    assert torch.equal(sample_next(logits, built, uniforms)[0], sample_next(logits, derived, uniforms)[0])
+    subset = built.select(torch.tensor([1, 2]))  # flags over-approximate: still the same samples
+    assert torch.equal(sample_next(logits[1:], subset, uniforms[1:])[0],
+                       sample_next(logits[1:], RowSampling.from_params(params[1:], "cpu"), uniforms[1:])[0])
+
+
+def test_rollout_dtype_resolution_and_validation(tmp_path):
+    assert resolve_rollout_dtype("auto", torch.device("cpu"), torch.float32) == torch.float32
+    assert resolve_rollout_dtype("auto", torch.device("cuda"), torch.float32) == torch.bfloat16
+    assert resolve_rollout_dtype("bfloat16", torch.device("cpu"), torch.float32) == torch.bfloat16
+    with pytest.raises(RequestError, match="rollout dtype"):
+        resolve_rollout_dtype("int8", torch.device("cpu"), torch.float32)
+    with pytest.raises(ConfigError, match="rollout.dtype"):
+        load_config(None, ["rollout.dtype=fp8"])
+    with pytest.raises(RequestError, match="cuda_graphs"):
+        RolloutEngine(tiny_model("llama"), cuda_graphs=True)
+
+
+def test_bf16_engine_keeps_the_callers_drafter_in_fp32_and_decodes():
+    model = tiny_model("llama")
+    drafter = EagleDrafter(model.config).attach(model)
+    requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=10))
+                for p in random_prompts([3, 8], seed=7)]
+    from tlt.speculative.strategy import SpecStrategy
+
+    engine = RolloutEngine(model, max_batch_size=4, dtype="bfloat16", drafter=drafter,
+                           speculation=SpecStrategy(3, 2, 6))
+    result = engine.generate(requests)
+    assert drafter.fc.weight.dtype == torch.float32  # a spot trainer may be training this very module
+    assert engine.speculative.drafter.fc.weight.dtype == torch.bfloat16
+    assert all(len(s.token_ids) == 10 for s in result.samples)
+    assert engine.forward.dtype == torch.bfloat16 and engine.policy_forward.dtype == torch.float32
