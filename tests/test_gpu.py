@@ -145,3 +145,16 @@ def test_rl_step_on_cuda(tmp_path):
     metrics = trainer.train_step()
     assert metrics["reward_mean"] == metrics["reward_mean"]  # finite
     assert trainer.engine.runner is not None and trainer.engine.runner.captures > 0
+
+
+def test_graphs_survive_cache_reallocation_across_rollouts():
+    """Each longer rollout reallocates the cache and drops the graphs; captures after that must work (the
+    graph pool is renewed) and decode the same tokens as eager."""
+    model = tiny_model("llama").to(CUDA)
+    engine = RolloutEngine(model, max_batch_size=4, dtype="float32")
+    eager = RolloutEngine(model, max_batch_size=4, dtype="float32", cuda_graphs=False)
+    for budget in (5, 40, 8, 120, 200):
+        requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=budget, stop_token_ids=()))
+                    for p in random_prompts([4, 9], seed=budget)]
+        got = engine.generate(requests)
+        assert [s.token_ids for s in got.samples] == [s.token_ids for s in eager.generate(requests).samples]

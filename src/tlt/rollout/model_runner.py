@@ -84,6 +84,9 @@ class GraphRunner:
         self._graphs.clear()
         self._buffers.clear()
         self._cache = None
+        # A private pool is released with the last graph that used it: later captures need a fresh handle
+        # (reusing the old one trips the caching allocator's use_count assert, seen on the third RL step).
+        self._pool = torch.cuda.graph_pool_handle()
 
     # -- the two entry points ----------------------------------------------------------------------------------
 
