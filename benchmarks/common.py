@@ -52,12 +52,15 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int, device="cpu") -> float:
+    """Median seconds of fn() after one warm-up call; on CUDA each call is timed to its completion."""
     fn()
     times = []
     for _ in range(repeats):
+        sync(device)
         start = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -68,14 +71,8 @@ def memory_bandwidth(megabytes: int = 256, repeats: int = 10, device="cpu") -> d
     dst = torch.randn_like(src)  # touched, so the copy really streams both buffers
     nbytes = src.numel() * 4
 
-    def timed(fn):
-        def run():
-            fn()
-            sync(device)
-        return run
-
-    copy_s = median_time(timed(lambda: dst.copy_(src)), repeats)
-    read_s = median_time(timed(lambda: src.sum()), repeats)
+    copy_s = median_time(lambda: dst.copy_(src), repeats, device)
+    read_s = median_time(lambda: src.sum(), repeats, device)
     return {"copy_gbs": nbytes / copy_s / 1e9,             # buffer bytes copied per second
             "copy_read_write_gbs": 2 * nbytes / copy_s / 1e9,  # STREAM convention: bytes read + written
             "read_gbs": nbytes / read_s / 1e9}

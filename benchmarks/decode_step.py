@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, write_json  # noqa: E402
+from common import environment, median_time, write_json  # noqa: E402
 
 from tlt.models import load_model  # noqa: E402
 from tlt.models.kv_cache import KVCache  # noqa: E402
@@ -24,16 +23,7 @@ from tlt.models.rollout_copy import RolloutCopy  # noqa: E402
 
 
 def timed_ms(fn, repeats: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return median_time(fn, repeats, "cuda") * 1000
 
 
 def kernels_per_call(fn) -> int:

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (MIXED_PROMPTS, environment, memory_bandwidth, sync, unique_parameter_bytes,  # noqa: E402
-                    write_json)
+from common import (MIXED_PROMPTS, environment, median_time, memory_bandwidth, sync,  # noqa: E402
+                    unique_parameter_bytes, write_json)
 
 from tlt.models import load_model  # noqa: E402
 from tlt.rollout.engine import RolloutEngine  # noqa: E402
@@ -173,7 +173,7 @@ def main_cuda(args, max_new: int) -> dict:
     # bytes a decode step must stream: every weight but the embedding table (one row is gathered per token)
     weight_bytes = sum(t.numel() * t.element_size() for name, t in rollout_copy.model.named_parameters(
         remove_duplicate=False) if "embed_tokens" not in name)
-    refresh_ms = median_ms(rollout_copy.refresh, args.device)
+    refresh_ms = median_time(rollout_copy.refresh, 20, args.device) * 1000
     results.update({
         "batch1_step_ms": results["step_ms"].get("1"),
         "batch1_read_floor_ms": weight_bytes / (bandwidth["read_gbs"] * 1e9) * 1000,
@@ -183,17 +183,6 @@ def main_cuda(args, max_new: int) -> dict:
     })
     write_json(args.json, results)
     return results
-
-
-def median_ms(fn, device, repeats: int = 20) -> float:
-    times = []
-    for _ in range(repeats + 1):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times[1:])
 
 
 if __name__ == "__main__":

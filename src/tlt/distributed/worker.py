@@ -57,7 +57,7 @@ class RolloutWorker:
         self.trainer = GRPOTrainer(config, loaded=loaded, task=task, reward=reward, feature_buffer=self.collected)
         self.reducer = reducer
         self.engine = self.trainer.engine
-        self.drafter = self.engine.speculative.drafter if self.engine.speculative is not None else None
+        self.drafter = self.engine.drafter  # in the policy's dtype; the engine serves a copy in its rollout dtype
         self._spot = None  # (training drafter, DrafterTrainer, local buffer, next feature sequence) once used
         self._batch = None
         self._last_poll = 0.0

@@ -63,10 +63,6 @@ class RolloutCopy:
         for source, target in self._pairs:
             target.copy_(source, non_blocking=True)
 
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self._pairs)
-
 
 def _fuse_layer(layer: nn.Module) -> FusedLayer:
     """Re-point q/k/v and gate/up parameters at slices of one fused tensor each (in place on the copy)."""

@@ -96,7 +96,6 @@ class RolloutEngine:
             raise RequestError("cuda_graphs=True needs a model on CUDA")
         self.runner = GraphRunner(self.forward) if use_graphs else None
         self.target = self.runner if self.runner is not None else self.forward  # what decode steps call
-        self.last_refresh_s = 0.0
         self.spec = self.forward.spec
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else model_eos(model, tokenizer))
@@ -104,6 +103,7 @@ class RolloutEngine:
         self.speculation = speculation
         self.max_tree_size = max_tree_size
         self.speculative = None
+        self.drafter = None
         self.drafter_version = None
         self._generate_start = time.perf_counter()
         if drafter is not None:
@@ -119,7 +119,8 @@ class RolloutEngine:
 
         self.drafter_version = version
         previous = self.speculative.cache if self.speculative is not None else None
-        if drafter.fc.weight.dtype != self.forward.dtype and drafter._target is not self.forward:
+        self.drafter = drafter  # the caller's, in its own dtype: what a worker reloads and publishes
+        if drafter.fc.weight.dtype != self.forward.dtype:
             drafter = drafter.inference_copy(self.forward)  # the caller's drafter (maybe in training) is untouched
         self.speculative = SpeculativeDecoder(self.target, drafter.attach(self.forward))
         if previous is not None:
@@ -138,7 +139,6 @@ class RolloutEngine:
         self._validate(requests)
         if self.rollout_copy is not None:  # the policy changed since the last rollout: one device-to-device copy
             self.rollout_copy.refresh()
-            self.last_refresh_s = time.perf_counter() - start
         cache = self._cache_for(requests)
         queue = deque(_Pending(i, 0, r.n) for i, r in enumerate(requests))
         running: list[_Sequence] = []
@@ -293,20 +293,19 @@ class RolloutEngine:
 
     def _plain_step(self, running: list[_Sequence], cache: KVCache) -> None:
         rows = cache.rows(0, len(running))
+        ids = torch.tensor([[s.tokens[-1]] for s in running])  # host: the forward or the graph's buffer copies it
+        if self.runner is None:
+            out = self.forward(ids, rows, logits_at="all")
+            self._store_slot_data(rows, ids, out.hidden)
+            rows.advance(1)
+            self._sample_into(running, out.logits[:, 0])
+            return
         settings = RowSampling.from_params([s.request.params for s in running], self.device)
         uniforms = draw_uniforms([s.generator for s in running])
-        if self.runner is not None:
-            ids = torch.tensor([[s.tokens[-1]] for s in running])
-            tokens, logprobs, hidden = self.runner.decode(ids, rows, settings, uniforms)
-        else:
-            ids = torch.tensor([[s.tokens[-1]] for s in running], device=self.device)
-            out = self.forward(ids, rows, logits_at="all")
-            tokens, logprobs = sample_next(out.logits[:, 0], settings, uniforms[:, 0])
-            hidden = out.hidden
+        tokens, logprobs, hidden = self.runner.decode(ids, rows, settings, uniforms)  # sampled inside the graph
         self._store_slot_data(rows, ids, hidden)
         rows.advance(1)
-        for seq, token, logprob in zip(running, tokens.tolist(), logprobs.tolist()):
-            seq.append(token, logprob)
+        _append(running, tokens, logprobs)
 
     def _choose(self, batch_size: int):
         policy = self.speculation
@@ -326,7 +325,7 @@ class RolloutEngine:
         rows = cache.rows(0, len(running))
         pending = torch.tensor([s.tokens[-1] for s in running], device=self.device)
         settings = RowSampling.from_params([s.request.params for s in running], self.device)
-        uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row)
+        uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row).to(self.device)
         outcome = self.speculative.step(rows, pending, settings, uniforms, strategy)
         result = outcome.acceptance
         emitted = 0
@@ -348,8 +347,7 @@ class RolloutEngine:
         settings = RowSampling.from_params([s.request.params for s in seqs], self.device)
         uniforms = draw_uniforms([s.generator for s in seqs])[:, 0]
         tokens, logprobs = sample_next(logits, settings, uniforms)
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            seq.append(token, logprob)
+        _append(seqs, tokens, logprobs)
 
     def _retire(self, running: list[_Sequence], cache: KVCache, finished: list[_Sequence], bar) -> None:
         """Remove finished rows; the last running row fills each hole so the batch stays dense."""
@@ -365,6 +363,11 @@ class RolloutEngine:
             running.pop()
         if bar is not None and done:
             bar.update(len(done))
+
+
+def _append(seqs: list[_Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        seq.append(token, logprob)
 
 
 def resolve_rollout_dtype(dtype, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:

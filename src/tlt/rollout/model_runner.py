@@ -49,9 +49,11 @@ class _Graph:
 
 @dataclass
 class _Buffers:
-    """Static inputs shared by every graph of one (batch bucket, new tokens, kind)."""
+    """Static inputs shared by every graph of one (batch bucket, new tokens, kind). Rows from `padded_from` on
+    hold padding (length 0, an identity tree); they are rewritten only when the batch size changes."""
 
     inputs: dict[str, torch.Tensor]
+    padded_from: int | None = None
 
 
 class GraphRunner:
@@ -65,19 +67,11 @@ class GraphRunner:
         self._graphs: dict[tuple, _Graph] = {}
         self._buffers: dict[tuple, _Buffers] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        self.captures = 0  # graphs captured so far (reported in metrics and benchmarks)
-
-    @property
-    def spec(self):
-        return self.forward.spec
+        self.captures = 0  # graphs captured so far (benchmarks and tests read it)
 
     @property
     def device(self):
         return self.forward.device
-
-    @property
-    def dtype(self):
-        return self.forward.dtype
 
     def reset(self) -> None:
         """Forget every graph (their addresses point into buffers about to be freed)."""
@@ -132,8 +126,9 @@ class GraphRunner:
     def _bucket(self, cache: CacheRows, batch: int) -> int | None:
         if cache.start != 0:
             return None
-        if self._cache is not cache.cache:
-            self.reset()
+        if self._cache is not cache.cache:  # a new cache: graphs of the old one point at freed buffers
+            if self._cache is not None:
+                self.reset()
             self._cache = cache.cache
         return batch_bucket(batch, cache.cache.max_rows)
 
@@ -141,7 +136,7 @@ class GraphRunner:
         buffers = self._buffers.get(slot)
         if buffers is None:
             buffers = self._buffers[slot] = _Buffers(self._static_inputs(slot, inputs))
-        self._fill(buffers.inputs, inputs, batch)
+        self._fill(buffers, inputs, batch)
         key = (*slot, kv_len)
         graph = self._graphs.get(key)
         if graph is None:
@@ -155,12 +150,15 @@ class GraphRunner:
                 for name, t in inputs.items()}
 
     @staticmethod
-    def _fill(static: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], batch: int) -> None:
+    def _fill(buffers: _Buffers, inputs: dict[str, torch.Tensor], batch: int) -> None:
         """Copy this step's inputs into the static buffers; padded rows get length 0 and an identity tree."""
+        repad = buffers.padded_from != batch
+        buffers.padded_from = batch
         for name, value in inputs.items():
-            static[name][:batch].copy_(value, non_blocking=True)
-            if batch < static[name].shape[0]:
-                pad = static[name][batch:]
+            static = buffers.inputs[name]
+            static[:batch].copy_(value, non_blocking=True)
+            if repad and batch < static.shape[0]:
+                pad = static[batch:]
                 if name == "tree":
                     pad.copy_(torch.eye(pad.shape[-1], dtype=torch.bool, device=pad.device).expand_as(pad))
                 elif name in ("temperature", "uniforms"):

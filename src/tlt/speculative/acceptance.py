@@ -30,13 +30,12 @@ class Acceptance:
 def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor,
            *, accept_rule=None) -> Acceptance:
     """logprobs [B, N + 1, V]: processed target log-probs at each tree node; greedy [B] bool;
-    uniforms [B, 2 * (max_depth + 1)] in [0, 1) from each row's own generator.
+    uniforms [B, 2 * (max_depth + 1)] in [0, 1) from each row's own generator, on logprobs' device.
 
     accept_rule(u, cumulative, child_probs) -> bool [B, K] can replace the exact rule (tests use it to show
     that a biased rule is detected)."""
     batch, count, _ = logprobs.shape
     device = logprobs.device
-    uniforms = uniforms.to(device)  # drawn on the host: index it with device masks below
     max_depth = int(tree.depths.max())
     rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, max_depth, device)
     for step in range(max_depth + 1):
@@ -45,7 +44,7 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
         valid = children >= 0
         child_tokens = tree.tokens.gather(1, children.clamp(min=0))
         child_probs = node_logprobs.gather(1, child_tokens).exp() * valid
-        u = 1.0 - uniforms[:, 2 * step].to(device)                               # (0, 1]: u <= 0 never holds
+        u = 1.0 - uniforms[:, 2 * step]                                         # (0, 1]: u <= 0 never holds
         cumulative = child_probs.cumsum(-1)
         if accept_rule is None:
             hit = (u[:, None] <= cumulative) & valid
@@ -67,7 +66,7 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
         stop = active & ~found
         if bool(stop.any()):
             final = _residual_sample(node_logprobs[stop], child_tokens[stop], valid[stop],
-                                     uniforms[stop, 2 * step + 1].to(device), greedy[stop], argmax[stop])
+                                     uniforms[stop, 2 * step + 1], greedy[stop], argmax[stop])
             tokens[stop, step] = final
             token_logprobs[stop, step] = node_logprobs[stop].gather(1, final[:, None])[:, 0]
         active = found
