@@ -96,13 +96,18 @@ class EagleDrafter(nn.Module):
         return self.config.vocab_size if self.draft_to_target is None else self.draft_to_target.shape[0]
 
     def head_weight(self) -> torch.Tensor:
-        """lm_head rows of the draft vocabulary, re-sliced only when the target's lm_head changed in place."""
+        """lm_head rows of the draft vocabulary. The slice is one buffer, re-copied in place only when the target's
+        lm_head changed in place (a policy update, a rollout-copy refresh): a CUDA graph that read it stays valid."""
         weight = self.target.lm_head.weight
         if self.draft_to_target is None:
             return weight
         key = (weight.data_ptr(), weight._version)
-        if self._head_cache is None or self._head_cache[0] != key:
+        if self._head_cache is None:
             self._head_cache = (key, weight.detach()[self.draft_to_target])
+        elif self._head_cache[0] != key:
+            buffer = self._head_cache[1]
+            torch.index_select(weight.detach(), 0, self.draft_to_target, out=buffer)
+            self._head_cache = (key, buffer)
         return self._head_cache[1]
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -131,13 +136,21 @@ class EagleDrafter(nn.Module):
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, features: torch.Tensor, cache: CacheRows, positions: torch.Tensor,
-             new_token_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Inference over T new pairs per row (KV written uncommitted at slots lengths + t); returns ĥ [B, T, H]."""
+             new_token_mask: torch.Tensor | None = None, *, lengths: torch.Tensor | None = None,
+             kv_len: int | None = None) -> torch.Tensor:
+        """Inference over T new pairs per row (KV written uncommitted at slots lengths + t); returns ĥ [B, T, H].
+
+        lengths [B] (default: the cache's host lengths) and kv_len (default: the longest row + T) as in
+        `LeanForward.run`: device lengths and a fixed kv_len make the step CUDA-graph safe."""
         lean = self.target
         x = self.fuse(tokens, features)
         num_new = tokens.shape[1]
-        slots = cache.lengths.to(x.device)[:, None] + torch.arange(num_new, device=x.device)[None, :]
-        mask = attention_mask(cache.lengths, num_new, new_token_mask, x.device)
+        if lengths is None:  # the host lengths: kv_len is read there, not from the device
+            lengths = cache.lengths
+            kv_len = int(lengths.max()) + num_new if kv_len is None else kv_len
+        lengths = lengths.to(x.device)
+        slots = lengths[:, None] + torch.arange(num_new, device=x.device)[None, :]
+        mask = attention_mask(lengths, num_new, new_token_mask, x.device, kv_len)
         bias = grouped_attention_bias(mask, lean.spec.num_heads // lean.spec.num_kv_heads, x.dtype)
         cos, sin = lean.rope(x, positions.to(x.device))
         return lean.layer(self.layer, 0, x, x, cos, sin, cache, slots, bias)

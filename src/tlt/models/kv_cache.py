@@ -123,11 +123,19 @@ class CacheRows:
         offsets: [B, M] positions in the last write (padding entries beyond counts[b] are ignored).
         Used after tree verification: the accepted path is moved to the front of the written block.
         """
-        base = self.lengths.to(self.cache.device)[:, None]
+        device = self.cache.device
+        self.gather_written(self.lengths.to(device), offsets.to(device), counts.to(device))
+        self.advance(counts)
+
+    def gather_written(self, lengths: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor) -> None:
+        """The device half of `keep`: move the written tokens at offsets[b, :counts[b]] to the front of the
+        written block of rows whose committed lengths are `lengths` [B] (device); commits nothing, reads nothing
+        on the host (CUDA-graph safe). The caller advances the host lengths by counts afterwards."""
+        base = lengths[:, None]
         m = offsets.shape[1]
         dst = base + torch.arange(m, device=base.device)
-        src = base + offsets.to(base.device)
-        valid = torch.arange(m, device=base.device)[None, :] < counts.to(base.device)[:, None]
+        src = base + offsets
+        valid = torch.arange(m, device=base.device)[None, :] < counts[:, None]
         # Invalid entries copy a row's slot onto itself: harmless, and keeps the copy one batched op.
         src = torch.where(valid, src, dst)
         rows = torch.arange(self.count, device=base.device)[:, None]
@@ -138,4 +146,3 @@ class CacheRows:
         for name in self.cache.slot_data:
             data = self.slots(name)
             data[rows, dst] = data[rows, src]
-        self.advance(counts)

@@ -95,7 +95,6 @@ class RolloutEngine:
         if use_graphs and self.forward.device.type != "cuda":
             raise RequestError("cuda_graphs=True needs a model on CUDA")
         self.runner = GraphRunner(self.forward) if use_graphs else None
-        self.target = self.runner if self.runner is not None else self.forward  # what decode steps call
         self.spec = self.forward.spec
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else model_eos(model, tokenizer))
@@ -118,14 +117,25 @@ class RolloutEngine:
         from tlt.speculative.decoder import SpeculativeDecoder
 
         self.drafter_version = version
-        previous = self.speculative.cache if self.speculative is not None else None
         self.drafter = drafter  # the caller's, in its own dtype: what a worker reloads and publishes
-        if drafter.fc.weight.dtype != self.forward.dtype:
+        current = self.speculative
+        if current is not None and self.runner is not None and _same_layout(current.drafter, drafter):
+            # Captured graphs read the serving drafter's tensors: load the new weights into them in place.
+            current.drafter.load_state_dict(drafter.state_dict())
+            if current.cache is not None:
+                current.cache.lengths.zero_()
+            return
+        if self.runner is not None or drafter.fc.weight.dtype != self.forward.dtype:
             drafter = drafter.inference_copy(self.forward)  # the caller's drafter (maybe in training) is untouched
-        self.speculative = SpeculativeDecoder(self.target, drafter.attach(self.forward))
-        if previous is not None:
-            self.speculative.cache = previous
-            previous.lengths.zero_()
+        self.speculative = SpeculativeDecoder(self.forward, drafter.attach(self.forward))
+        if current is not None and current.cache is not None:
+            self.speculative.cache = current.cache
+            current.cache.lengths.zero_()
+
+    @property
+    def target(self):
+        """What plain decode steps call: the graph runner on CUDA, else the forward."""
+        return self.runner if self.runner is not None else self.forward
 
     @property
     def device(self) -> torch.device:
@@ -323,10 +333,15 @@ class RolloutEngine:
             raise RequestError(f"strategy {strategy.name} drafts {strategy.branching} children per node, but the "
                                f"drafter's vocabulary has only {self.speculative.drafter.draft_vocab_size} tokens")
         rows = cache.rows(0, len(running))
-        pending = torch.tensor([s.tokens[-1] for s in running], device=self.device)
+        pending = torch.tensor([s.tokens[-1] for s in running])
         settings = RowSampling.from_params([s.request.params for s in running], self.device)
-        uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row).to(self.device)
-        outcome = self.speculative.step(rows, pending, settings, uniforms, strategy)
+        uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row)
+        outcome = None
+        if self.runner is not None:  # the whole step as one graph (host inputs are copied into its buffers)
+            outcome = self.runner.speculative(self.speculative, rows, pending, settings, uniforms, strategy)
+        if outcome is None:
+            outcome = self.speculative.step(rows, pending.to(self.device), settings, uniforms.to(self.device),
+                                            strategy)
         result = outcome.acceptance
         emitted = 0
         for seq, tokens, logprobs, count in zip(running, result.tokens.tolist(), result.logprobs.tolist(),
@@ -368,6 +383,16 @@ class RolloutEngine:
 def _append(seqs: list[_Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
     for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
         seq.append(token, logprob)
+
+
+def _same_layout(serving, drafter) -> bool:
+    """Whether `drafter`'s weights can be loaded into the serving drafter's tensors (same shapes and vocabulary)."""
+    theirs, ours = drafter.state_dict(), serving.state_dict()
+    if theirs.keys() != ours.keys() or any(theirs[k].shape != ours[k].shape for k in ours):
+        return False
+    if (serving.draft_to_target is None) != (drafter.draft_to_target is None):
+        return False
+    return serving.draft_to_target is None or torch.equal(serving.draft_to_target.cpu(), drafter.draft_to_target.cpu())
 
 
 def resolve_rollout_dtype(dtype, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:

@@ -28,17 +28,18 @@ class Acceptance:
 
 
 def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor,
-           *, accept_rule=None) -> Acceptance:
+           *, accept_rule=None, sync_free: bool = False) -> Acceptance:
     """logprobs [B, N + 1, V]: processed target log-probs at each tree node; greedy [B] bool;
     uniforms [B, 2 * (max_depth + 1)] in [0, 1) from each row's own generator, on logprobs' device.
 
+    sync_free: never read a device value on the host (a CUDA graph): all S + 1 depths are walked and the
+    residual is sampled for every row; otherwise the walk stops when no row is active (same result).
     accept_rule(u, cumulative, child_probs) -> bool [B, K] can replace the exact rule (tests use it to show
     that a biased rule is detected)."""
     batch, count, _ = logprobs.shape
     device = logprobs.device
-    max_depth = int(tree.depths.max())
-    rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, max_depth, device)
-    for step in range(max_depth + 1):
+    rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, tree.max_depth, device)
+    for step in range(tree.max_depth + 1):
         node_logprobs = logprobs[rows, current]                                    # [B, V]
         children = tree.children[rows, current]                                   # [B, K]
         valid = children >= 0
@@ -56,22 +57,19 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
         found = hit.any(-1) & active
         choice = hit.float().argmax(-1)                                           # first hit
         next_node = children.gather(1, choice[:, None])[:, 0]
-        # Accepted rows: record the child and move on.
-        take = found
-        tokens[take, step] = child_tokens[take, choice[take]]
-        token_logprobs[take, step] = node_logprobs[take].gather(1, tokens[take, step:step + 1])[:, 0]
-        path[take, step + 1] = next_node[take]
-        accepted += take.long()
-        # Rejected (or childless) rows: emit from p without the children, then stop.
-        stop = active & ~found
-        if bool(stop.any()):
-            final = _residual_sample(node_logprobs[stop], child_tokens[stop], valid[stop],
-                                     uniforms[stop, 2 * step + 1], greedy[stop], argmax[stop])
-            tokens[stop, step] = final
-            token_logprobs[stop, step] = node_logprobs[stop].gather(1, final[:, None])[:, 0]
+        emitted = child_tokens.gather(1, choice[:, None])[:, 0]                    # accepted rows: the child
+        stop = active & ~found                    # rejected (or childless) rows: emit from p without the children
+        if sync_free or bool(stop.any()):
+            final = _residual_sample(node_logprobs, child_tokens, valid, uniforms[:, 2 * step + 1], greedy, argmax)
+            emitted = torch.where(stop, final, emitted)
+        tokens[:, step] = torch.where(active, emitted, tokens[:, step])
+        token_logprobs[:, step] = torch.where(active, node_logprobs.gather(1, emitted[:, None])[:, 0],
+                                              token_logprobs[:, step])
+        path[:, step + 1] = torch.where(found, next_node, path[:, step + 1])
+        accepted += found.long()
         active = found
         current = torch.where(found, next_node, current)
-        if not bool(active.any()):
+        if not sync_free and not bool(active.any()):
             break
     return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
 
@@ -83,7 +81,7 @@ def start_walk(batch: int, max_depth: int, device):
     current = torch.zeros(batch, dtype=torch.long, device=device)
     active = torch.ones(batch, dtype=torch.bool, device=device)
     path = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
-    path[:, 0] = 0
+    path[:, 0].fill_(0)
     tokens = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
     token_logprobs = torch.zeros(batch, max_depth + 2, device=device)
     accepted = torch.zeros(batch, dtype=torch.long, device=device)

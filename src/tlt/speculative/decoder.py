@@ -1,8 +1,14 @@
-"""One speculative decode step over the running rows: draft → verify → accept → commit.
+"""One speculative decode step over the running rows: catch up → draft → verify → accept → commit.
 
 The target cache keeps, per committed slot, the token id and the target's hidden state ("tokens", "features"
 slot data), so the drafter's own one-layer cache can be (re)built from them at any time — switching
 speculation on mid-rollout never re-prefills the target.
+
+The step is split so that a CUDA graph can replay its device part (`run`) unchanged: `run` reads only device
+tensors of fixed shapes (`StepInputs`, sized by a host-side `StepShape`) and never reads a device value on the
+host when `sync_free` is set; `finish` is the one host transfer per step (emitted tokens, log-probs, accepted
+counts) and advances the host-side lengths of both caches. The eager `step` is the same three calls with
+exact shapes.
 """
 
 from __future__ import annotations
@@ -19,13 +25,51 @@ from tlt.rollout.sampling import RowSampling, processed_logprobs
 from tlt.speculative.acceptance import Acceptance, accept
 from tlt.speculative.q_sampling import DraftDistributions, accept_q, sampling_pick
 from tlt.speculative.strategy import SpecStrategy
-from tlt.speculative.tree import draft_tree, select_tree
+from tlt.speculative.tree import DraftTree, draft_tree, select_tree
+
+
+@dataclass
+class StepInputs:
+    """A step's inputs on the device, one entry per row (a graph's rows include its padding rows)."""
+
+    pending: torch.Tensor      # [B] the last sampled token, not yet in the target cache
+    committed: torch.Tensor    # [B] the target cache's committed lengths
+    seen: torch.Tensor         # [B] the drafter cache's committed pairs (<= committed)
+    settings: RowSampling
+    uniforms: torch.Tensor     # [B, strategy.uniforms_per_row]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What fixes a step's tensor shapes (host ints): a graph is captured per distinct shape.
+
+    width: drafter catch-up pairs per row (>= every row's committed - seen); target_kv / draft_kv: the
+    attention spans of the verify forward and of the drafter's passes (rows' lengths are masked inside)."""
+
+    strategy: SpecStrategy
+    width: int
+    target_kv: int
+    draft_kv: int
+
+    @classmethod
+    def exact(cls, strategy: SpecStrategy, committed: torch.Tensor, seen: torch.Tensor) -> "StepShape":
+        """The tightest shape for host lengths committed, seen [B] (eager steps)."""
+        width = int((committed - seen).max())
+        return cls(strategy, width, *spans(strategy, int(committed.max()), int(seen.max()), width))
+
+
+def spans(strategy: SpecStrategy, longest: int, most_seen: int, width: int) -> tuple[int, int]:
+    """(target_kv, draft_kv) needed by rows whose longest committed length is `longest`: the verified tree
+    sits past the committed tokens; the drafter writes its catch-up past `seen` and its frontier nodes past
+    the committed pairs."""
+    draft_nodes = (strategy.depth - 1) * strategy.branching
+    return longest + strategy.tree_size + 1, max(most_seen + width, longest + draft_nodes)
 
 
 @dataclass
 class SpecOutcome:
-    acceptance: Acceptance
-    draft_s: float
+    acceptance: Acceptance  # host tensors
+    draft_s: float          # 0 when the step ran as one graph (the two halves are not timed apart)
     verify_s: float
 
 
@@ -34,7 +78,7 @@ class SpeculativeDecoder:
         self.target = target
         self.drafter = drafter
         self.cache: KVCache | None = None
-        # Tests swap in biased rules to show that the losslessness tests can fail.
+        # Tests swap in biased rules to show that the losslessness tests can fail (read when a graph is captured).
         self.accept_rule = None       # target-only rule
         self.q_accept_rule = None     # q-sampling: acceptance test
         self.q_residual_rule = None   # q-sampling: residual after a rejected child
@@ -61,54 +105,130 @@ class SpeculativeDecoder:
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
 
-    # the step -----------------------------------------------------------------------------------------------
+    # the eager step -------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, target_rows: CacheRows, pending: torch.Tensor, settings: RowSampling, uniforms: torch.Tensor,
              strategy: SpecStrategy) -> SpecOutcome:
+        """One step with exact shapes; pending [B] and uniforms on the device."""
         started = time.perf_counter()
-        draft_rows = self.cache.rows(target_rows.start, target_rows.count)
-        root_hidden = self._catch_up(target_rows, draft_rows, pending)
-        positions = draft_rows.lengths.clone()
-        if strategy.rule == "q":
-            draft_draws, uniforms = uniforms[:, :strategy.tree_size], uniforms[:, strategy.tree_size:]
-            pick = sampling_pick(settings, draft_draws.to(pending.device))
-            candidates = draft_tree(self.drafter, root_hidden, draft_rows, positions, strategy, pick)
-        else:
-            candidates = draft_tree(self.drafter, root_hidden, draft_rows, positions, strategy)
-        tree = select_tree(pending, candidates, strategy)
+        draft_rows = self.draft_rows(target_rows)
+        shape = StepShape.exact(strategy, target_rows.lengths, draft_rows.lengths)
+        inputs = self.inputs(target_rows, draft_rows, pending, settings, uniforms)
+        tree, drafts = self.draft(target_rows, draft_rows, inputs, shape)
         drafted = time.perf_counter()
-        committed = target_rows.lengths.to(pending.device)
-        out = self.target(tree.tokens, target_rows, positions=committed[:, None] + tree.depths,
-                          new_token_mask=tree.attention(), logits_at="all")
-        logprobs = processed_logprobs(out.logits, settings)
+        acceptance = self.verify(target_rows, inputs, shape, tree, drafts, sync_free=False)
+        result = self.finish(target_rows, draft_rows, pack(acceptance))
+        return SpecOutcome(result, drafted - started, time.perf_counter() - drafted)
+
+    def draft_rows(self, target_rows: CacheRows) -> CacheRows:
+        return self.cache.rows(target_rows.start, target_rows.count)
+
+    def inputs(self, target_rows: CacheRows, draft_rows: CacheRows, pending, settings, uniforms) -> StepInputs:
+        device = pending.device
+        return StepInputs(pending, target_rows.lengths.to(device), draft_rows.lengths.to(device), settings, uniforms)
+
+    # the device part: what a CUDA graph replays -----------------------------------------------------------
+
+    def run(self, target_rows: CacheRows, draft_rows: CacheRows, inputs: StepInputs, shape: StepShape, *,
+            sync_free: bool = True) -> torch.Tensor:
+        """Draft, verify and accept on the device; returns `pack(acceptance)`. Reads only `inputs` (device)
+        and host ints of `shape`: the KV writes and the accepted path's move are done, the host lengths not."""
+        tree, drafts = self.draft(target_rows, draft_rows, inputs, shape)
+        return pack(self.verify(target_rows, inputs, shape, tree, drafts, sync_free=sync_free))
+
+    def draft(self, target_rows: CacheRows, draft_rows: CacheRows, inputs: StepInputs, shape: StepShape):
+        """Catch the drafter up on every committed pair, then grow and select the tree: (tree, q or None)."""
+        strategy = shape.strategy
+        root_hidden = self.feed_pairs(target_rows, draft_rows, inputs.pending, inputs.committed, inputs.seen,
+                                      inputs.committed, shape.width, shape.draft_kv)
         if strategy.rule == "q":
-            drafts = DraftDistributions.from_candidates(candidates, tree.size + 1)
-            acceptance = accept_q(tree, logprobs, drafts, self.drafter.draft_to_target, settings.greedy, uniforms,
-                                  accept_rule=self.q_accept_rule, residual_rule=self.q_residual_rule)
+            pick = sampling_pick(inputs.settings, inputs.uniforms[:, :strategy.tree_size])
+            candidates = draft_tree(self.drafter, root_hidden, draft_rows, inputs.committed, strategy, pick,
+                                    kv_len=shape.draft_kv)
+            drafts = DraftDistributions.from_candidates(candidates, strategy.tree_size + 1)
         else:
-            acceptance = accept(tree, logprobs, settings.greedy, uniforms, accept_rule=self.accept_rule)
-        slots = committed[:, None] + torch.arange(tree.tokens.shape[1], device=pending.device)[None, :]
+            candidates = draft_tree(self.drafter, root_hidden, draft_rows, inputs.committed, strategy,
+                                    kv_len=shape.draft_kv)
+            drafts = None
+        return select_tree(inputs.pending, candidates, strategy), drafts
+
+    def verify(self, target_rows: CacheRows, inputs: StepInputs, shape: StepShape, tree: DraftTree,
+               drafts: DraftDistributions | None, *, sync_free: bool) -> Acceptance:
+        """The target scores the whole tree in one forward; the rule accepts a path; the path's KV, tokens and
+        features move to the front of the written block (the host lengths advance in `finish`)."""
+        committed, settings = inputs.committed, inputs.settings
+        out = self.target.run(tree.tokens, target_rows, committed, positions=committed[:, None] + tree.depths,
+                              new_token_mask=tree.attention(), logits_at="all", kv_len=shape.target_kv)
+        logprobs = processed_logprobs(out.logits, settings)
+        if drafts is not None:
+            acceptance = accept_q(tree, logprobs, drafts, self.drafter.draft_to_target, settings.greedy,
+                                  inputs.uniforms[:, shape.strategy.tree_size:], accept_rule=self.q_accept_rule,
+                                  residual_rule=self.q_residual_rule, sync_free=sync_free)
+        else:
+            acceptance = accept(tree, logprobs, settings.greedy, inputs.uniforms, accept_rule=self.accept_rule,
+                                sync_free=sync_free)
+        slots = committed[:, None] + torch.arange(tree.tokens.shape[1], device=committed.device)[None, :]
         target_rows.write_slots("tokens", slots, tree.tokens)
         target_rows.write_slots("features", slots, out.hidden)
-        target_rows.keep(acceptance.path.clamp(min=0), acceptance.accepted + 1)  # root + accepted path
-        return SpecOutcome(acceptance, drafted - started, time.perf_counter() - drafted)
+        target_rows.gather_written(committed, acceptance.path.clamp(min=0), acceptance.accepted + 1)
+        return acceptance
 
-    def _catch_up(self, target_rows: CacheRows, draft_rows: CacheRows, pending: torch.Tensor) -> torch.Tensor:
-        """Feed the drafter every committed pair it has not seen: pair i is (x_{i+1}, f_i), the last one uses
-        the pending token. Returns its output at the last pair [B, H] (the root of this step's tree)."""
+    def feed_pairs(self, target_rows: CacheRows, draft_rows: CacheRows, pending: torch.Tensor,
+                   committed: torch.Tensor, seen: torch.Tensor, until: torch.Tensor, width: int,
+                   draft_kv: int) -> torch.Tensor:
+        """Feed the drafter pairs [seen, until) of every row (device [B]; until - seen <= width, padded to
+        width): pair i is (x_{i+1}, f_i), and x_committed is the pending token. Writes the drafter's KV (the
+        caller commits it); returns the drafter's output at pair until - 1 [B, H] (this step's tree root)."""
         device = pending.device
-        committed = target_rows.lengths.to(device)
-        seen = draft_rows.lengths.to(device)
-        missing = committed - seen                                                  # >= 1 per row
-        width = int(missing.max())
-        pair = seen[:, None] + torch.arange(width, device=device)[None, :]           # [B, M] pair index i
+        pair = seen[:, None] + torch.arange(width, device=device)[None, :]           # [B, W] pair index i
         features = target_rows.slots("features")
-        limit = features.shape[1] - 1  # pairs past a row's `missing` are padding: clamp their reads
+        limit = features.shape[1] - 1  # pairs past a row's `until` are padding: clamp their reads
         next_slot = (pair + 1).clamp(max=limit)
         tokens = target_rows.slots("tokens").gather(1, next_slot)
         tokens = torch.where(pair + 1 == committed[:, None], pending[:, None], tokens)
         features = features.gather(1, pair.clamp(max=limit)[:, :, None].expand(-1, -1, features.shape[-1]))
-        hidden = self.drafter.step(tokens, features, draft_rows, pair)
-        draft_rows.advance(missing)
-        return hidden[torch.arange(hidden.shape[0], device=device), missing - 1]
+        hidden = self.drafter.step(tokens, features, draft_rows, pair, lengths=seen, kv_len=draft_kv)
+        last = (until - seen - 1).clamp(min=0)
+        return hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+
+    # the host part ---------------------------------------------------------------------------------------------
+
+    def bring_within(self, target_rows: CacheRows, pending: torch.Tensor, width: int) -> None:
+        """Eagerly feed the drafter all but each row's last missing pair when some row misses more than
+        `width` (speculation switched on mid-rollout, a row just admitted, a hot-swapped drafter), so that a
+        step of catch-up width `width` serves every row."""
+        draft_rows = self.draft_rows(target_rows)
+        committed, seen = target_rows.lengths, draft_rows.lengths
+        missing = committed - seen
+        if int(missing.max()) <= width:
+            return
+        upto = (missing - 1).clamp(min=0)
+        bulk = int(upto.max())
+        device = pending.device
+        until = seen + upto
+        self.feed_pairs(target_rows, draft_rows, pending, committed.to(device), seen.to(device), until.to(device),
+                        bulk, int(seen.max()) + bulk)
+        draft_rows.advance(upto)
+
+    def finish(self, target_rows: CacheRows, draft_rows: CacheRows, packed: torch.Tensor) -> Acceptance:
+        """The step's one device-to-host transfer; commits the accepted path (target) and the caught-up pairs
+        (drafter) on the host lengths. packed: `pack(...)` for these rows (a graph's may have more rows)."""
+        host = packed[:target_rows.count].cpu()
+        acceptance = unpack(host)
+        draft_rows.lengths.copy_(target_rows.lengths)  # the drafter has now seen every committed pair
+        target_rows.advance(acceptance.emitted)        # root + accepted path
+        return acceptance
+
+
+def pack(acceptance: Acceptance) -> torch.Tensor:
+    """[B, 3 * (S + 2) + 1] float64: tokens, log-probs, path, accepted — one tensor, one transfer (ids < 2^53)."""
+    return torch.cat([acceptance.tokens.double(), acceptance.logprobs.double(), acceptance.path.double(),
+                      acceptance.accepted.double()[:, None]], 1)
+
+
+def unpack(packed: torch.Tensor) -> Acceptance:
+    width = (packed.shape[1] - 1) // 3
+    tokens, logprobs, path = packed[:, :width], packed[:, width:2 * width], packed[:, 2 * width:3 * width]
+    accepted = packed[:, -1].long()
+    return Acceptance(path.long(), accepted, tokens.long(), logprobs.float(), accepted + 1)

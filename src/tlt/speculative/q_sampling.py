@@ -92,39 +92,39 @@ def draw_without_replacement(logq: torch.Tensor, uniforms: torch.Tensor, greedy:
 
 
 def accept_q(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistributions, draft_to_target, greedy,
-             uniforms: torch.Tensor, *, accept_rule=None, residual_rule=None) -> Acceptance:
+             uniforms: torch.Tensor, *, accept_rule=None, residual_rule=None, sync_free: bool = False) -> Acceptance:
     """logprobs [B, N + 1, V]: processed target log-probs at each node; uniforms [B, (S + 1) * (K + 1)].
 
+    sync_free: as in `acceptance.accept` (a CUDA graph: every depth walked, nothing read on the host).
     accept_rule(u, r_c, q_c) -> bool [B] and residual_rule(r, q) -> the next residual can replace the exact
     rule's parts (tests use them to show that a biased rule is detected)."""
     batch, _, vocab = logprobs.shape
     device = logprobs.device
     k = tree.children.shape[-1]
-    max_depth = int(tree.depths.max())
-    rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, max_depth, device)
-    for step in range(max_depth + 1):
+    rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, tree.max_depth, device)
+    for step in range(tree.max_depth + 1):
         node_logprobs = logprobs[rows, current]                                    # [B, V]
         children = tree.children[rows, current]                                   # [B, K]
         child_tokens = tree.tokens.gather(1, children.clamp(min=0))
         q = _draft_probs(drafts, rows, current, draft_to_target, vocab)           # [B, V]
         coins = uniforms[:, step * (k + 1):(step + 1) * (k + 1)].to(device)
         choice, residual = _verify_children(node_logprobs, q, children >= 0, child_tokens, coins, greedy,
-                                            accept_rule, residual_rule)
+                                            accept_rule, residual_rule, sync_free)
         found = (choice >= 0) & active
         next_node = children.gather(1, choice.clamp(min=0)[:, None])[:, 0]
-        take = found
-        tokens[take, step] = child_tokens[take, choice[take]]
-        path[take, step + 1] = next_node[take]
-        accepted += take.long()
+        emitted = child_tokens.gather(1, choice.clamp(min=0)[:, None])[:, 0]
         stop = active & ~found
-        if bool(stop.any()):
-            final = sample_from_logprobs(residual[stop].log(), coins[stop, k])
-            tokens[stop, step] = torch.where(greedy[stop], node_logprobs[stop].argmax(-1), final)
-        emitted = tokens[:, step].clamp(min=0)
+        if sync_free or bool(stop.any()):
+            final = sample_from_logprobs(residual.log(), coins[:, k])
+            final = torch.where(greedy, node_logprobs.argmax(-1), final)
+            emitted = torch.where(stop, final, emitted)
+        tokens[:, step] = torch.where(active, emitted, tokens[:, step])
         token_logprobs[:, step] = torch.where(active, node_logprobs.gather(1, emitted[:, None])[:, 0], 0.0)
+        path[:, step + 1] = torch.where(found, next_node, path[:, step + 1])
+        accepted += found.long()
         active = found
         current = torch.where(found, next_node, current)
-        if not bool(active.any()):
+        if not sync_free and not bool(active.any()):
             break
     return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
 
@@ -139,7 +139,7 @@ def _draft_probs(drafts: DraftDistributions, rows, current, draft_to_target, voc
         1, draft_to_target, probs)
 
 
-def _verify_children(node_logprobs, q, valid, child_tokens, coins, greedy, accept_rule, residual_rule):
+def _verify_children(node_logprobs, q, valid, child_tokens, coins, greedy, accept_rule, residual_rule, sync_free):
     """Recursive rejection sampling over one node's children in draw order. Returns the accepted child's
     position (-1 = none) [B] and the residual r_K [B, V] to sample from when none was accepted."""
     p = node_logprobs.exp()
@@ -156,7 +156,7 @@ def _verify_children(node_logprobs, q, valid, child_tokens, coins, greedy, accep
         hit = torch.where(greedy, open_ & (child[:, 0] == argmax), drawn & rule)
         choice = torch.where(hit, torch.full_like(choice, i), choice)
         rejected = drawn & ~hit & ~greedy
-        if bool(rejected.any()):
+        if sync_free or bool(rejected.any()):
             nxt = _next_residual(residual, q) if residual_rule is None else residual_rule(residual, q)
             residual = torch.where(rejected[:, None], nxt, residual)
             q = torch.where(rejected[:, None], _without(q, child), q)

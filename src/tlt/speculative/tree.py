@@ -25,18 +25,25 @@ class DraftTree:
     parents: torch.Tensor   # [B, N + 1] parent index (-1 for the root)
     depths: torch.Tensor    # [B, N + 1] 0 for the root
     children: torch.Tensor  # [B, N + 1, K] child indices in draft-score order, -1 padded
+    max_depth: int          # the strategy's depth S: loops over depths never read the tensors above on the host
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1] - 1
 
     def attention(self) -> torch.Tensor:
-        """[B, N + 1, N + 1] bool: each node sees itself and its ancestors (the tree mask for verification)."""
+        """[B, N + 1, N + 1] bool: each node sees itself and its ancestors (the tree mask for verification).
+
+        Walks every node up one ancestor per round, S rounds (a node at depth d has d ancestors; the root is
+        its own parent, so finished walks stay there): S small kernels, whatever the tree's size."""
         batch, count = self.parents.shape
-        visible = torch.eye(count, dtype=torch.bool, device=self.parents.device).expand(batch, -1, -1).clone()
-        rows = torch.arange(batch, device=self.parents.device)
-        for node in range(1, count):  # parents precede children: the parent's row is already complete
-            visible[rows, node] |= visible[rows, self.parents[:, node].clamp(min=0)]
+        nodes = torch.arange(count, device=self.parents.device)
+        visible = (nodes[:, None] == nodes[None, :]).expand(batch, -1, -1).clone()
+        parent = self.parents.clamp(min=0)
+        ancestor = parent
+        for _ in range(self.max_depth):
+            visible.scatter_(2, ancestor[:, :, None], True)
+            ancestor = parent.gather(1, ancestor)
         return visible
 
 
@@ -59,14 +66,15 @@ def top_children(logits: torch.Tensor, k: int, depth: int):
 
 
 def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positions: torch.Tensor,
-               strategy: SpecStrategy, pick=top_children) -> Candidates:
+               strategy: SpecStrategy, pick=top_children, kv_len: int | None = None) -> Candidates:
     """Grow candidates from root_hidden [B, H] (the drafter's output at the last committed pair).
 
     pick(logits [B, F, Vd], k, depth) -> (log-scores [B, F, K], draft ids [B, F, K], distribution or None)
     chooses each expanded node's K children. The drafter cache holds the committed pairs; the frontier nodes'
     pairs are written past them, uncommitted: each depth re-runs all frontier nodes so far with a mask that shows
-    every node only its own path (a few dozen one-layer token-steps at most). base_positions [B]: the position
-    of the first draft pair.
+    every node only its own path (a few dozen one-layer token-steps at most). base_positions [B] (device): the
+    position of the first draft pair, which is also the drafter cache's committed length; kv_len: the drafter's
+    attention span (a CUDA graph fixes it; default: from the lengths).
     """
     k = strategy.branching
     batch, hidden_size = root_hidden.shape
@@ -88,7 +96,8 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
         count = visible.shape[1]
         positions = base_positions.to(device)[:, None] + torch.arange(count, device=device)[None, :] // k
         hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, positions,
-                              new_token_mask=visible)[:, -k:]             # the newest frontier [B, K, H]
+                              new_token_mask=visible, lengths=base_positions,
+                              kv_len=kv_len)[:, -k:]                   # the newest frontier [B, K, H]
         child_scores, child_ids, dist = pick(drafter.draft_logits(hidden), k, depth)
         if dist is not None:
             expanded.append((frontier, dist))
@@ -110,7 +119,7 @@ def _extend_visibility(visible: torch.Tensor, frontier_parent: torch.Tensor | No
     batch, count, _ = visible.shape
     grown = torch.zeros(batch, count + k, count + k, dtype=torch.bool, device=visible.device)
     grown[:, :count, :count] = visible
-    grown[:, range(count, count + k), range(count, count + k)] = True
+    grown.diagonal(dim1=1, dim2=2)[:, count:].fill_(True)  # each new node sees itself
     if frontier_parent is not None:
         parent_rows = visible.gather(1, (count - k + frontier_parent)[:, :, None].expand(-1, -1, count))
         grown[:, count:, :count] = parent_rows
@@ -136,13 +145,19 @@ def select_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: Spe
                                new_index.gather(1, kept_parents.clamp(min=0)))
     tree_tokens = torch.cat([root_tokens[:, None], tokens.gather(1, keep)], 1)
     tree_parents = torch.cat([torch.full((batch, 1), -1, device=device, dtype=torch.long), node_parents], 1)
-    depths = torch.zeros(batch, n + 1, dtype=torch.long, device=device)
-    for node in range(1, n + 1):
-        depths[:, node] = depths.gather(1, tree_parents[:, node:node + 1].clamp(min=0))[:, 0] + 1
+    depths = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device),
+                        candidate_depths(keep, strategy.branching)], 1)
     node_scores = torch.cat([torch.zeros(batch, 1, device=device), scores.gather(1, keep)], 1)
     if strategy.rule == "q":  # draw order = candidate order
         node_scores = -torch.arange(n + 1, device=device, dtype=node_scores.dtype).expand(batch, -1)
-    return DraftTree(tree_tokens, tree_parents, depths, _children_table(tree_parents, node_scores, strategy.branching))
+    return DraftTree(tree_tokens, tree_parents, depths, _children_table(tree_parents, node_scores, strategy.branching),
+                     strategy.depth)
+
+
+def candidate_depths(ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The depth of candidate ids: `draft_tree` numbers K candidates at depth 1, then K^2 per further depth."""
+    deeper = 2 + torch.div((ids - k).clamp(min=0), k * k, rounding_mode="floor")
+    return torch.where(ids < k, torch.ones_like(ids), deeper)
 
 
 def _children_table(parents: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,0 +1,261 @@
+"""The speculative step as the CUDA graph runs it, checked on the CPU.
+
+`GraphRunner(capture=False)` runs the very bodies a CUDA graph captures, on the same padded static buffers with
+bucketed batch and KV spans and a fixed drafter catch-up width, just without capturing them. So every
+difference from the eager step (padding rows, bucketed attention spans, the bulk catch-up when speculation
+switches on mid-rollout, the one host transfer per step) is exercised here; tests/test_gpu.py replays real graphs.
+The sync checks run the body under a dispatch mode that fails on every op that would read a device value on the
+host or build a tensor from host data.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
+from tlt.models.eagle import EagleDrafter
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.model_runner import GraphRunner
+from tlt.rollout.request import Request
+from tlt.rollout.sampling import RowSampling, SamplingParams, draw_uniforms, processed_logprobs
+from tlt.speculative.acceptance import accept
+from tlt.speculative.decoder import StepInputs, StepShape, spans
+from tlt.speculative.q_sampling import DraftDistributions, accept_q
+from tlt.speculative.strategy import SpecStrategy
+from tlt.speculative.tree import DraftTree, candidate_depths
+
+STRATEGIES = [SpecStrategy.chain(3), SpecStrategy(3, 2, 6), SpecStrategy(3, 2, rule="q"), SpecStrategy.chain(4, "q")]
+MIXED = [SamplingParams(temperature=0, max_new_tokens=14), SamplingParams(temperature=1.0, max_new_tokens=17, seed=3),
+         SamplingParams(temperature=0.7, max_new_tokens=11, seed=4), SamplingParams(temperature=1.3, max_new_tokens=15,
+                                                                                    seed=5)]
+
+
+def engine_pair(model, drafter, speculation, batch, tree=16):
+    """An eager engine and one whose steps go through a non-capturing graph runner."""
+    eager = RolloutEngine(model, max_batch_size=batch, drafter=drafter, speculation=speculation, max_tree_size=tree)
+    graphed = RolloutEngine(model, max_batch_size=batch, speculation=speculation, max_tree_size=tree)
+    graphed.runner = GraphRunner(graphed.forward, capture=False)
+    graphed.set_drafter(drafter)
+    return eager, graphed
+
+
+def mixed_requests(vocab_size=97):
+    prompts = random_prompts([3, 9, 5, 1, 12], vocab_size=vocab_size, seed=7)
+    return [Request(p, n=2, params=MIXED[i % len(MIXED)]) for i, p in enumerate(prompts)]
+
+
+def assert_same(a, b):
+    assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+    assert [s.finish_reason for s in a.samples] == [s.finish_reason for s in b.samples]
+    for x, y in zip(a.samples, b.samples):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+@pytest.mark.parametrize("batch", [3, 8])
+def test_graph_body_matches_the_eager_step_on_mixed_rows(strategy, batch):
+    """Greedy, T=1, 0.7, 1.3 rows in one batch; 10 samples through 3 or 8 rows (admission mid-rollout, batch 3
+    padded to bucket 4); the oracle drafter makes deep accepted paths, so the catch-up is several pairs wide."""
+    model, _ = markov_model(16, sharpness=3.0, context=0.05)
+    eager, graphed = engine_pair(model, oracle_drafter(model), strategy, batch)
+    requests = mixed_requests(16)
+    assert_same(eager.generate(requests), graphed.generate(requests))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES[:3], ids=str)
+def test_speculation_switched_on_mid_rollout_catches_up_in_bulk(arch, strategy):
+    """Plain steps while the batch is large, SD once it drains to 2 rows: the drafter then misses whole
+    contexts and `bring_within` feeds them before the fixed-width step. Greedy rows must equal plain decoding."""
+    model = tiny_model(arch)
+    requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=n))
+                for p, n in zip(random_prompts([3, 9, 5, 12], seed=2), [6, 20, 9, 26])]
+    plain = RolloutEngine(model, max_batch_size=8).generate(requests)
+    tail_only = lambda batch_size: strategy if batch_size <= 2 else None  # noqa: E731
+    _, graphed = engine_pair(model, EagleDrafter(model.config), tail_only, 8)
+    result = graphed.generate(requests)
+    assert [s.token_ids for s in result.samples] == [s.token_ids for s in plain.samples]
+    assert result.speculation_summary()["sd_step_share"] > 0
+
+
+def test_hot_swap_loads_weights_into_the_captured_drafter():
+    """With a graph runner a new drafter of the same layout is copied into the serving drafter's tensors (the
+    graphs keep reading them); the caller's drafters are never modified."""
+    model = tiny_model("llama")
+    first, second = EagleDrafter(model.config), EagleDrafter(model.config)
+    before = {k: v.clone() for k, v in first.state_dict().items()}
+    _, graphed = engine_pair(model, first, SpecStrategy.chain(2), 4)
+    serving = graphed.speculative.drafter
+    pointers = [t.data_ptr() for t in serving.state_dict().values()]
+    graphed.set_drafter(second, version=2)
+    assert graphed.speculative.drafter is serving and graphed.drafter is second
+    assert [t.data_ptr() for t in serving.state_dict().values()] == pointers
+    for name, value in second.state_dict().items():
+        assert torch.equal(serving.state_dict()[name], value)
+    for name, value in first.state_dict().items():
+        assert torch.equal(value, before[name])
+    requests = [Request(p, n=1, params=SamplingParams(temperature=0, max_new_tokens=8)) for p in random_prompts([4, 6])]
+    plain = RolloutEngine(model, max_batch_size=4).generate(requests)
+    assert [s.token_ids for s in graphed.generate(requests).samples] == [s.token_ids for s in plain.samples]
+
+
+def test_draft_head_is_refreshed_in_place():
+    """The draft vocabulary's lm_head rows are one buffer, re-copied when the target's head changes in place."""
+    model = tiny_model("qwen2")
+    drafter = EagleDrafter(model.config, draft_vocab=torch.arange(0, 97, 2)).attach(model)
+    head = drafter.head_weight()
+    pointer = head.data_ptr()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    refreshed = drafter.head_weight()
+    assert refreshed.data_ptr() == pointer
+    assert torch.equal(refreshed, model.lm_head.weight[0::2])
+
+
+# -- the tree and the acceptance rules without host reads --------------------------------------------------
+
+
+def reference_attention(parents):
+    batch, count = parents.shape
+    visible = torch.eye(count, dtype=torch.bool).expand(batch, -1, -1).clone()
+    for node in range(1, count):
+        visible[torch.arange(batch), node] |= visible[torch.arange(batch), parents[:, node].clamp(min=0)]
+    return visible
+
+
+def random_tree(batch, nodes, seed):
+    generator = torch.Generator().manual_seed(seed)
+    parents = torch.full((batch, nodes + 1), -1)
+    depths = torch.zeros(batch, nodes + 1, dtype=torch.long)
+    for node in range(1, nodes + 1):
+        parents[:, node] = torch.randint(0, node, (batch,), generator=generator)
+        depths[:, node] = depths.gather(1, parents[:, node:node + 1])[:, 0] + 1
+    return parents, depths
+
+
+@pytest.mark.parametrize("nodes", [1, 4, 9, 16])
+def test_tree_mask_walk_equals_the_node_by_node_reference(nodes):
+    parents, depths = random_tree(5, nodes, seed=nodes)
+    children = torch.full((5, nodes + 1, 1), -1)
+    tree = DraftTree(torch.zeros_like(parents), parents, depths, children, int(depths.max()))
+    assert torch.equal(tree.attention(), reference_attention(parents))
+    short = DraftTree(torch.zeros_like(parents), parents, depths, children, max(int(depths.max()) - 1, 0))
+    if int(depths.max()) > 1:  # negative control: one round too few misses the deepest ancestors
+        assert not torch.equal(short.attention(), reference_attention(parents))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_candidate_depths_follow_the_drafting_order(k):
+    depth, ids = [1] * k, []
+    for level in range(2, 6):
+        depth += [level] * (k * k)
+    ids = torch.arange(len(depth))[None]
+    assert candidate_depths(ids, k)[0].tolist() == depth
+
+
+def acceptance_inputs(rule, seed, batch=6, vocab=11):
+    """A random tree with random target and draft distributions and mixed greedy rows."""
+    strategy = SpecStrategy(3, 2, rule=rule) if rule == "q" else SpecStrategy(3, 2, 6)
+    generator = torch.Generator().manual_seed(seed)
+    nodes = strategy.tree_size + 1
+    parents = torch.tensor([-1, 0, 0] + [1, 1, 2, 2, 3, 3, 4, 4][:nodes - 3])[None].expand(batch, -1).clone()
+    depths = candidate_depths(torch.arange(nodes - 1), 2)[None].expand(batch, -1)
+    depths = torch.cat([torch.zeros(batch, 1, dtype=torch.long), depths], 1)
+    tokens = torch.randint(0, vocab, (batch, nodes), generator=generator)
+    children = torch.full((batch, nodes, 2), -1)
+    for node in range(1, nodes):
+        parent = int(parents[0, node])
+        slot = int((children[0, parent] >= 0).sum())
+        children[:, parent, slot] = node
+    tree = DraftTree(tokens, parents, depths, children, strategy.depth)
+    logprobs = torch.log_softmax(2 * torch.randn(batch, nodes, vocab, generator=generator), -1)
+    greedy = torch.arange(batch) % 3 == 0
+    uniforms = torch.rand(batch, strategy.uniforms_per_row, generator=generator)
+    drafts = None
+    if rule == "q":
+        dists = torch.log_softmax(torch.randn(batch, nodes, vocab, generator=generator), -1)
+        drafts = DraftDistributions(dists, torch.arange(nodes)[None].expand(batch, -1).clone())
+    return tree, logprobs, greedy, uniforms, drafts, strategy
+
+
+@pytest.mark.parametrize("rule", ["target", "q"])
+@pytest.mark.parametrize("seed", range(6))
+def test_sync_free_acceptance_equals_the_early_exit_walk(rule, seed):
+    tree, logprobs, greedy, uniforms, drafts, strategy = acceptance_inputs(rule, seed)
+    results = []
+    for sync_free in (False, True):
+        if rule == "q":
+            results.append(accept_q(tree, logprobs, drafts, None, greedy, uniforms[:, strategy.tree_size:],
+                                    sync_free=sync_free))
+        else:
+            results.append(accept(tree, logprobs, greedy, uniforms, sync_free=sync_free))
+    eager, static = results
+    for name in ("path", "accepted", "tokens", "emitted"):
+        assert torch.equal(getattr(eager, name), getattr(static, name)), name
+    assert torch.allclose(eager.logprobs, static.logprobs)
+
+
+class HostReads(TorchDispatchMode):
+    """Records ops that read device values on the host (a sync, illegal in a CUDA graph) or that build tensors
+    from host data or on an unnamed device (a host-to-device copy inside the step)."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "lift_fresh", "_assert_async"}
+    FACTORIES = {"arange", "zeros", "ones", "full", "empty", "eye", "rand", "randn", "randint", "scalar_tensor"}
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        if name in self.SYNCING:
+            self.found.append(name)
+        if name in self.FACTORIES and kwargs.get("device") is None:
+            self.found.append(f"{name} without a device")
+        return func(*args, **kwargs)
+
+
+def prepared_step(strategy, greedy=False):
+    """A graph-runner engine stopped right before an SD step: (decoder, target rows, draft rows, inputs, shape)."""
+    model, _ = markov_model(16, sharpness=3.0, context=0.05)
+    _, engine = engine_pair(model, oracle_drafter(model), strategy, 4)
+    params = SamplingParams(temperature=0 if greedy else 1.0, max_new_tokens=10, seed=1)
+    requests = [Request(p, n=1, params=params) for p in random_prompts([3, 5, 4], vocab_size=16)]
+    captured = {}
+
+    def stop_before_sd(engine_):
+        running = 3
+        rows = engine_._cache.rows(0, running)
+        decoder = engine_.speculative
+        decoder.bring_within(rows, torch.zeros(running, dtype=torch.long), strategy.depth + 1)
+        settings = RowSampling.from_params([params] * running, "cpu")
+        uniforms = draw_uniforms([torch.Generator().manual_seed(i) for i in range(running)], strategy.uniforms_per_row)
+        draft_rows = decoder.draft_rows(rows)
+        inputs = StepInputs(torch.tensor([1, 2, 3]), rows.lengths.clone(), draft_rows.lengths.clone(), settings,
+                            uniforms)
+        width = strategy.depth + 1
+        kv = spans(strategy, int(rows.lengths.max()), int(draft_rows.lengths.max()), width)
+        captured.update(decoder=decoder, rows=rows, draft_rows=draft_rows, inputs=inputs,
+                        shape=StepShape(strategy, width, *kv))
+        raise StopIteration
+
+    with pytest.raises(StopIteration):
+        engine.generate(requests, between_steps=stop_before_sd)
+    return captured
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_graph_body_reads_nothing_on_the_host(strategy, greedy):
+    step = prepared_step(strategy, greedy)
+    with HostReads() as mode:
+        step["decoder"].run(step["rows"], step["draft_rows"], step["inputs"], step["shape"], sync_free=True)
+    assert mode.found == []
+
+
+def test_the_host_read_detector_catches_the_eager_walk():
+    """Negative control: the early-exit walk reads `.any()` on the host, and the detector must see it."""
+    step = prepared_step(SpecStrategy(3, 2, 6))
+    with HostReads() as mode:
+        step["decoder"].run(step["rows"], step["draft_rows"], step["inputs"], step["shape"], sync_free=False)
+    assert "_local_scalar_dense" in mode.found
