@@ -158,3 +158,103 @@ def test_graphs_survive_cache_reallocation_across_rollouts():
                     for p in random_prompts([4, 9], seed=budget)]
         got = engine.generate(requests)
         assert [s.token_ids for s in got.samples] == [s.token_ids for s in eager.generate(requests).samples]
+
+
+# -- the speculative step as one CUDA graph ---------------------------------------------------------------
+
+UNFILTERED = MIXED[:3] + [SamplingParams(temperature=1.3, max_new_tokens=15, seed=5)]
+
+
+def speculative_graphs(engine) -> int:
+    return sum(1 for key in engine.runner._graphs if isinstance(key[2], tuple) and key[2][0] == "speculative")
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy.chain(3), SpecStrategy(3, 2, 6), SpecStrategy(3, 2, rule="q")],
+                         ids=str)
+@pytest.mark.parametrize("batch", [3, 8])
+def test_speculative_graph_equals_eager_fp32(strategy, batch):
+    """Greedy, T=1, 0.7, 1.3 rows in one batch, admission mid-rollout, a padded bucket: the replayed step emits
+    the eager step's tokens (fp32: same kernels, same draws)."""
+    model, _ = markov_model(16, sharpness=3.0, context=0.05)
+    model = model.to(CUDA)
+    prompts = random_prompts([3, 9, 5, 1, 12], vocab_size=16, seed=7)
+    requests = [Request(p, n=2, params=UNFILTERED[i % 4]) for i, p in enumerate(prompts)]
+    settings = dict(max_batch_size=batch, dtype="float32", drafter=oracle_drafter(model), speculation=strategy,
+                    max_tree_size=16)
+    eager = RolloutEngine(model, cuda_graphs=False, **settings).generate(requests)
+    engine = RolloutEngine(model, cuda_graphs=True, **settings)
+    graphed = engine.generate(requests)
+    assert speculative_graphs(engine) > 0
+    assert [s.token_ids for s in graphed.samples] == [s.token_ids for s in eager.samples]
+    for a, b in zip(graphed.samples, eager.samples):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, 6), SpecStrategy(3, 2, rule="q")], ids=str)
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "over-accepting"])
+def test_sampled_distribution_through_speculative_graphs(strategy, exact):
+    """The statistical lossless test with the step replayed as a graph (256 rows: a bucket), and its negative
+    control (the biased rule is read when the graph is captured)."""
+    model, transition = markov_model(8, sharpness=1.5, seed=1)
+    model = model.to(CUDA)
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=23)
+    engine = RolloutEngine(model, max_batch_size=256, drafter=oracle_drafter(model), speculation=strategy,
+                           max_tree_size=16, dtype="float32")
+    if not exact:
+        if strategy.rule == "q":
+            engine.speculative.q_accept_rule = lambda u, r_c, q_c: u * q_c <= 1.3 * r_c
+        else:
+            engine.speculative.accept_rule = lambda u, cumulative, probs: u[:, None] <= cumulative * 1.3
+    result = engine.generate([Request([2, 5], n=12_000, params=params)])
+    assert speculative_graphs(engine) > 0
+    tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, params))
+    assert (tv < bound) == exact, (tv, bound)
+
+
+def test_a_replayed_speculative_step_synchronizes_once():
+    """After capture, one SD step's host work is: fill the static buffers, replay, one device-to-host copy."""
+    model = tiny_model("llama").to(CUDA)
+    strategy = SpecStrategy(3, 2, 6)
+    engine = RolloutEngine(model, max_batch_size=4, dtype="float32", drafter=EagleDrafter(model.config),
+                           speculation=strategy, max_tree_size=16)
+    requests = [Request(p, n=1, params=SamplingParams(temperature=1.0, max_new_tokens=64, seed=9, stop_token_ids=()))
+                for p in random_prompts([4, 6, 5], seed=3)]
+    counts = []
+
+    def count_syncs(engine_):
+        if speculative_graphs(engine_) == 0:
+            return
+        torch.cuda.set_sync_debug_mode("warn")
+        counts.append(0)
+
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.generate(requests, between_steps=count_syncs)
+    torch.cuda.set_sync_debug_mode("default")
+    syncing = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    steps = len(counts)
+    assert steps > 5
+    assert len(syncing) <= 2 * steps, [str(w.message) for w in syncing[:5]]
+
+
+def test_hot_swap_under_speculative_graphs_keeps_them():
+    """A drafter swapped between steps is loaded into the captured drafter's tensors: no recapture of the same
+    shapes, and greedy output still equals plain decoding."""
+    model = tiny_model("qwen2").to(CUDA)
+    drafters = [EagleDrafter(model.config) for _ in range(3)]
+    engine = RolloutEngine(model, max_batch_size=4, dtype="float32", drafter=drafters[0],
+                           speculation=SpecStrategy.chain(3), max_tree_size=16)
+    requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=40))
+                for p in random_prompts([4, 6], seed=8)]
+    swaps = iter(range(1, 40))
+
+    def swap(engine_):
+        index = next(swaps)
+        if index % 7 == 0:
+            engine_.set_drafter(drafters[(index // 7) % 3], version=index)
+
+    plain = generate(model, requests, max_batch_size=4, dtype="float32")
+    got = engine.generate(requests, between_steps=swap)
+    assert [s.token_ids for s in got.samples] == [s.token_ids for s in plain.samples]
+    assert engine.runner.captures <= 12  # a few (bucket, KV block) shapes, not one per swap

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
 from tlt.models.eagle import EagleDrafter
 from tlt.rollout.engine import RolloutEngine
-from tlt.rollout.model_runner import GraphRunner
+from tlt.rollout.model_runner import GraphRunner, _Graph
 from tlt.rollout.request import Request
 from tlt.rollout.sampling import RowSampling, SamplingParams, draw_uniforms, processed_logprobs
 from tlt.speculative.acceptance import accept
@@ -259,3 +259,37 @@ def test_the_host_read_detector_catches_the_eager_walk():
     with HostReads() as mode:
         step["decoder"].run(step["rows"], step["draft_rows"], step["inputs"], step["shape"], sync_free=False)
     assert "_local_scalar_dense" in mode.found
+
+
+class CheckedRunner(GraphRunner):
+    """A non-capturing runner that runs every graph body under `HostReads`."""
+
+    def __init__(self, forward):
+        super().__init__(forward, capture=False)
+        self.found, self.kinds = [], set()
+
+    def _replay(self, slot, spans_, batch, inputs, body):
+        self.kinds.add(slot[2][0] if isinstance(slot[2], tuple) else slot[2])
+        return super()._replay(slot, spans_, batch, inputs, body)
+
+    def _capture(self, step):
+        def checked():
+            with HostReads() as mode:
+                out = step()
+            self.found.extend(mode.found)
+            return out
+        return _Graph(None, None, checked)
+
+
+def test_every_graph_body_of_a_rollout_reads_nothing_on_the_host():
+    """Plain decode steps while the batch is large, speculative steps (both rules) in the tail, greedy and
+    sampled rows: every body the engine would capture runs under the detector."""
+    model, _ = markov_model(16, sharpness=3.0, context=0.05)
+    arms = iter([SpecStrategy(3, 2, 6), SpecStrategy(3, 2, rule="q")] * 100)
+    engine = RolloutEngine(model, max_batch_size=6, speculation=lambda b: next(arms) if b <= 3 else None,
+                           max_tree_size=16)
+    engine.runner = CheckedRunner(engine.forward)
+    engine.set_drafter(oracle_drafter(model))
+    engine.generate(mixed_requests(16))
+    assert engine.runner.kinds == {"decode", "speculative"}
+    assert engine.runner.found == []

@@ -10,7 +10,6 @@ repeats exactly what an uninterrupted one would have done.
 from __future__ import annotations
 
 import copy
-import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -281,12 +280,6 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
                      loaded.model.lm_head.weight.device.type == "cuda")
     if run.speculative == "off":
         return RolloutEngine(loaded, max_batch_size=batch, **precision)
-    if precision["cuda_graphs"]:
-        logging.getLogger(__name__).warning(
-            "run.speculative=%s on CUDA: plain decode steps replay as CUDA graphs, but the speculative step's "
-            "draft and acceptance phases still run eagerly and measure slower than plain decoding on an H100 "
-            "(docs/benchmarks.md, GPU section); run.speculative=off is faster there until they are captured too",
-            run.speculative)
     if run.drafter:
         drafter = EagleDrafter.load(run.drafter, loaded.model)
     else:  # untrained: spot training teaches it

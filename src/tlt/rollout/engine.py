@@ -310,7 +310,7 @@ class RolloutEngine:
             rows.advance(1)
             self._sample_into(running, out.logits[:, 0])
             return
-        settings = RowSampling.from_params([s.request.params for s in running], self.device)
+        settings = RowSampling.from_params([s.request.params for s in running], "cpu")  # copied into the graph
         uniforms = draw_uniforms([s.generator for s in running])
         tokens, logprobs, hidden = self.runner.decode(ids, rows, settings, uniforms)  # sampled inside the graph
         self._store_slot_data(rows, ids, hidden)
@@ -334,14 +334,14 @@ class RolloutEngine:
                                f"drafter's vocabulary has only {self.speculative.drafter.draft_vocab_size} tokens")
         rows = cache.rows(0, len(running))
         pending = torch.tensor([s.tokens[-1] for s in running])
-        settings = RowSampling.from_params([s.request.params for s in running], self.device)
+        settings = RowSampling.from_params([s.request.params for s in running], "cpu")
         uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row)
         outcome = None
         if self.runner is not None:  # the whole step as one graph (host inputs are copied into its buffers)
             outcome = self.runner.speculative(self.speculative, rows, pending, settings, uniforms, strategy)
         if outcome is None:
-            outcome = self.speculative.step(rows, pending.to(self.device), settings, uniforms.to(self.device),
-                                            strategy)
+            outcome = self.speculative.step(rows, pending.to(self.device), settings.to(self.device),
+                                            uniforms.to(self.device), strategy)
         result = outcome.acceptance
         emitted = 0
         for seq, tokens, logprobs, count in zip(running, result.tokens.tolist(), result.logprobs.tolist(),
@@ -381,7 +381,9 @@ class RolloutEngine:
 
 
 def _append(seqs: list[_Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-    for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+    """One device-to-host copy for both (token ids < 2^53 are exact in float64)."""
+    host = torch.stack([tokens.double(), logprobs.double()]).cpu()
+    for seq, token, logprob in zip(seqs, host[0].long().tolist(), host[1].float().tolist()):
         seq.append(token, logprob)
 
 

@@ -134,7 +134,7 @@ class GraphRunner:
         bucket = self._bucket(cache, batch)
         if bucket is None or settings.any_filtered:
             out = self(input_ids, cache)
-            tokens, logprobs = sample_next(out.logits[:, 0], settings, uniforms[:, 0].to(self.device))
+            tokens, logprobs = sample_next(out.logits[:, 0], settings.to(self.device), uniforms[:, 0].to(self.device))
             return tokens, logprobs, out.hidden
         lengths = cache.lengths
         inputs = {"ids": input_ids, "lengths": lengths, "temperature": settings.temperature,

@@ -90,6 +90,12 @@ class RowSampling:
                    any_filtered=any(p.top_k > 0 or p.top_p < 1 for p in params),
                    any_greedy=any(greedy), all_greedy=all(greedy))
 
+    def to(self, device) -> "RowSampling":
+        """The same settings on `device` (a graph runner takes host settings and copies them into its buffers)."""
+        return RowSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
+                           self.greedy.to(device), self.any_tempered, self.any_filtered, self.any_greedy,
+                           self.all_greedy)
+
     def select(self, rows: torch.Tensor) -> "RowSampling":
         return RowSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy[rows],
                            self.any_tempered, self.any_filtered, self.any_greedy,
