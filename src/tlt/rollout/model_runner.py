@@ -225,7 +225,8 @@ class GraphRunner:
                     pad.zero_()
 
     def _capture(self, step) -> _Graph:
-        if not self.capture:
+        if not self.capture:  # as on CUDA, the body runs once before its first replay: it must be idempotent
+            step()
             return _Graph(None, None, step)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
