@@ -101,3 +101,17 @@ def _restore_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cost_curve_cache(tmp_path_factory):
+    """run.gate=auto measures and caches a cost curve per device and model: keep the tests' out of ~/.cache."""
+    import os
+
+    previous = os.environ.get("TLT_CACHE_DIR")
+    os.environ["TLT_CACHE_DIR"] = str(tmp_path_factory.mktemp("tlt-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("TLT_CACHE_DIR", None)
+    else:
+        os.environ["TLT_CACHE_DIR"] = previous

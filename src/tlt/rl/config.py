@@ -89,7 +89,8 @@ class RunConfig:
     drafter: str | None = None     # drafter directory (tlt drafter warmup); none: spot training (workers >= 2)
                                    # trains one from scratch
     strategy: str = "S4K2N8"       # static mode's strategy, as depth S, branching K, tree size N
-    gate: int = 8                  # speculate only while the running batch is at most this
+    gate: str = "auto"             # speculate only while the running batch is at most this: an integer, or
+                                   # "auto" (derived from a cost curve measured once on this device and cached)
     workers: int = 2               # rollout workers (policy replicas); prompts are sharded across them
     backend: str = "auto"          # "ray", "inprocess" (threads of this process) or "auto" (Ray if installed
                                    # and workers > 1)
@@ -178,7 +179,9 @@ def validate(config: TrainConfig) -> TrainConfig:
         SpecStrategy.parse(run.strategy)
     except TltError as error:
         raise ConfigError(f"run.strategy: {error}") from None
-    for key in ("steps", "checkpoint_every", "keep_checkpoints", "gate", "threads_per_worker"):
+    _check(run.gate == "auto" or (run.gate.isdigit() and int(run.gate) >= 1),
+           f"run.gate must be auto or an integer >= 1 (a batch size), got {run.gate!r}")
+    for key in ("steps", "checkpoint_every", "keep_checkpoints", "threads_per_worker"):
         _at_least(f"run.{key}", getattr(run, key), 0)
     for key in ("workers", "publish_every", "drafter_buffer_tokens"):
         _at_least(f"run.{key}", getattr(run, key), 1)

@@ -10,6 +10,7 @@ repeats exactly what an uninterrupted one would have done.
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 from tlt.models.loading import LoadedModel, load_model
 from tlt.rl.actor import PackedSamples, token_logprobs
 from tlt.rl.config import TrainConfig
+from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request, RolloutResult
 from tlt.rollout.sampling import SamplingParams
@@ -201,11 +203,17 @@ class GRPOTrainer:
 
     def policy_metrics(self) -> dict:
         """τ and tokens/s per arm of the adaptive policy (cumulative over the run: it carries across steps)."""
+        metrics = {}
+        curve = self.engine.cost_curve
+        if curve is not None:  # run.gate=auto: what the device's cost curve decided
+            metrics["sd/gate"] = curve.gate()
+            metrics.update({f"sd/cost_ratio_b1/{arm}": curve.ratio(arm, curve.batches[0]) for arm in curve.step_s})
         policy = self.engine.speculation
         if not hasattr(policy, "summary"):
-            return {}
+            return metrics
         arms = policy.summary()["arms"]
-        return {f"sd/arm/{name}/{key}": value for name, stats in arms.items() for key, value in stats.items()}
+        return {**metrics, **{f"sd/arm/{name}/{key}": value for name, stats in arms.items()
+                              for key, value in stats.items()}}
 
     def _frozen_reference(self):
         reference = copy.deepcopy(self.model).eval()
@@ -286,18 +294,43 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
         drafter = EagleDrafter(loaded.model.config).attach(loaded.model)
     strategy = SpecStrategy.parse(run.strategy)
     if run.speculative == "static":
-        gate = run.gate
-        policy = lambda batch_size: strategy if batch_size <= gate else None  # noqa: E731
-        return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=policy,
-                             max_tree_size=strategy.tree_size, **precision)
-    # Both acceptance rules compete: q-sampling wins where the drafter's q is close to p (1 - TV(p, q) per
-    # token), target-only where its trees are cheaper to verify (N = 8 or 16 instead of K + (S - 1) K^2).
-    arms = [SpecStrategy.chain(3), strategy, SpecStrategy(5, 3, 16), SpecStrategy.chain(4, "q"),
-            SpecStrategy(3, 2, rule="q")]
-    arms = list(dict.fromkeys(arms))
-    policy = AdaptiveSpeculation(arms, BatchSizeGate(threshold=run.gate))
-    return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=policy,
-                         max_tree_size=max(a.tree_size for a in arms), **precision)
+        arms = [strategy]
+    else:
+        # Both acceptance rules compete: q-sampling wins where the drafter's q is close to p (1 - TV(p, q) per
+        # token), target-only where its trees are cheaper to verify (N = 8 or 16 instead of K + (S - 1) K^2).
+        arms = list(dict.fromkeys([SpecStrategy.chain(3), strategy, SpecStrategy(5, 3, 16),
+                                   SpecStrategy.chain(4, "q"), SpecStrategy(3, 2, rule="q")]))
+    engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter,
+                           max_tree_size=max(a.tree_size for a in arms), **precision)
+    gate, arms = _gate_and_arms(engine, run, arms)
+    if gate == 0:
+        return engine  # speculation cannot pay on this device: plain decoding (the drafter is kept for metrics)
+    if run.speculative == "static":
+        engine.speculation = lambda batch_size: strategy if batch_size <= gate else None  # noqa: E731
+    else:
+        engine.speculation = AdaptiveSpeculation(arms, BatchSizeGate(threshold=gate))
+    return engine
+
+
+def _gate_and_arms(engine: RolloutEngine, run, arms: list) -> tuple[int, list]:
+    """The configured gate, or with `run.gate=auto` the one the device's measured cost curve gives (cached per
+    device, model and arms; see rollout/cost_curve.py), with the arms that can pay there."""
+    if run.gate != "auto":
+        return int(run.gate), arms
+    curve = curve_for(engine, arms)
+    engine.cost_curve = curve
+    kept = [a for a in arms if a.name in curve.arms()]
+    gate = curve.gate() if kept else 0
+    log = logging.getLogger(__name__)
+    if gate == 0:
+        log.warning("run.gate=auto: on %s no speculation arm is expected to pay (a step of the cheapest costs "
+                    "%.2fx a plain step at batch 1, expected tau %.1f): decoding without speculation; set run.gate "
+                    "to a batch size to speculate anyway", curve.device,
+                    min(curve.ratio(a.name, curve.batches[0]) for a in arms), EXPECTED_TAU)
+    else:
+        log.info("run.gate=auto: speculate at batch <= %d on %s with %s", gate, curve.device,
+                 ", ".join(a.name for a in kept))
+    return gate, kept
 
 
 def _chunks(rows: list[int], size: int):

@@ -104,6 +104,7 @@ class RolloutEngine:
         self.speculative = None
         self.drafter = None
         self.drafter_version = None
+        self.cost_curve = None  # set by whoever derived the gate from the device's cost curve (metrics show it)
         self._generate_start = time.perf_counter()
         if drafter is not None:
             self.set_drafter(drafter)

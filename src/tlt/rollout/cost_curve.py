@@ -1,0 +1,212 @@
+"""What a speculative step costs on this device relative to a plain one, by batch size: the gate and the arms.
+
+SD pays at batch B when an arm's acceptance length τ exceeds t_sd(B, arm) / t_plain(B): every row emits τ tokens
+per step instead of 1. That ratio is a property of the device: on 2 CPU cores a 9-token verify costs 1.1x a plain
+step at batch 1 and 3.3x at batch 16 (docs/benchmarks.md), while a GPU verifies 16-32 tokens per row for about the
+price of one up to a much larger batch. So instead of a gate tuned on one machine, the engine measures whole steps
+(plain, and every arm's SD step through the same runner the rollout uses) at a few batch sizes, once per (device,
+model shape, rollout dtype, arms), caches the curve as JSON, and derives:
+
+- the gate: the largest measured batch at which some arm is expected to pay (ratio < `EXPECTED_TAU`);
+- the arms: those expected to pay at batch 1 (an arm too expensive even there can only lose).
+
+The bandit still learns per batch bucket below the gate from the real τ: the curve only bounds where it looks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tlt.models.kv_cache import KVCache
+from tlt.rollout.model_runner import batch_bucket
+from tlt.rollout.sampling import RowSampling, SamplingParams, sample_next
+from tlt.speculative.decoder import SpeculativeDecoder
+from tlt.speculative.strategy import SpecStrategy
+
+EXPECTED_TAU = 2.0   # a warmed drafter at T = 1 reaches τ 1.5-2.5 (docs/benchmarks.md): an arm must cost less
+BATCHES = (1, 2, 4, 8, 16, 32)
+CONTEXT = 256        # committed tokens per row while timing (a mid-length response)
+MEASURE_REPEATS = 3
+
+
+@dataclass
+class CostCurve:
+    """Seconds per decode step, plain and per arm (by name), at each measured batch size."""
+
+    device: str
+    plain_s: dict[int, float]
+    step_s: dict[str, dict[int, float]]
+    measured_s: float = 0.0                              # how long measuring took
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def batches(self) -> list[int]:
+        return sorted(self.plain_s)
+
+    def ratio(self, arm: str, batch: int) -> float:
+        """An SD step of `arm` in plain steps at this batch (inf where it was not measured)."""
+        step = self.step_s.get(arm, {}).get(batch)
+        return float("inf") if step is None else step / self.plain_s[batch]
+
+    def gate(self, tau: float = EXPECTED_TAU) -> int:
+        """The largest measured batch at which some arm costs less than `tau` plain steps (0: never speculate).
+        Larger batches only get relatively dearer, so the first batch where none pays ends the search."""
+        gate = 0
+        for batch in self.batches:
+            if min((self.ratio(arm, batch) for arm in self.step_s), default=float("inf")) >= tau:
+                break
+            gate = batch
+        return gate
+
+    def arms(self, tau: float = EXPECTED_TAU) -> list[str]:
+        """Arms that can pay somewhere: cheaper than `tau` plain steps at the smallest batch."""
+        first = self.batches[0]
+        return [arm for arm in self.step_s if self.ratio(arm, first) < tau]
+
+    def summary(self, tau: float = EXPECTED_TAU) -> dict:
+        """For the run's metrics: the derived gate and arms, and every arm's cost ratio by batch."""
+        return {"device": self.device, "gate": self.gate(tau), "arms": self.arms(tau), "expected_tau": tau,
+                "ratio": {arm: {str(b): round(self.ratio(arm, b), 3) for b in self.batches if b in steps}
+                          for arm, steps in self.step_s.items()},
+                "measured_s": round(self.measured_s, 2)}
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "plain_s": {str(b): s for b, s in self.plain_s.items()},
+                "step_s": {arm: {str(b): s for b, s in steps.items()} for arm, steps in self.step_s.items()},
+                "measured_s": self.measured_s, "notes": self.notes}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostCurve":
+        return cls(data["device"], {int(b): float(s) for b, s in data["plain_s"].items()},
+                   {arm: {int(b): float(s) for b, s in steps.items()} for arm, steps in data["step_s"].items()},
+                   float(data.get("measured_s", 0.0)), dict(data.get("notes", {})))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu x{torch.get_num_threads()}"
+
+
+def curve_for(engine, strategies: list[SpecStrategy], *, cache_dir: str | Path | None = None,
+              batches=BATCHES) -> CostCurve:
+    """The engine's curve from the cache, or measured now and cached. The key covers what changes the costs:
+    the device, the model's shape and rollout dtype, the runner (graphs or eager), the arms and the batches."""
+    path = Path(cache_dir or default_cache_dir()) / f"{curve_key(engine, strategies, batches)}.json"
+    if path.exists():
+        try:
+            return CostCurve.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged cache file is measured again and replaced
+    curve = measure(engine, strategies, batches)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_suffix(".tmp")
+    staged.write_text(json.dumps(curve.to_dict(), indent=1))
+    staged.replace(path)
+    return curve
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("TLT_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / ("" if os.environ.get("TLT_CACHE_DIR") else "tlt") / "cost_curves"
+
+
+def curve_key(engine, strategies: list[SpecStrategy], batches) -> str:
+    spec = engine.spec
+    parts = [device_name(engine.device), spec.model_type, spec.num_layers, spec.hidden_size, spec.vocab_size,
+             str(engine.forward.dtype), engine.runner is not None, torch.__version__,
+             sorted(s.name for s in strategies), list(batches), CONTEXT]
+    digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+    slug = "".join(c if c.isalnum() else "-" for c in device_name(engine.device)).strip("-").lower()
+    return f"{slug}-{digest}"
+
+
+@torch.no_grad()
+def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: int = MEASURE_REPEATS) -> CostCurve:
+    """Time a plain step and each arm's SD step at every batch size on scratch buffers (random KV, a random
+    drafter's cost equals a trained one's: the shapes are fixed by the arm). Stops early once no arm can pay."""
+    if engine.speculative is None:
+        raise ValueError("measuring SD costs needs an engine with a drafter")
+    started = time.perf_counter()
+    plain, steps = {}, {s.name: {} for s in strategies}
+    tree = max(max(s.tree_size, (s.depth - 1) * s.branching) for s in strategies)
+    for batch in batches:
+        scratch = _Scratch(engine, batch, tree)
+        plain[batch] = _median(lambda: scratch.plain_step(), engine.device, repeats)
+        for strategy in strategies:
+            if strategy.branching > engine.speculative.drafter.draft_vocab_size:
+                continue
+            steps[strategy.name][batch] = _median(lambda: scratch.sd_step(strategy), engine.device, repeats)
+        scratch.release()
+        if all(steps[s.name].get(batch, float("inf")) / plain[batch] >= 2 * EXPECTED_TAU for s in strategies):
+            break  # every arm costs far more than it can emit: larger batches only cost more
+    return CostCurve(device_name(engine.device), plain, {k: v for k, v in steps.items() if v},
+                     time.perf_counter() - started, {"context": CONTEXT, "repeats": repeats})
+
+
+class _Scratch:
+    """A cache of `batch` rows holding CONTEXT committed tokens, and a drafter cache one pair behind (the
+    steady state of speculation), reset after every timed step so each repeat does the same work."""
+
+    def __init__(self, engine, batch: int, tree: int):
+        self.engine, self.batch = engine, batch
+        rows = batch if engine.runner is None else batch_bucket(batch, 1 << 30) or batch
+        self.cache = KVCache(engine.spec, rows, CONTEXT + tree + 2, device=engine.device, dtype=engine.forward.dtype)
+        self.cache.add_slot_data("tokens", dtype=torch.long)
+        self.cache.add_slot_data("features", (engine.spec.hidden_size,), dtype=engine.forward.dtype)
+        self.decoder = SpeculativeDecoder(engine.forward, engine.speculative.drafter)
+        self.decoder.allocate(rows, self.cache.max_len)
+        self.rows = self.cache.rows(0, batch)
+        self.settings = RowSampling.from_params([SamplingParams(temperature=1.0)] * batch, "cpu")
+        self.ids = torch.randint(0, engine.spec.vocab_size, (batch, 1))
+        self._reset()
+
+    def _reset(self) -> None:
+        self.cache.lengths[:self.batch] = CONTEXT
+        self.decoder.cache.lengths[:self.batch] = CONTEXT - 1
+
+    def plain_step(self) -> None:
+        engine, uniforms = self.engine, torch.rand(self.batch, 1)
+        if engine.runner is not None:
+            engine.runner.decode(self.ids, self.rows, self.settings, uniforms)
+        else:
+            out = engine.forward(self.ids, self.rows, logits_at="all")
+            sample_next(out.logits[:, 0], self.settings.to(engine.device), uniforms[:, 0])
+
+    def sd_step(self, strategy: SpecStrategy) -> None:
+        engine = self.engine
+        uniforms = torch.rand(self.batch, strategy.uniforms_per_row)
+        pending = self.ids[:, 0]
+        outcome = None
+        if engine.runner is not None:
+            outcome = engine.runner.speculative(self.decoder, self.rows, pending, self.settings, uniforms, strategy)
+        if outcome is None:
+            self.decoder.step(self.rows, pending.to(engine.device), self.settings.to(engine.device),
+                              uniforms.to(engine.device), strategy)
+        self._reset()
+
+    def release(self) -> None:
+        if self.engine.runner is not None:
+            self.engine.runner.reset()  # its graphs point into this scratch cache
+
+
+def _median(step, device: torch.device, repeats: int) -> float:
+    step()  # warm-up (and graph capture)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

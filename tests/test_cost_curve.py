@@ -1,0 +1,92 @@
+"""The device cost curve: gate and arms derived from measured step costs, measured once and cached."""
+
+import json
+
+import pytest
+
+from conftest import tiny_model
+from tlt.models.eagle import EagleDrafter
+from tlt.rollout import cost_curve
+from tlt.rollout.cost_curve import CostCurve, curve_for, measure
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.model_runner import GraphRunner
+from tlt.speculative.strategy import SpecStrategy
+
+ARMS = [SpecStrategy.chain(3), SpecStrategy(3, 2, rule="q")]
+
+
+def synthetic(ratios: dict[str, list[float]], batches=(1, 2, 4, 8, 16)) -> CostCurve:
+    plain = {b: 0.01 * (1 + b / 16) for b in batches}
+    steps = {arm: {b: r * plain[b] for b, r in zip(batches, values)} for arm, values in ratios.items()}
+    return CostCurve("test", plain, steps)
+
+
+def test_gate_is_the_last_batch_before_no_arm_pays():
+    curve = synthetic({"a": [1.2, 1.5, 2.5, 3.0, 4.0], "b": [1.1, 1.4, 1.9, 2.6, 5.0]})
+    assert curve.gate(2.0) == 4      # at 8 both cost >= 2 plain steps
+    assert curve.gate(3.0) == 8      # a looser expectation reaches further
+    assert curve.gate(1.0) == 0      # nothing pays: never speculate
+
+
+def test_gate_stops_at_the_first_batch_where_nothing_pays():
+    """A noisy cheap measurement past a failing batch does not reopen the gate."""
+    curve = synthetic({"a": [1.2, 2.5, 1.5, 3.0, 4.0]})
+    assert curve.gate(2.0) == 1
+
+
+def test_arms_too_expensive_at_batch_one_are_dropped():
+    curve = synthetic({"cheap": [1.2] * 5, "dear": [2.4] * 5})
+    assert curve.arms(2.0) == ["cheap"]
+    summary = curve.summary(2.0)
+    assert summary["gate"] == 16 and summary["arms"] == ["cheap"] and summary["ratio"]["dear"]["1"] == 2.4
+
+
+def test_round_trip_through_json():
+    curve = synthetic({"a": [1.2, 1.5, 2.5, 3.0, 4.0]})
+    again = CostCurve.from_dict(json.loads(json.dumps(curve.to_dict())))
+    assert again.plain_s == curve.plain_s and again.step_s == curve.step_s
+
+
+def engine_with(graph_runner: bool):
+    model = tiny_model("llama")
+    engine = RolloutEngine(model, max_batch_size=4, drafter=EagleDrafter(model.config), speculation=ARMS[0],
+                           max_tree_size=16)
+    if graph_runner:
+        engine.runner = GraphRunner(engine.forward, capture=False)
+        engine.set_drafter(engine.drafter)
+    return engine
+
+
+@pytest.mark.parametrize("graph_runner", [False, True], ids=["eager", "runner"])
+def test_measure_times_plain_and_every_arm_on_the_engine(graph_runner):
+    engine = engine_with(graph_runner)
+    curve = measure(engine, ARMS, batches=(1, 2), repeats=1)
+    assert curve.batches == [1, 2]
+    assert set(curve.step_s) == {a.name for a in ARMS}
+    assert all(s > 0 for s in curve.plain_s.values())
+    assert all(0 < curve.ratio(a.name, b) < float("inf") for a in ARMS for b in (1, 2))
+    # the engine still generates afterwards (the scratch buffers and graphs are gone)
+    from tlt.rollout.request import Request
+    from tlt.rollout.sampling import SamplingParams
+    result = engine.generate([Request([1, 2, 3], n=2, params=SamplingParams(temperature=0, max_new_tokens=6))])
+    assert len(result.samples) == 2
+
+
+def test_curve_is_cached_per_device_model_and_arms(tmp_path, monkeypatch):
+    engine = engine_with(False)
+    first = curve_for(engine, ARMS, cache_dir=tmp_path, batches=(1,))
+    monkeypatch.setattr(cost_curve, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert curve_for(engine, ARMS, cache_dir=tmp_path, batches=(1,)).plain_s == first.plain_s
+    monkeypatch.undo()
+    other = curve_for(engine, ARMS[:1], cache_dir=tmp_path, batches=(1,))  # another arm set: its own entry
+    assert set(other.step_s) == {ARMS[0].name}
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_a_damaged_cache_file_is_measured_again(tmp_path):
+    engine = engine_with(False)
+    curve_for(engine, ARMS, cache_dir=tmp_path, batches=(1,))
+    path = next(tmp_path.glob("*.json"))
+    path.write_text("{not json")
+    again = curve_for(engine, ARMS, cache_dir=tmp_path, batches=(1,))
+    assert again.plain_s[1] > 0 and json.loads(path.read_text())["plain_s"]
