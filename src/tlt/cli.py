@@ -95,7 +95,8 @@ def _add_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. rollout.max_new_tokens=128")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.out_dir")
     parser.add_argument("--overwrite", action="store_true", help="start a new run in run.out_dir even if it holds "
-                        "one (deletes that run's checkpoints, metrics, timeline, TensorBoard logs and final policy)")
+                        "one (deletes that run's checkpoints, metrics, timeline, TensorBoard and wandb logs and "
+                        "final policy)")
 
 
 def _add_warmup(parser: argparse.ArgumentParser) -> None:

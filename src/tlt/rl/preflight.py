@@ -1,5 +1,6 @@
-"""Checks of a run's input files before any worker starts: a missing model, task file or drafter fails in a
-second with one line, instead of after a model load in every worker (or inside a Ray actor)."""
+"""Checks of a run's input files before any worker starts: a missing model, task file or drafter (or a logger's
+missing package) fails in a second with one line, instead of after a model load in every worker (or inside a Ray
+actor)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 from pathlib import Path
 
 from tlt.errors import RequestError
+from tlt.metrics.logger import logger_names
+from tlt.metrics.wandb_logger import check_wandb_installed
 from tlt.models.eagle import CONFIG_FILE, WEIGHTS_FILE, DrafterError
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
 from tlt.rl.config import BUILTIN_REWARDS
@@ -29,6 +32,8 @@ def preflight(config) -> None:
                                f"{needed} one step needs (rollout.prompts_per_step + task.eval_size)")
     if config.run.drafter:
         _check_drafter(Path(config.run.drafter), model_path)
+    if "wandb" in logger_names(config.run):
+        check_wandb_installed()
     if config.task.reward not in BUILTIN_REWARDS:
         load_reward_function(config.task.reward)  # a typo in the module path fails here, not in every worker
 

@@ -16,8 +16,8 @@ from tlt.errors import TltError
 from tlt.rl.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
 
 # Everything tlt writes into a run directory; --overwrite deletes exactly these, nothing else.
-RUN_FILES = ("metrics.jsonl", "config.json")
-RUN_DIRS = ("timeline", "tensorboard", "report", "final")
+RUN_FILES = ("metrics.jsonl", "config.json", "wandb_id")
+RUN_DIRS = ("timeline", "tensorboard", "wandb", "report", "final")
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
 OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs")  # in a meaning section, but only how the run is
@@ -73,7 +73,7 @@ def describe(run_dir: Path) -> str:
 
 
 def clear_run(run_dir: Path) -> None:
-    """Delete what tlt wrote (checkpoints, staging dirs, metrics, timeline, TensorBoard, report, final)."""
+    """Delete what tlt wrote (checkpoints, staging dirs, metrics, timeline, TensorBoard, wandb, report, final)."""
     for path in _checkpoints(run_dir) + sorted(run_dir.glob(".ckpt-*")):
         shutil.rmtree(path)
     for name in RUN_DIRS:
