@@ -14,7 +14,7 @@ from tlt.models.eagle import CONFIG_FILE, WEIGHTS_FILE, DrafterError
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
 from tlt.rl.config import BUILTIN_REWARDS
 from tlt.rl.rewards import load_reward_function
-from tlt.tasks import DatasetError, load_examples
+from tlt.tasks import DATASET_TASKS, DatasetError, load_task_examples
 
 SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "model_type")
 
@@ -24,8 +24,8 @@ def preflight(config) -> None:
     if not is_default_source(config.model.path):
         model_path = check_model_path(config.model.path)
         _check_context(config, model_path)
-    if config.task.name in ("jsonl", "parquet"):
-        examples = load_examples(config.task.path, config.task.prompt_field, config.task.answer_field)
+    if config.task.name in DATASET_TASKS:
+        examples = load_task_examples(config.task)
         needed = config.rollout.prompts_per_step + config.task.eval_size
         if len(examples) < needed:
             raise DatasetError(f"{config.task.path} has {len(examples)} example(s), fewer than the "
