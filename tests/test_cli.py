@@ -38,3 +38,56 @@ def test_threads_leave_busy_cores_alone(monkeypatch, load, expected):
         assert threads.pick_threads(3) == 3  # an explicit request wins
     finally:
         torch.set_num_threads(before)
+
+
+# -- tlt train --print-config / --config ------------------------------------------------------------------------
+
+TRICKY = ["optim.schedule=cosine", "optim.warmup_steps=1", "optim.lr=3e-6", "run.logger=jsonl,wandb",
+          "task.system_prompt=off", "task.split=train[:10%]", "optim.betas=[0.8, 0.95]", "run.drafter=null"]
+
+
+def test_print_config_is_the_full_resolved_config_and_loads_back_equal(tmp_path, monkeypatch, capsys):
+    """Every section and key, overrides applied; nothing loaded, nothing written to run.out_dir."""
+    import yaml
+
+    from tlt.rl import run
+    from tlt.rl.config import TrainConfig, load_config
+
+    monkeypatch.setattr(run, "train", lambda *args, **kwargs: pytest.fail("--print-config started a run"))
+    out_dir = tmp_path / "never"
+    overrides = TRICKY + [f"run.out_dir={out_dir}"]
+    assert main(["train", "--print-config", *overrides]) == 0
+    printed = capsys.readouterr().out
+    assert list(yaml.safe_load(printed)) == list(TrainConfig().to_dict())
+    assert all(key in yaml.safe_load(printed)[section] for section, keys in TrainConfig().to_dict().items()
+               for key in keys)
+    path = tmp_path / "printed.yaml"
+    path.write_text(printed)
+    expected = load_config(None, overrides)
+    assert load_config(path) == expected
+    assert expected.task.system_prompt == "off" and expected.optim.lr == 3e-6  # the tricky values survived
+    assert not out_dir.exists()
+
+
+def test_a_config_file_with_overrides_on_top_either_way(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("rollout:\n  max_new_tokens: 64\noptim:\n  lr: 1e-4\n")  # 1e-4: YAML 1.1 reads a string
+    for argv in (["train", str(path)], ["train", "--config", str(path)]):
+        assert main(argv + ["rollout.max_new_tokens=32", "--print-config"]) == 0
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["rollout"]["max_new_tokens"] == 32 and printed["optim"]["lr"] == 1e-4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["a.yaml", "b.yaml"], "'b.yaml' is not a section.key=value override (the config file is a.yaml)"),
+    (["run.steps=2", "b.yaml"], "'b.yaml' is not a section.key=value override (a config file goes first, or after "
+                                "--config)"),
+    (["--config", "missing.yaml"], "config file not found: missing.yaml"),
+    (["optim.schedule=linear"], "optim.schedule must be one of constant, cosine, got 'linear'"),
+])
+def test_bad_train_arguments_are_one_line(capsys, argv, message):
+    assert main(["train", "--print-config", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"tlt: error: {message}" and captured.out == ""

@@ -1,4 +1,16 @@
-from tlt.metrics.logger import MetricsLogger, read_metrics
+"""Step metrics: metrics.jsonl (always), TensorBoard scalars, and run.logger's choice of loggers, wandb included
+(a stand-in module: the package is an optional extra)."""
+
+import importlib.machinery
+import sys
+import types
+
+import pytest
+
+from tlt.cli import main
+from tlt.metrics.logger import MetricsLogger, open_metrics_logger, read_metrics
+from tlt.metrics.wandb_logger import WandbError, check_wandb_installed
+from tlt.rl.config import load_config
 
 
 def test_jsonl_lines_and_truncation(tmp_path):
@@ -24,3 +36,74 @@ def test_tensorboard_scalars(tmp_path):
     events.Reload()
     assert events.Tags()["scalars"] == ["reward_mean"]
     assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward_mean")] == [(1, 0.1), (2, 0.2)]
+
+
+# -- run.logger: which loggers, and wandb without the package installed -------------------------------------------
+
+def fake_wandb(monkeypatch):
+    """A stand-in for the wandb package (which need not be installed): records init, log and finish."""
+    calls = {"init": [], "log": [], "finish": 0}
+
+    class Run:
+        def log(self, data, step):
+            calls["log"].append((step, dict(data)))
+
+        def finish(self):
+            calls["finish"] += 1
+
+    module = types.ModuleType("wandb")
+    module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    module.init = lambda **kwargs: calls["init"].append(kwargs) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return calls
+
+
+def config_with(tmp_path, *overrides):
+    return load_config(None, [f"run.out_dir={tmp_path}", *overrides])
+
+
+@pytest.mark.parametrize("overrides,tensorboard", [(["run.logger=jsonl"], False),
+                                                   (["run.logger=[jsonl, tensorboard]"], True),
+                                                   (["run.logger=tensorboard", "run.tensorboard=false"], False)])
+def test_run_logger_picks_the_loggers(tmp_path, overrides, tensorboard):
+    logger = open_metrics_logger(tmp_path, config_with(tmp_path, *overrides))
+    logger.log(1, {"reward_mean": 0.5})
+    logger.close()
+    assert read_metrics(tmp_path) == [{"step": 1, "reward_mean": 0.5}]  # metrics.jsonl: always
+    assert (tmp_path / "tensorboard").exists() == tensorboard
+
+
+def test_wandb_gets_the_scalars_per_step_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
+    calls = fake_wandb(monkeypatch)
+    config = config_with(tmp_path / "my-run", "run.logger=jsonl,wandb", "run.wandb_project=proj")
+    logger = open_metrics_logger(tmp_path / "my-run", config)
+    logger.log(1, {"reward_mean": 0.25, "lr": 1e-5, "flag": True, "versions": [1, 2], "nan": float("nan")})
+    logger.log(2, {"reward_mean": 0.5, "lr": 2e-5})
+    logger.close()
+    (init,) = calls["init"]
+    assert {key: init[key] for key in ("project", "name", "resume", "dir")} == {
+        "project": "proj", "name": "my-run", "resume": "allow", "dir": str(tmp_path / "my-run")}
+    assert init["config"] == config.to_dict()
+    assert calls["log"] == [(1, {"reward_mean": 0.25, "lr": 1e-5}), (2, {"reward_mean": 0.5, "lr": 2e-5})]
+    assert calls["finish"] == 1
+    assert not (tmp_path / "my-run" / "tensorboard").exists()
+    open_metrics_logger(tmp_path / "my-run", config, resuming=True).close()
+    open_metrics_logger(tmp_path / "my-run", config).close()  # a new run there (after --overwrite)
+    ids = [call["id"] for call in calls["init"]]
+    assert ids[1] == ids[0] != ids[2]
+    named = config_with(tmp_path / "x", "run.logger=wandb", "run.wandb_run_name=baseline")
+    open_metrics_logger(tmp_path / "x", named).close()
+    assert calls["init"][-1]["name"] == "baseline"
+
+
+def test_without_wandb_installed_the_error_names_the_extra_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError, find_spec gives None
+    hint = 'run.logger=wandb needs the wandb package: pip install "tlt-rl[wandb]"'
+    with pytest.raises(WandbError) as error:
+        check_wandb_installed()
+    assert str(error.value) == hint
+    with pytest.raises(WandbError, match="needs the wandb package"):
+        open_metrics_logger(tmp_path, config_with(tmp_path, "run.logger=wandb"))
+    monkeypatch.setattr("tlt.models.loading.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["train", f"run.out_dir={tmp_path / 'run'}", "run.logger=jsonl,wandb"]) == 2
+    assert capsys.readouterr().err.strip() == f"tlt: error: {hint}"

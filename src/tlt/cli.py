@@ -64,14 +64,7 @@ def main(argv=None) -> int:
         if args.command == "drafter":
             return _run_warmup(args) if args.drafter_command == "warmup" else _run_export(args)
         if args.command == "train":
-            from tlt.rl.config import load_config
-            from tlt.rl.run import train
-
-            config_path, overrides = args.config, list(args.overrides)
-            if config_path is not None and "=" in config_path:  # `tlt train key=value ...` without a file
-                config_path, overrides = None, [config_path] + overrides
-            train(load_config(config_path, overrides), resume=args.resume, overwrite=args.overwrite)
-            return 0
+            return _run_train(args)
         if args.command == "report":
             from tlt.report import write_report
 
@@ -91,11 +84,40 @@ def main(argv=None) -> int:
 
 def _add_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default=None, help="YAML file with [model], [task], [rollout], "
-                        "[grpo], [optim], [run] sections (default: the embedded default)")
+                        "[grpo], [optim], [run] sections (default: the embedded default; see examples/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. rollout.max_new_tokens=128")
+    parser.add_argument("--config", dest="config_file", metavar="FILE", default=None,
+                        help="the YAML file, as an option (then every positional argument is an override)")
+    parser.add_argument("--print-config", action="store_true", help="print the full resolved config (defaults, "
+                        "file, overrides) as YAML and exit, without loading a model")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.out_dir")
     parser.add_argument("--overwrite", action="store_true", help="start a new run in run.out_dir even if it holds "
-                        "one (deletes that run's checkpoints, metrics, timeline, TensorBoard logs and final policy)")
+                        "one (deletes that run's checkpoints, metrics, timeline, TensorBoard and wandb logs and "
+                        "final policy)")
+
+
+def _run_train(args) -> int:
+    from tlt.rl.config import ConfigError, config_yaml, load_config
+
+    positional = ([args.config] if args.config is not None else []) + list(args.overrides)
+    if args.config_file is not None:
+        config_path, overrides = args.config_file, positional
+    elif positional and "=" not in positional[0]:
+        config_path, overrides = positional[0], positional[1:]
+    else:  # `tlt train key=value ...` without a file
+        config_path, overrides = None, positional
+    stray = [item for item in overrides if "=" not in item]
+    if stray:
+        where = f"the config file is {config_path}" if config_path else "a config file goes first, or after --config"
+        raise ConfigError(f"{stray[0]!r} is not a section.key=value override ({where})")
+    config = load_config(config_path, overrides)
+    if args.print_config:
+        print(config_yaml(config), end="")
+        return 0
+    from tlt.rl.run import train
+
+    train(config, resume=args.resume, overwrite=args.overwrite)
+    return 0
 
 
 def _add_warmup(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""Step metrics: one JSON line per step (always) and TensorBoard scalars (when tensorboard is installed)."""
+"""Step metrics: one JSON line per step in RUN_DIR/metrics.jsonl (always: `tlt report` and `--resume` read it),
+plus the scalar loggers `run.logger` names: TensorBoard (when installed) and Weights & Biases (the wandb extra)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,20 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, sinks=()):
+        """sinks: objects with log(step, scalars) and close(), given each step's finite numeric metrics."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = _tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
+        writer = _tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
+        self.sinks = ([_TensorBoard(writer)] if writer is not None else []) + list(sinks)
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **metrics}
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
-        if self._writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._writer.add_scalar(key, value, step)
-            self._writer.flush()
+        scalars = scalar_metrics(metrics)
+        for sink in self.sinks:
+            sink.log(step, scalars)
 
     def truncate_after(self, step: int) -> None:
         """Drop lines past `step` (a resumed run rewrites the steps its crash lost, never duplicates them)."""
@@ -31,13 +32,48 @@ class MetricsLogger:
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def open_metrics_logger(run_dir: Path, config, *, resuming: bool = False) -> MetricsLogger:
+    """The logger a `tlt train` run's config asks for (run.logger; run.tensorboard=false drops tensorboard)."""
+    names = logger_names(config.run)
+    sinks = []
+    if "wandb" in names:
+        from tlt.metrics.wandb_logger import WandbLogger
+
+        sinks.append(WandbLogger.start(run_dir, config, resuming=resuming))
+    return MetricsLogger(run_dir, tensorboard="tensorboard" in names, sinks=sinks)
+
+
+def logger_names(run) -> set[str]:
+    """run.logger, less tensorboard when run.tensorboard is false (metrics.jsonl is written either way)."""
+    return set(run.logger) - (set() if run.tensorboard else {"tensorboard"})
+
+
+def scalar_metrics(metrics: dict) -> dict[str, float]:
+    """What scalar loggers get: finite numbers (not flags, lists or text)."""
+    return {key: value for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+class _TensorBoard:
+    def __init__(self, writer):
+        self.writer = writer
+
+    def log(self, step: int, scalars: dict) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _tensorboard_writer(directory: Path):

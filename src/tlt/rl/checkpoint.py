@@ -29,8 +29,9 @@ class CheckpointError(TltError):
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | None = None,
-                    files: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
-    """Write checkpoint-NNNNNN atomically (staged, then renamed). `files`: extra safetensors files by name."""
+                    files: dict[str, dict[str, torch.Tensor]] | None = None, scheduler=None) -> Path:
+    """Write checkpoint-NNNNNN atomically (staged, then renamed). `files`: extra safetensors files by name.
+    The lr scheduler's state (a few numbers) is kept even without the optimizer's, so the schedule continues."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / f"{CHECKPOINT_PREFIX}{step:06d}"
@@ -44,6 +45,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | No
         for name, tensors in (files or {}).items():
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(staging / name))
         state = {"step": step, "optimizer": meta, "python_rng": _python_rng_state(), **(extra or {})}
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
         (staging / "state.json").write_text(json.dumps(state, indent=1))
     return target
 
@@ -89,8 +92,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path, model, optimizer) -> dict:
-    """Restore weights in place (the rollout engine keeps sharing them), optimizer and RNG; returns state.json."""
+def load_checkpoint(path: Path, model, optimizer, scheduler=None) -> dict:
+    """Restore weights in place (the rollout engine keeps sharing them), optimizer, lr schedule and RNG; returns
+    state.json. A checkpoint from before schedules were saved leaves the scheduler to catch up by step count."""
     path = Path(path)
     if not (path / "state.json").exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no state.json)")
@@ -109,6 +113,8 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     else:
         optimizer.load_state_dict(_unflatten_optimizer(_read(path / "optimizer.safetensors"),
                                                        state["optimizer"]))
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(_read(path / "rng.safetensors")["torch_rng"])
     random.setstate(_as_python_rng_state(state["python_rng"]))
     return state

@@ -5,6 +5,7 @@ Unknown keys are an error that lists the valid keys closest to the typo; values 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import typing
@@ -28,10 +29,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = "arithmetic"       # "arithmetic" (built-in, graded difficulty) or "jsonl" / "parquet" (needs path)
-    path: str | None = None        # dataset file for jsonl/parquet
-    prompt_field: str = "question"
-    answer_field: str = "answer"
+    name: str = "arithmetic"       # "arithmetic" (built-in, graded difficulty), "jsonl" / "parquet" (a file) or
+                                   # "hf" (a Hugging Face `datasets` dataset: needs the data extra)
+    path: str | None = None        # jsonl/parquet: the file; hf: a save_to_disk directory, a .json/.jsonl/.parquet/
+                                   # .csv file, or a local dataset directory that datasets.load_dataset reads
+    split: str = "train"           # hf: the split, slices allowed ("train[:500]", "test")
+    prompt_field: str = "question"  # the record field holding the prompt
+    answer_field: str = "answer"   # ... and the reference answer (GSM8K's "... #### N" is reduced to N)
     system_prompt: str | None = None
     reward: str = "auto"           # "auto" (exact integer for arithmetic, math-verify otherwise) or "pkg.mod:fn"
     format_reward: float = 0.1     # extra reward when a final answer can be extracted (0 = off); the default
@@ -72,6 +76,15 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.99)
     micro_batch_size: int = 4      # sequences per forward/backward; gradients accumulate over the step
     grad_clip: float = 1.0         # max global grad norm (0 = off)
+    schedule: str = "constant"     # lr per RL step: "constant" or "cosine" (to lr * min_lr_ratio), both after a
+                                   # linear warm-up of warmup_steps
+    warmup_steps: int = 0          # RL steps of linear warm-up (step k of it uses lr * (k + 1) / warmup_steps)
+    min_lr_ratio: float = 0.0      # cosine: the final lr as a fraction of lr
+    decay_steps: int = 0           # cosine: RL steps from the start to the end of the decay (0 = run.steps); set
+                                   # it to extend a finished run's run.steps on --resume without changing its lrs
+    grad_checkpointing: bool = False  # recompute activations in the backward (less memory, ~30% more compute)
+    autocast: str = "auto"         # training and log-prob forwards: "bf16" (torch.autocast), "off" (the weights'
+                                   # dtype), "auto" (bf16 on CUDA, off on CPU)
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,13 @@ class RunConfig:
     keep_checkpoints: int = 2      # keep the newest N checkpoints, delete older ones (0 = keep all)
     save_optimizer: bool = True    # include the optimizer state (2x the policy's size); without it a resumed
                                    # run starts a fresh optimizer (with a warning)
-    tensorboard: bool = True       # write TensorBoard scalars when tensorboard is installed
+    logger: tuple[str, ...] = ("jsonl", "tensorboard")  # step metrics go to: "jsonl" (RUN_DIR/metrics.jsonl,
+                                   # always written: tlt report and --resume read it), "tensorboard" (when installed),
+                                   # "wandb" (the wandb extra; WANDB_MODE=offline works without a network);
+                                   # a list or a comma string ("jsonl,wandb")
+    tensorboard: bool = True       # false drops tensorboard from run.logger (an older switch, kept)
+    wandb_project: str = "tlt-rl"  # wandb: the project
+    wandb_run_name: str | None = None  # wandb: the run's name (default: the name of run.out_dir)
     speculative: str = "adaptive"  # "adaptive" (TLT: batch-size gate + bandit over strategies), "static" (SD
                                    # with `strategy` at batch <= gate) or "off" (the baseline: no SD)
     drafter: str | None = None     # drafter directory (tlt drafter warmup); none: spot training (workers >= 2)
@@ -130,13 +149,16 @@ class TrainConfig:
         return dataclasses.replace(self, **{section_name: dataclasses.replace(section, **{name: coerced})})
 
 
-TASK_NAMES = ("arithmetic", "jsonl", "parquet")
+TASK_NAMES = ("arithmetic", "jsonl", "parquet", "hf")
 SPECULATIVE_MODES = ("off", "static", "adaptive")
 BACKENDS = ("auto", "ray", "inprocess")
 BUILTIN_REWARDS = ("auto", "integer", "math_verify")
 
 
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULES = ("constant", "cosine")
+AUTOCAST_MODES = ("auto", "bf16", "off")
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
 def validate(config: TrainConfig) -> TrainConfig:
@@ -174,7 +196,20 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check(all(0 <= b < 1 for b in optim.betas), f"optim.betas must each be in [0, 1), got {list(optim.betas)}")
     _at_least("optim.micro_batch_size", optim.micro_batch_size, 1)
     _at_least("optim.grad_clip", optim.grad_clip, 0)
+    check_choice("optim.schedule", optim.schedule, SCHEDULES)
+    _at_least("optim.warmup_steps", optim.warmup_steps, 0)
+    _at_least("optim.decay_steps", optim.decay_steps, 0)
+    _check(0 <= optim.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
+    horizon = optim.decay_steps or run.steps
+    _check(optim.schedule != "cosine" or optim.warmup_steps < max(horizon, 1),
+           f"optim.warmup_steps={optim.warmup_steps} leaves no cosine decay within the {horizon} decay step(s) "
+           f"({'optim.decay_steps' if optim.decay_steps else 'run.steps'}): lower it, or use optim.schedule=constant")
+    check_choice("optim.autocast", optim.autocast, AUTOCAST_MODES)
     check_choice("run.backend", run.backend, BACKENDS)
+    _check(bool(run.logger), f"run.logger names no logger: use one or more of {', '.join(LOGGERS)}")
+    for name in run.logger:
+        check_choice("run.logger", name, LOGGERS)
+    _check(bool(run.wandb_project.strip()), "run.wandb_project must not be empty")
     try:
         SpecStrategy.parse(run.strategy)
     except TltError as error:
@@ -238,18 +273,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     return validate(config)
 
 
+def config_yaml(config: TrainConfig) -> str:
+    """The full config as YAML that `load_config` reads back to an equal config (`tlt train --print-config`)."""
+    sections = {name: {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
+                for name, values in config.to_dict().items()}
+    return yaml.dump(sections, Dumper=_FlowListDumper, sort_keys=False, width=120)
+
+
+class _FlowListDumper(yaml.SafeDumper):
+    """Sections as blocks, lists inline (`betas: [0.9, 0.99]`)."""
+
+
+_FlowListDumper.add_representer(
+    list, lambda dumper, value: dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=True))
+
+
 def _parse_text(raw: str, annotation):
     optional = type(None) in typing.get_args(annotation)
     if optional and raw.lower() in ("", "null", "none", "~"):
         return None
-    if annotation is str or (optional and str in typing.get_args(annotation)):
-        return raw
+    if annotation is str or (optional and str in typing.get_args(annotation)) or (
+            _is_name_list(annotation) and not raw.lstrip().startswith("[")):
+        return raw  # a name list's comma string is split by _coerce
     if annotation is float:
         try:
             return float(raw)  # YAML 1.1 reads 1e-3 (no dot) as a string
         except ValueError:
             pass
     return yaml.safe_load(raw)
+
+
+def _is_name_list(annotation) -> bool:
+    """tuple[str, ...]: a list of names (YAML list or "a,b" string)."""
+    return typing.get_origin(annotation) is tuple and typing.get_args(annotation) == (str, ...)
 
 
 def _section_names() -> list[str]:
@@ -272,6 +328,11 @@ def _coerce(key: str, value, annotation):
             return None
         annotation = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if _is_name_list(annotation):
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
+            raise ConfigError(f"{key} expects a list of names or a comma string, got {value!r}")
+        return tuple(item.strip() for item in items if item.strip())
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key} must be a list of {len(args)} numbers, got {value!r}")
@@ -285,6 +346,9 @@ def _coerce(key: str, value, annotation):
     elif annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                return float(value)
     elif annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -1,5 +1,6 @@
-"""Checks of a run's input files before any worker starts: a missing model, task file or drafter fails in a
-second with one line, instead of after a model load in every worker (or inside a Ray actor)."""
+"""Checks of a run's input files before any worker starts: a missing model, task file or drafter (or a logger's
+missing package) fails in a second with one line, instead of after a model load in every worker (or inside a Ray
+actor)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import json
 from pathlib import Path
 
 from tlt.errors import RequestError
+from tlt.metrics.logger import logger_names
+from tlt.metrics.wandb_logger import check_wandb_installed
 from tlt.models.eagle import CONFIG_FILE, WEIGHTS_FILE, DrafterError
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
 from tlt.rl.config import BUILTIN_REWARDS
 from tlt.rl.rewards import load_reward_function
-from tlt.tasks import DatasetError, load_examples
+from tlt.tasks import DATASET_TASKS, DatasetError, load_task_examples
 
 SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "model_type")
 
@@ -21,14 +24,16 @@ def preflight(config) -> None:
     if not is_default_source(config.model.path):
         model_path = check_model_path(config.model.path)
         _check_context(config, model_path)
-    if config.task.name in ("jsonl", "parquet"):
-        examples = load_examples(config.task.path, config.task.prompt_field, config.task.answer_field)
+    if config.task.name in DATASET_TASKS:
+        examples = load_task_examples(config.task)
         needed = config.rollout.prompts_per_step + config.task.eval_size
         if len(examples) < needed:
             raise DatasetError(f"{config.task.path} has {len(examples)} example(s), fewer than the "
                                f"{needed} one step needs (rollout.prompts_per_step + task.eval_size)")
     if config.run.drafter:
         _check_drafter(Path(config.run.drafter), model_path)
+    if "wandb" in logger_names(config.run):
+        check_wandb_installed()
     if config.task.reward not in BUILTIN_REWARDS:
         load_reward_function(config.task.reward)  # a typo in the module path fails here, not in every worker
 

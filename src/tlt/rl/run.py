@@ -47,10 +47,18 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
 
 
 def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
-    from tlt.distributed.timeline import save_timeline
-    from tlt.metrics.logger import MetricsLogger
+    from tlt.metrics.logger import open_metrics_logger
 
-    logger = MetricsLogger(run_dir, tensorboard=config.run.tensorboard)
+    logger = open_metrics_logger(run_dir, config, resuming=checkpoint is not None)
+    try:
+        return _steps(config, trainer, run_dir, checkpoint, console, logger)
+    finally:
+        logger.close()  # wandb marks an interrupted run as such
+
+
+def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, logger):
+    from tlt.distributed.timeline import save_timeline
+
     if checkpoint is not None:
         trainer.resume(checkpoint)
         logger.truncate_after(trainer.step)
@@ -76,7 +84,6 @@ def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
         if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
             trainer.save(run_dir)
             prune_checkpoints(run_dir, config.run.keep_checkpoints)
-    logger.close()
     return history
 
 

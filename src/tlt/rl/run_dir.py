@@ -2,12 +2,14 @@
 
 A fresh run refuses a directory that already holds a run (its history would be lost, and a later `--resume`
 would continue the other run's checkpoint under the new config) unless told `--resume` or `--overwrite`.
-`--resume` refuses a config that changes what the run means (model, task, sampling, loss, optimizer, seed);
-operational settings (steps, workers, backend, checkpointing, speculation: lossless) may change.
+`--resume` refuses a config that changes what the run means (model, task, sampling, loss, optimizer and lr
+schedule, seed); operational settings (steps, workers, backend, checkpointing, loggers, speculation: lossless)
+may change, except that run.steps is also the length of a cosine schedule whose optim.decay_steps is 0.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -16,12 +18,12 @@ from tlt.errors import TltError
 from tlt.rl.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
 
 # Everything tlt writes into a run directory; --overwrite deletes exactly these, nothing else.
-RUN_FILES = ("metrics.jsonl", "config.json")
-RUN_DIRS = ("timeline", "tensorboard", "report", "final")
+RUN_FILES = ("metrics.jsonl", "config.json", "wandb_id")
+RUN_DIRS = ("timeline", "tensorboard", "wandb", "report", "final")
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
-OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs")  # in a meaning section, but only how the run is
-# measured or how fast it decodes
+OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs", "optim.grad_checkpointing")  # in a meaning section,
+# but only how the run is measured, or how fast (or in how much memory) it computes the same thing
 
 
 class RunDirError(TltError):
@@ -73,7 +75,7 @@ def describe(run_dir: Path) -> str:
 
 
 def clear_run(run_dir: Path) -> None:
-    """Delete what tlt wrote (checkpoints, staging dirs, metrics, timeline, TensorBoard, report, final)."""
+    """Delete what tlt wrote (checkpoints, staging dirs, metrics, timeline, TensorBoard, wandb, report, final)."""
     for path in _checkpoints(run_dir) + sorted(run_dir.glob(".ckpt-*")):
         shutil.rmtree(path)
     for name in RUN_DIRS:
@@ -109,11 +111,17 @@ def _check_same_run(run_dir: Path, config_dict: dict) -> None:
                           f"continues the same run")
     keys = [(section, key) for section in MEANING_SECTIONS for key in sorted(config_dict.get(section, {}))]
     keys += [("run", key) for key in MEANING_RUN_KEYS]
+    before = functools.partial(_saved_value, saved)
+    now = functools.partial(_saved_value, config_dict)
     changed = [f"{section}.{key}" for section, key in keys if f"{section}.{key}" not in OPERATIONAL_KEYS
-               and _norm(_saved_value(saved, section, key)) != _norm(config_dict[section][key])]
+               and _meaning(before, section, key) != _meaning(now, section, key)]
     if changed:
+        hint = ""
+        if "optim.decay_steps" in changed and _meaning(before, "optim", "decay_steps"):
+            hint = (f"; its cosine schedule decays over {_meaning(before, 'optim', 'decay_steps')} steps: set "
+                    f"optim.decay_steps to that to train longer on the same schedule")
         raise RunDirError(f"--resume would continue the run in {run_dir} under a different config "
-                          f"({', '.join(changed)} changed): keep those values, or start a new run with "
+                          f"({', '.join(changed)} changed{hint}): keep those values, or start a new run with "
                           f"--overwrite or another run.out_dir")
 
 
@@ -125,6 +133,16 @@ def _saved_value(saved: dict, section: str, key: str):
     if key in saved.get(section, {}):
         return saved[section][key]
     return TrainConfig().to_dict()[section][key]
+
+
+def _meaning(value_of, section: str, key: str):
+    """A field's value as it shapes the run. optim.decay_steps: the cosine decay's length, 0 resolved to
+    run.steps (which may otherwise change on --resume), and nothing under a constant schedule."""
+    if (section, key) == ("optim", "decay_steps"):
+        if value_of("optim", "schedule") != "cosine":
+            return 0
+        return value_of("optim", "decay_steps") or value_of("run", "steps")
+    return _norm(value_of(section, key))
 
 
 def _norm(value):

@@ -21,6 +21,8 @@ import torch
 from tlt.models.loading import LoadedModel, load_model
 from tlt.rl.actor import PackedSamples, token_logprobs
 from tlt.rl.config import TrainConfig
+from tlt.rl.optim import (advance_schedule, autocast_dtype, build_optimizer, build_scheduler,
+                          enable_grad_checkpointing, training_autocast)
 from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request, RolloutResult
@@ -51,8 +53,11 @@ class GRPOTrainer:
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.device = next(self.model.parameters()).device
         self.engine = build_engine(self.loaded, config)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.optim.lr, betas=config.optim.betas,
-                                           weight_decay=config.optim.weight_decay)
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config)  # per RL step; checkpointed
+        if config.optim.grad_checkpointing:
+            enable_grad_checkpointing(self.model)
+        self.autocast_dtype = autocast_dtype(config.optim.autocast, self.device)  # training/log-prob forwards
         self.reference = self._frozen_reference() if config.grpo.kl_coef > 0 else None
         self.task = task if task is not None else build_task(config.task, self.tokenizer)
         self.reward = reward if reward is not None else build_reward(config.task)
@@ -138,7 +143,7 @@ class GRPOTrainer:
         width = packed.input_ids.shape[1] - 1
         out = torch.zeros(len(rows), width, device=self.device)
         collect = self.feature_buffer is not None and model is self.model
-        with torch.no_grad():
+        with torch.no_grad(), training_autocast(self.autocast_dtype, self.device):
             for chunk in _chunks(rows, self.config.optim.micro_batch_size):
                 micro = packed.select(chunk)
                 actor = token_logprobs(model, micro, self.config.rollout.temperature, want_hidden=collect)
@@ -167,12 +172,14 @@ class GRPOTrainer:
         self.model.train()
         stats: dict[str, list[float]] = {}
         grad_norms = []
+        advance_schedule(self.scheduler, self.step)  # this step's lr (all its passes share it)
         for _ in range(grpo.updates_per_step):
             self.optimizer.zero_grad(set_to_none=True)
             for chunk in _chunks(rows, cfg.micro_batch_size):
                 micro = batch.packed.select(chunk)
                 width = micro.response_mask.shape[1]
-                logprobs = token_logprobs(self.model, micro, self.config.rollout.temperature).logprobs
+                with training_autocast(self.autocast_dtype, self.device):
+                    logprobs = token_logprobs(self.model, micro, self.config.rollout.temperature).logprobs
                 ref = batch.ref_logprobs[chunk, :width] if batch.ref_logprobs is not None else None
                 loss, parts = policy_loss(grpo.loss, logprobs, batch.old_logprobs[chunk, :width],
                                           batch.advantages[chunk], micro.response_mask, totals,
@@ -229,7 +236,8 @@ class GRPOTrainer:
         if hasattr(self.engine.speculation, "state_dict"):  # the bandit's experience carries across steps
             extra["speculation"] = self.engine.speculation.state_dict()
         optimizer = self.optimizer if self.config.run.save_optimizer else None
-        return save_checkpoint(run_dir, self.step, self.model, optimizer, extra, files=files)
+        return save_checkpoint(run_dir, self.step, self.model, optimizer, extra, files=files,
+                               scheduler=self.scheduler)
 
     def save_final(self, directory: Path) -> Path:
         from tlt.rl.checkpoint import save_final_model
@@ -239,7 +247,7 @@ class GRPOTrainer:
     def resume(self, checkpoint: Path) -> None:
         from tlt.rl.checkpoint import load_checkpoint
 
-        state = load_checkpoint(checkpoint, self.model, self.optimizer)
+        state = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
         self.step = state["step"]
         if "speculation" in state and hasattr(self.engine.speculation, "load_state_dict"):
             self.engine.speculation.load_state_dict(state["speculation"])

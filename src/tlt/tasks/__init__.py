@@ -1,4 +1,5 @@
-"""Tasks: the built-in long-tail arithmetic task and JSONL/parquet datasets, formatted with chat templates."""
+"""Tasks: the built-in long-tail arithmetic task and JSONL/parquet/Hugging Face datasets, formatted with chat
+templates."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from tlt.tasks.chat import chat_prompt_ids
 from tlt.tasks.example import TaskExample
 from tlt.tasks.held_out import split_held_out
 from tlt.tasks.loaders import DatasetError, DatasetTask, load_examples
+
+DATASET_TASKS = ("jsonl", "parquet", "hf")
 
 
 class ChatTask:
@@ -30,15 +33,24 @@ def build_task(config, tokenizer) -> ChatTask:
     if config.name == "arithmetic":
         source = ArithmeticTask(ArithmeticTaskConfig(min_operations=config.min_operations,
                                                      max_operations=config.max_operations))
-    elif config.name in ("jsonl", "parquet"):
-        if not config.path:
-            raise TltError(f"task.name={config.name} needs task.path")
-        source = DatasetTask(load_examples(config.path, config.prompt_field, config.answer_field))
     else:
-        raise TltError(f"unknown task.name {config.name!r}: use arithmetic, jsonl or parquet")
+        source = DatasetTask(load_task_examples(config))
     source, held_out = split_held_out(source, config.eval_size)
     return ChatTask(source, tokenizer, config.system_prompt, held_out)
 
 
+def load_task_examples(config) -> list[TaskExample]:
+    """The records of a dataset task (task.name jsonl, parquet or hf) from a `TaskConfig`."""
+    if config.name not in DATASET_TASKS:
+        raise TltError(f"unknown task.name {config.name!r}: use arithmetic, {', '.join(DATASET_TASKS)}")
+    if not config.path:
+        raise TltError(f"task.name={config.name} needs task.path")
+    if config.name == "hf":
+        from tlt.tasks.hf import load_hf_examples
+
+        return load_hf_examples(config.path, config.split, config.prompt_field, config.answer_field)
+    return load_examples(config.path, config.prompt_field, config.answer_field)
+
+
 __all__ = ["ArithmeticTask", "ArithmeticTaskConfig", "ChatTask", "DatasetError", "DatasetTask", "TaskExample",
-           "build_task", "chat_prompt_ids", "load_examples"]
+           "build_task", "chat_prompt_ids", "load_examples", "load_task_examples"]

@@ -35,16 +35,23 @@ def load_examples(path: str | Path, prompt_field: str = "question", answer_field
         records = _jsonl_records(path)
     else:
         raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
+    return records_to_examples(records, prompt_field, answer_field, str(path))
+
+
+def records_to_examples(records, prompt_field: str, answer_field: str, source: str, unit: str = "line"
+                        ) -> list[TaskExample]:
+    """(number, record dict) pairs to examples: the field mapping, GSM8K answers reduced, one-line errors that
+    name the record (`unit` and its number)."""
     examples = []
-    for line, record in records:
+    for number, record in records:
         for name in (prompt_field, answer_field):
             if name not in record or record[name] is None:
-                raise DatasetError(f"{path}, line {line}: missing field {name!r} "
+                raise DatasetError(f"{source}, {unit} {number}: missing field {name!r} "
                                    f"(fields present: {', '.join(sorted(record)) or 'none'})")
         examples.append(TaskExample(str(record[prompt_field]), normalize_answer(record[answer_field]),
-                                    {"source": str(path), "line": line}))
+                                    {"source": source, unit: number}))
     if not examples:
-        raise DatasetError(f"{path}: no records")
+        raise DatasetError(f"{source}: no records")
     return examples
 
 

@@ -1,0 +1,80 @@
+"""How the policy is optimized: AdamW, the lr schedule, activation checkpointing and the training forward's
+precision (`optim.*`).
+
+The schedule runs over RL steps (every `grpo.updates_per_step` pass of a step uses the same lr, as in verl) and
+is a `torch.optim.lr_scheduler.LambdaLR`, whose state the checkpoint keeps, so a resumed run continues the exact
+lr sequence. It advances lazily, when the update of step k starts (`advance_schedule`): the optimizer's lr is then
+always the lr of the last update, which is what the step's metrics report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import warnings
+
+import torch
+
+from tlt.errors import TltError
+
+
+def build_optimizer(model, optim) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+
+
+def decay_steps(optim, run_steps: int) -> int:
+    """The cosine schedule's horizon in RL steps."""
+    return optim.decay_steps or run_steps
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, horizon: int, min_lr_ratio: float) -> float:
+    """The multiplier of optim.lr at RL step `step` (0-based): linear warm-up, then constant or cosine."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, horizon - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer, config) -> torch.optim.lr_scheduler.LambdaLR:
+    """From a TrainConfig; sets the lr of step 0 on the optimizer."""
+    optim = config.optim
+    factor = functools.partial(lr_factor, schedule=optim.schedule, warmup_steps=optim.warmup_steps,
+                               horizon=decay_steps(optim, config.run.steps), min_lr_ratio=optim.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def advance_schedule(scheduler, step: int) -> None:
+    """Bring the schedule to RL step `step` before its update (one scheduler step per RL step). torch warns when
+    a scheduler steps before its optimizer has in this process, as after a resume: here that order is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        while scheduler.last_epoch < step:
+            scheduler.step()
+
+
+def enable_grad_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward. Transformers checkpoints only in train mode, so
+    the no-grad log-prob pass (eval mode) and the rollout engine (its own forward) are untouched."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None)
+    if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
+        raise TltError(f"optim.grad_checkpointing=true: {type(model).__name__} does not support gradient "
+                       f"checkpointing")
+    enable({"use_reentrant": False})
+
+
+def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    """optim.autocast resolved for the policy's device: bf16, or None (no autocast)."""
+    if setting == "off" or (setting == "auto" and torch.device(device).type != "cuda"):
+        return None
+    return torch.bfloat16
+
+
+def training_autocast(dtype: torch.dtype | None, device: torch.device):
+    """The context the training and log-prob forwards run in."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)

@@ -1,0 +1,79 @@
+"""`task.name=hf`: prompt/answer records from a local Hugging Face `datasets` dataset (the data extra).
+
+`task.path` is a directory written by `save_to_disk` (a Dataset or a DatasetDict: `load_from_disk`), a .json/.jsonl/
+.parquet/.csv file (`load_dataset("json"/"parquet"/"csv", data_files=...)`), or a local dataset directory that
+`load_dataset(path)` reads (data files, e.g. a cloned hub repository). Only local paths: nothing is downloaded.
+`task.split` takes the datasets split syntax, slices and sums included ("train", "test[:200]", "train[:10%]").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from tlt.tasks.example import TaskExample
+from tlt.tasks.loaders import DatasetError, records_to_examples
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+INSTALL_HINT = 'task.name=hf needs the datasets package: pip install "tlt-rl[data]"'
+
+
+def load_hf_examples(path: str | Path, split: str = "train", prompt_field: str = "question",
+                     answer_field: str = "answer") -> list[TaskExample]:
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"dataset not found: {path} (task.name=hf reads local paths only)")
+    datasets = _import_datasets()
+    with _quiet(datasets):
+        try:
+            rows = _load(datasets, path, split)
+        except DatasetError:
+            raise
+        except Exception as error:  # noqa: BLE001 - datasets raises many types (ValueError, FileNotFoundError, ...)
+            raise DatasetError(f"{path}: cannot load split {split!r} with datasets ({_first_line(error)})") from None
+    return records_to_examples(enumerate(rows, start=1), prompt_field, answer_field, f"{path} [{split}]", "row")
+
+
+def _load(datasets, path: Path, split: str):
+    if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        return _select_split(datasets, datasets.load_from_disk(str(path)), split)
+    if path.is_dir():
+        return datasets.load_dataset(str(path), split=split)
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise DatasetError(f"{path}: task.name=hf reads {', '.join(FILE_BUILDERS)} files or dataset directories, "
+                           f"not {path.suffix or 'a file without a suffix'!r}")
+    return datasets.load_dataset(builder, data_files=str(path), split=split)
+
+
+def _select_split(datasets, loaded, split: str):
+    """A `save_to_disk` directory: a DatasetDict's splits by name, a lone Dataset as split "train"."""
+    splits = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
+    parts = datasets.ReadInstruction.from_spec(split).to_absolute({name: len(ds) for name, ds in splits.items()})
+    selected = [splits[part.splitname].select(range(part.from_, part.to)) for part in parts]
+    return selected[0] if len(selected) == 1 else datasets.concatenate_datasets(selected)
+
+
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(INSTALL_HINT) from None
+    return datasets
+
+
+@contextlib.contextmanager
+def _quiet(datasets):
+    """No "Generating train split" bars between tlt's own lines."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

@@ -1,0 +1,189 @@
+"""optim.*: the lr schedule (values, per-step logging, exact continuation on --resume), gradient checkpointing
+(same gradients, training forward only) and the training forward's autocast."""
+
+import copy
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import random_prompts, tiny_model
+from test_metrics_logger import fake_wandb
+from tlt.models import LoadedModel, ModelSpec
+from tlt.rl.actor import PackedSamples, token_logprobs
+from tlt.rl.checkpoint import latest_checkpoint
+from tlt.rl.config import ConfigError, load_config
+from tlt.rl.optim import autocast_dtype, enable_grad_checkpointing, lr_factor, training_autocast
+from tlt.rl.rewards import Reward
+from tlt.rl.run import train
+from tlt.rl.run_dir import RunDirError, prepare_run_dir
+from tlt.rl.trainer import GRPOTrainer
+from tlt.tasks.synthetic import IdTokenizer, TargetTokenTask, share_of_target
+
+LR = 0.01
+
+
+def make_trainer(out_dir, seed=0, **overrides):
+    model = tiny_model("llama", vocab_size=16, seed=seed)
+    loaded = LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "tiny")
+    settings = ["run.speculative=off", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
+                "rollout.max_new_tokens=5", f"optim.lr={LR}", "optim.micro_batch_size=8", f"run.out_dir={out_dir}",
+                "run.logger=jsonl", *[f"{k}={v}" for k, v in overrides.items()]]
+    return GRPOTrainer(load_config(None, settings), loaded=loaded, task=TargetTokenTask(5),
+                       reward=Reward(share_of_target))
+
+
+# -- the schedule ------------------------------------------------------------------------------------------------
+
+def test_warmup_then_cosine_to_the_floor():
+    factors = [lr_factor(k, schedule="cosine", warmup_steps=2, horizon=6, min_lr_ratio=0.1) for k in range(8)]
+    assert factors[:3] == [0.5, 1.0, 1.0]  # linear warm-up, then the cosine starts at its top
+    assert factors[4] == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the decay
+    assert all(a > b for a, b in zip(factors[2:6], factors[3:6]))
+    assert factors[6:] == [pytest.approx(0.1)] * 2  # at and past the horizon: the floor
+    constant = [lr_factor(k, schedule="constant", warmup_steps=3, horizon=6, min_lr_ratio=0.1) for k in range(5)]
+    assert constant == pytest.approx([1 / 3, 2 / 3, 1, 1, 1])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.schedule=linear", "optim.schedule must be one of constant, cosine, got 'linear'"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0"),
+    ("optim.min_lr_ratio=1.5", r"optim.min_lr_ratio must be in \[0, 1\]"),
+    ("optim.autocast=fp16", "optim.autocast must be one of auto, bf16, off, got 'fp16'"),
+    ("optim.decay_steps=-2", "optim.decay_steps must be >= 0"),
+])
+def test_bad_optim_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_a_warmup_as_long_as_the_cosine_is_refused():
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps=3 leaves no cosine decay within the 3 decay step\(s\) "
+                                          r"\(run.steps\)"):
+        load_config(None, ["optim.schedule=cosine", "optim.warmup_steps=3", "run.steps=3"])
+    load_config(None, ["optim.schedule=cosine", "optim.warmup_steps=3", "run.steps=3", "optim.decay_steps=10"])
+    load_config(None, ["optim.warmup_steps=3", "run.steps=3"])  # constant: a warm-up only, fine
+
+
+@pytest.mark.parametrize("save_optimizer", [True, False], ids=["with-optimizer", "without-optimizer-state"])
+def test_resume_continues_the_lr_sequence_exactly(tmp_path, monkeypatch, save_optimizer):
+    """The schedule's state is in the checkpoint (even without the optimizer's): a run resumed after step 3 uses
+    the lrs an uninterrupted run does, which are logged per step (metrics.jsonl and wandb)."""
+    calls = fake_wandb(monkeypatch)
+    settings = {"optim.schedule": "cosine", "optim.warmup_steps": 2, "optim.decay_steps": 5,
+                "optim.min_lr_ratio": 0.2, "run.save_optimizer": save_optimizer, "run.logger": "jsonl,wandb"}
+    full = make_trainer(tmp_path / "full", **settings, **{"run.steps": 5})
+    expected = train(full.config, trainer=full)
+    wanted = [LR * lr_factor(k, schedule="cosine", warmup_steps=2, horizon=5, min_lr_ratio=0.2) for k in range(5)]
+    assert [m["lr"] for m in expected] == pytest.approx(wanted, rel=1e-12)
+    assert [(step, data["lr"]) for step, data in calls["log"]] == [(k + 1, m["lr"]) for k, m in enumerate(expected)]
+    assert "drafter_versions_per_sample" not in calls["log"][0][1] and calls["finish"] == 1
+
+    partial = make_trainer(tmp_path / "resumed", **settings, **{"run.steps": 3})
+    first = train(partial.config, trainer=partial)
+    config = dataclasses.replace(partial.config, run=dataclasses.replace(partial.config.run, steps=5))
+    fresh = make_trainer(tmp_path / "resumed", seed=9, **settings, **{"run.steps": 5})
+    fresh.resume(latest_checkpoint(tmp_path / "resumed"))
+    assert fresh.scheduler.state_dict() == partial.scheduler.state_dict()  # restored, not recounted
+    rest = train(config, resume=True, trainer=fresh)
+    assert [m["lr"] for m in first + rest] == [m["lr"] for m in expected]
+    if save_optimizer:  # the updates too (a fresh Adam state would change them)
+        assert rest[-1]["train/loss"] == pytest.approx(expected[-1]["train/loss"], rel=1e-5, abs=1e-6)
+    inits = calls["init"]
+    assert inits[2]["id"] == inits[1]["id"] != inits[0]["id"]  # the resumed run continues its wandb run
+    assert inits[2]["resume"] == "allow" and inits[2]["dir"] == str(tmp_path / "resumed")
+    assert inits[0]["project"] == "tlt-rl" and inits[0]["name"] == "full"
+    assert inits[0]["config"]["optim"]["schedule"] == "cosine"
+
+
+def test_resume_refuses_a_longer_run_that_would_stretch_the_cosine(tmp_path):
+    """run.steps may change on --resume, but with optim.decay_steps=0 it is the cosine's length: the error says
+    how to extend the run on the same schedule."""
+    config = load_config(None, [f"run.out_dir={tmp_path}", "optim.schedule=cosine", "run.steps=4"]).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "step-000004").mkdir()
+    (tmp_path / "step-000004" / "state.json").write_text("{}")
+    longer = load_config(None, [f"run.out_dir={tmp_path}", "optim.schedule=cosine", "run.steps=8"]).to_dict()
+    with pytest.raises(RunDirError, match=r"optim.decay_steps changed; its cosine schedule decays over 4 steps: set "
+                                          r"optim.decay_steps to that"):
+        prepare_run_dir(tmp_path, longer, resume=True, overwrite=False)
+    kept = load_config(None, [f"run.out_dir={tmp_path}", "optim.schedule=cosine", "run.steps=8",
+                              "optim.decay_steps=4"]).to_dict()
+    assert prepare_run_dir(tmp_path, kept, resume=True, overwrite=False).name == "step-000004"
+    other_logger = load_config(None, [f"run.out_dir={tmp_path}", "optim.schedule=cosine", "run.steps=4",
+                                      "run.logger=jsonl", "optim.grad_checkpointing=true"]).to_dict()
+    prepare_run_dir(tmp_path, other_logger, resume=True, overwrite=False)  # loggers and checkpointing may change
+    warmer = load_config(None, [f"run.out_dir={tmp_path}", "optim.schedule=cosine", "run.steps=4",
+                                "optim.warmup_steps=1"]).to_dict()
+    with pytest.raises(RunDirError, match=r"\(optim.warmup_steps changed\)"):
+        prepare_run_dir(tmp_path, warmer, resume=True, overwrite=False)
+
+
+# -- gradient checkpointing -----------------------------------------------------------------------------------
+
+def packed_batch():
+    prompts = random_prompts([5, 3, 7], vocab_size=97, seed=1)
+    responses = random_prompts([4, 6, 2], vocab_size=97, seed=2)
+    return PackedSamples.build(prompts, responses, pad_id=0)
+
+
+def gradients(model, batch):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    logprobs = token_logprobs(model, batch, temperature=0.7).logprobs
+    (logprobs * batch.response_mask).sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_grad_checkpointing_gives_the_same_gradients_and_recomputes_only_in_training():
+    plain = tiny_model("llama", layers=3)
+    checkpointed = copy.deepcopy(plain)
+    enable_grad_checkpointing(checkpointed)
+    calls = []
+    checkpointed.model.layers[1].mlp.register_forward_pre_hook(lambda *args: calls.append(1))
+    batch = packed_batch()
+    expected, got = gradients(plain, batch), gradients(checkpointed, batch)
+    assert len(calls) == 2  # the forward, then its recomputation in the backward (a pre-hook: the recomputation
+    # stops once it has every saved tensor, before the module returns)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    calls.clear()
+    checkpointed.eval()
+    with torch.no_grad():  # the old-log-prob pass: no recomputation, no checkpoint bookkeeping
+        token_logprobs(checkpointed, batch)
+    assert len(calls) == 1
+
+
+def test_the_trainer_turns_grad_checkpointing_on_when_asked(tmp_path):
+    assert not make_trainer(tmp_path / "a").model.model.layers[0].gradient_checkpointing
+    trainer = make_trainer(tmp_path / "b", **{"optim.grad_checkpointing": True})
+    assert all(layer.gradient_checkpointing for layer in trainer.model.model.layers)
+    assert math.isfinite(trainer.train_step()["train/loss"])
+
+
+# -- autocast -------------------------------------------------------------------------------------------------
+
+def test_autocast_auto_is_bf16_on_cuda_and_off_on_cpu(tmp_path):
+    assert autocast_dtype("auto", torch.device("cpu")) is None
+    assert autocast_dtype("auto", torch.device("cuda", 0)) is torch.bfloat16
+    assert autocast_dtype("off", torch.device("cuda")) is None
+    assert autocast_dtype("bf16", torch.device("cpu")) is torch.bfloat16
+    assert make_trainer(tmp_path).autocast_dtype is None  # the default, on this CPU
+
+
+def test_bf16_autocast_wraps_the_training_forward(tmp_path):
+    """Asked for explicitly, bf16 autocast also runs on CPU: the log-probs stay fp32 tensors, close to the fp32
+    ones but not equal (the matmuls ran in bf16), and a step trains."""
+    model, batch = tiny_model(), packed_batch()
+    with torch.no_grad():
+        exact = token_logprobs(model, batch).logprobs
+        with training_autocast(torch.bfloat16, torch.device("cpu")):
+            autocast = token_logprobs(model, batch).logprobs
+    assert autocast.dtype == torch.float32
+    assert not torch.equal(autocast, exact)
+    torch.testing.assert_close(autocast, exact, atol=0.1, rtol=0.05)
+    trainer = make_trainer(tmp_path, **{"optim.autocast": "bf16"})
+    assert trainer.autocast_dtype is torch.bfloat16
+    assert math.isfinite(trainer.train_step()["train/loss"])
