@@ -4,7 +4,11 @@ import random
 
 import pytest
 
-from tlt.rollout.policy import OFF, BanditConfig, BatchSizeGate, PolicyError, StrategyBandit
+from conftest import tiny_model
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.policy import (OFF, AdaptiveSpeculation, BanditConfig, BatchSizeGate, FixedSpeculation, PolicyError,
+                                SpeculationPolicy, StrategyBandit)
+from tlt.speculative.strategy import SpecStrategy
 
 # Simulated hardware: a known tokens/s per (batch size, arm), with clear margins between the best arm and the
 # runner-up; an arm's acceptance length tau does not depend on the batch size. Observations are noisy.
@@ -106,8 +110,6 @@ def test_invalid_bandit_settings(bad):
 
 
 def test_adaptive_speculation_gates_large_batches_and_learns_small_ones():
-    from tlt.rollout.policy import AdaptiveSpeculation
-
     policy = AdaptiveSpeculation(ARMS[1:], BatchSizeGate(threshold=8, hysteresis=2), BanditConfig(seed=6))
     rng = random.Random(4)
     arms = [policy.choose(b) for b in (64, 32, 16)]
@@ -130,3 +132,17 @@ def test_state_is_matched_to_arms_by_name_when_the_arm_set_changes():
     for arm in reordered[:-1]:
         assert second.estimate(2, arm) == first.estimate(2, arm), arm
     assert second._trials[second.bucket(2), "brand-new"] == 0
+
+
+def test_engine_takes_a_strategy_or_a_policy_and_refuses_anything_else():
+    model = tiny_model("llama")
+    engine = RolloutEngine(model, speculation=SpecStrategy.chain(3))
+    assert isinstance(engine.speculation, FixedSpeculation) and engine.speculation.choose(64) == SpecStrategy.chain(3)
+    gated = FixedSpeculation(SpecStrategy.chain(3), gate=4)
+    assert isinstance(gated, SpeculationPolicy) and gated.choose(5) is None and gated.choose(4) is not None
+    adaptive = AdaptiveSpeculation([SpecStrategy.chain(3)])
+    assert isinstance(adaptive, SpeculationPolicy)
+    engine.speculation = adaptive
+    assert engine.speculation is adaptive
+    with pytest.raises(PolicyError, match="FixedSpeculation"):
+        RolloutEngine(model, speculation=lambda batch_size: None)

@@ -16,6 +16,7 @@ from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
 from tlt.models.eagle import EagleDrafter
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.model_runner import GraphRunner, _Graph
+from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import Request
 from tlt.rollout.sampling import RowSampling, SamplingParams, draw_uniforms, processed_logprobs
 from tlt.speculative.acceptance import accept
@@ -70,7 +71,7 @@ def test_speculation_switched_on_mid_rollout_catches_up_in_bulk(arch, strategy):
     requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=n))
                 for p, n in zip(random_prompts([3, 9, 5, 12], seed=2), [6, 20, 9, 26])]
     plain = RolloutEngine(model, max_batch_size=8).generate(requests)
-    tail_only = lambda batch_size: strategy if batch_size <= 2 else None  # noqa: E731
+    tail_only = FixedSpeculation(strategy, gate=2)
     _, graphed = engine_pair(model, EagleDrafter(model.config), tail_only, 8)
     result = graphed.generate(requests)
     assert [s.token_ids for s in result.samples] == [s.token_ids for s in plain.samples]
@@ -281,12 +282,26 @@ class CheckedRunner(GraphRunner):
         return _Graph(None, None, checked)
 
 
+class Alternating(FixedSpeculation):
+    """Both rules in turn at batch <= gate: a policy of the caller's own (the engine takes any SpeculationPolicy)."""
+
+    def __init__(self, strategies, gate):
+        super().__init__(strategies[0], gate)
+        self.strategies, self.turn = strategies, 0
+
+    def choose(self, batch_size):
+        if batch_size > self.gate:
+            return None
+        self.turn += 1
+        return self.strategies[self.turn % len(self.strategies)]
+
+
 def test_every_graph_body_of_a_rollout_reads_nothing_on_the_host():
     """Plain decode steps while the batch is large, speculative steps (both rules) in the tail, greedy and
     sampled rows: every body the engine would capture runs under the detector."""
     model, _ = markov_model(16, sharpness=3.0, context=0.05)
-    arms = iter([SpecStrategy(3, 2, 6), SpecStrategy(3, 2, rule="q")] * 100)
-    engine = RolloutEngine(model, max_batch_size=6, speculation=lambda b: next(arms) if b <= 3 else None,
+    engine = RolloutEngine(model, max_batch_size=6, speculation=Alternating([SpecStrategy(3, 2, 6),
+                                                                             SpecStrategy(3, 2, rule="q")], 3),
                            max_tree_size=16)
     engine.runner = CheckedRunner(engine.forward)
     engine.set_drafter(oracle_drafter(model))

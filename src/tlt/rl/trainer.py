@@ -118,7 +118,7 @@ class GRPOTrainer:
         requests = [Request(self.task.prompt_ids(example), n=cfg.samples_per_prompt, params=params)
                     for example in examples]
         self.model.eval()
-        if hasattr(self.engine.speculation, "reset"):
+        if self.engine.speculation is not None:
             self.engine.speculation.reset()  # the batch restarts large: the gate closes again
         return self.engine.generate(requests, progress=self.progress, between_steps=between_steps)
 
@@ -216,9 +216,7 @@ class GRPOTrainer:
             metrics["sd/gate"] = curve.gate()
             metrics.update({f"sd/cost_ratio_b1/{arm}": curve.ratio(arm, curve.batches[0]) for arm in curve.step_s})
         policy = self.engine.speculation
-        if not hasattr(policy, "summary"):
-            return metrics
-        arms = policy.summary()["arms"]
+        arms = policy.summary().get("arms", {}) if policy is not None else {}
         return {**metrics, **{f"sd/arm/{name}/{key}": value for name, stats in arms.items()
                               for key, value in stats.items()}}
 
@@ -233,7 +231,7 @@ class GRPOTrainer:
         from tlt.rl.checkpoint import save_checkpoint
 
         extra = {**(extra or {}), "config": self.config.to_dict()}
-        if hasattr(self.engine.speculation, "state_dict"):  # the bandit's experience carries across steps
+        if self.engine.speculation is not None:  # the bandit's experience carries across steps
             extra["speculation"] = self.engine.speculation.state_dict()
         optimizer = self.optimizer if self.config.run.save_optimizer else None
         return save_checkpoint(run_dir, self.step, self.model, optimizer, extra, files=files,
@@ -249,7 +247,7 @@ class GRPOTrainer:
 
         state = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
         self.step = state["step"]
-        if "speculation" in state and hasattr(self.engine.speculation, "load_state_dict"):
+        if "speculation" in state and self.engine.speculation is not None:
             self.engine.speculation.load_state_dict(state["speculation"])
 
 
@@ -287,7 +285,7 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair."""
     from tlt.models.eagle import EagleDrafter
     from tlt.rl.config import check_speculation
-    from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate
+    from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate, FixedSpeculation
     from tlt.speculative.strategy import SpecStrategy
 
     run, batch = config.run, config.rollout.max_batch_size
@@ -314,7 +312,7 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     if gate == 0:
         return engine  # speculation cannot pay on this device: plain decoding (the drafter is kept for metrics)
     if run.speculative == "static":
-        engine.speculation = lambda batch_size: strategy if batch_size <= gate else None  # noqa: E731
+        engine.speculation = FixedSpeculation(strategy, gate)
     else:
         engine.speculation = AdaptiveSpeculation(arms, BatchSizeGate(threshold=gate))
     return engine

@@ -20,6 +20,7 @@ from tlt.models.kv_cache import KVCache
 from tlt.models.lean_forward import LeanForward
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.model_runner import GraphRunner, batch_bucket
+from tlt.rollout.policy import SpeculationPolicy, as_policy
 from tlt.rollout.request import Request, RolloutResult, SampleOutput, StepTrace
 from tlt.rollout.sampling import RowSampling, draw_uniforms, sample_generator, sample_next
 
@@ -70,8 +71,8 @@ class RolloutEngine:
     eos_token_ids: default stop tokens for requests that give none (default: the model's EOS tokens).
     drafter: an `EagleDrafter` for speculative decoding (attached to this model on construction).
     speculation: when and how to speculate, decided before every decode step: None (never), a `SpecStrategy`
-        (always), a callable batch_size -> SpecStrategy | None, or a policy object with
-        `choose(batch_size)` / `observe(batch_size, arm, emitted_tokens, wall_s, verify_steps)`.
+        (always) or a `SpeculationPolicy` (rollout/policy.py: `FixedSpeculation(strategy, gate=8)`,
+        `AdaptiveSpeculation(strategies)`, or your own).
     dtype: the rollout precision: "auto" (bf16 on CUDA, the model's own dtype elsewhere), a torch dtype or its
         name. A dtype other than the model's decodes from a `RolloutCopy` refreshed at every `generate()`.
     cuda_graphs: replay decode and verification steps as CUDA graphs (default: on CUDA).
@@ -99,7 +100,7 @@ class RolloutEngine:
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else model_eos(model, tokenizer))
         self._cache: KVCache | None = None
-        self.speculation = speculation
+        self.speculation = speculation  # normalized to a SpeculationPolicy (or None) by the property
         self.max_tree_size = max_tree_size
         self.speculative = None
         self.drafter = None
@@ -132,6 +133,15 @@ class RolloutEngine:
         if current is not None and current.cache is not None:
             self.speculative.cache = current.cache
             current.cache.lengths.zero_()
+
+    @property
+    def speculation(self) -> SpeculationPolicy | None:
+        """The policy deciding each decode step (None: plain decoding only)."""
+        return self._speculation
+
+    @speculation.setter
+    def speculation(self, value) -> None:
+        self._speculation = as_policy(value)
 
     @property
     def target(self):
@@ -298,7 +308,7 @@ class RolloutEngine:
             trace = StepTrace("decode", len(running), len(running), 0.0)
         trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started, start_s=started - self._generate_start)
         steps.append(trace)
-        if hasattr(self.speculation, "observe"):
+        if self.speculation is not None:
             self.speculation.observe(trace.batch_size, arm if arm is not None else "off", trace.new_tokens,
                                      trace.wall_s, verify_steps=trace.batch_size)
 
@@ -319,12 +329,9 @@ class RolloutEngine:
         _append(running, tokens, logprobs)
 
     def _choose(self, batch_size: int):
-        policy = self.speculation
-        if policy is None or self.speculative is None:
+        if self.speculation is None or self.speculative is None:
             return None
-        if hasattr(policy, "choose"):
-            return policy.choose(batch_size)
-        return policy(batch_size) if callable(policy) else policy
+        return self.speculation.choose(batch_size)
 
     def _speculative_step(self, running: list[_Sequence], cache: KVCache, strategy) -> StepTrace:
         if max(strategy.tree_size, (strategy.depth - 1) * strategy.branching) > self.max_tree_size:

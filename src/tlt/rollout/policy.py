@@ -1,4 +1,5 @@
-"""When to speculate and how: a batch-size gate with hysteresis and an ε-greedy bandit per batch-size bucket.
+"""When to speculate and how: the `SpeculationPolicy` protocol the engine talks to, a fixed policy, and the
+adaptive one (a batch-size gate with hysteresis and an ε-greedy bandit per batch-size bucket).
 
 Pure policy logic, no engine or torch: the engine asks `choose(batch_size)` before a decode step and reports
 `observe(...)` after it. Speculation pays only at small batch (verifying N tokens costs far more than one
@@ -16,15 +17,75 @@ import bisect
 import random
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, Protocol, runtime_checkable
 
 from tlt.errors import TltError
+from tlt.speculative.strategy import SpecStrategy
 
 OFF = "off"  # the arm that decodes one token per step without a drafter
 
 
 class PolicyError(TltError):
-    """Invalid gate or bandit settings."""
+    """Invalid gate or bandit settings, or something the engine cannot use as a policy."""
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    """What the engine asks before every decode step and tells after it; what a trainer resets and checkpoints."""
+
+    def choose(self, batch_size: int) -> SpecStrategy | str | None:
+        """The strategy for this step's batch, or None / OFF for a plain step."""
+
+    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps: int) -> None:
+        """What the step did: tokens emitted over all rows, its wall time, rows x steps verified."""
+
+    def reset(self) -> None:
+        """A new rollout begins (its batch restarts large)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def summary(self) -> dict:
+        """Metrics (e.g. τ and tokens/s per arm); {} when there is nothing to report."""
+
+
+@dataclass
+class FixedSpeculation:
+    """One strategy, at every batch size or only while the batch is at most `gate`; nothing to learn."""
+
+    strategy: SpecStrategy
+    gate: int | None = None
+
+    def choose(self, batch_size: int) -> SpecStrategy | None:
+        return self.strategy if self.gate is None or batch_size <= self.gate else None
+
+    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def summary(self) -> dict:
+        return {}
+
+
+def as_policy(speculation) -> SpeculationPolicy | None:
+    """What `RolloutEngine(speculation=...)` accepts: None (never speculate), a `SpecStrategy` (always, with it)
+    or a `SpeculationPolicy`."""
+    if speculation is None or isinstance(speculation, SpeculationPolicy):
+        return speculation
+    if isinstance(speculation, SpecStrategy):
+        return FixedSpeculation(speculation)
+    raise PolicyError(f"speculation must be None, a SpecStrategy or a SpeculationPolicy (choose, observe, reset, "
+                      f"state_dict, load_state_dict, summary), got {type(speculation).__name__}; for a gate use "
+                      f"FixedSpeculation(strategy, gate=8)")
 
 
 @dataclass
@@ -214,7 +275,8 @@ class AdaptiveSpeculation:
             return OFF
         return self.bandit.choose(batch_size)
 
-    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps=None) -> None:
+    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps: int | None = None
+                ) -> None:
         if batch_size <= self.gate.threshold:  # steps the gate kept plain say nothing about small-batch arms
             self.bandit.observe(batch_size, arm, emitted_tokens, wall_s, verify_steps)
 
