@@ -1,10 +1,21 @@
 """End to end: RL step time of TRL's GRPOTrainer, tlt without SD (the baseline) and tlt in full TLT mode.
 
-Same model (SmolLM2-135M-Instruct, fp32), task (built-in arithmetic, chat template), reward, seeds, batch (4
-prompts x 4 samples), 256 new tokens at T=1, optimizer and step count. tlt runs 2 Ray workers x 1 thread; TRL
-runs one process with 2 threads (same cores). The two tlt modes run interleaved, one step each in turn.
+Same model (SmolLM2-135M-Instruct by default), task (built-in arithmetic, chat template), reward, seeds, batch
+(--prompts x --samples), --max-new-tokens at T=1, optimizer and step count. The tlt modes run interleaved, one
+step each in turn. On CPU tlt runs 2 Ray workers x 1 thread and TRL one process with 2 threads (same cores); on
+CUDA tlt places `run.workers=auto` (one worker per GPU) and TRL uses the GPU.
+
+Natural runs (default) compare different samples: at T=1 each mode draws its own responses, and their lengths
+differ (one mode's step may simply decode fewer tokens), so each step also reports its response tokens and
+tokens/s beside its time, and several seeds should be pooled. `--replay` measures equal work: a reference run
+without SD records every sample's length each step, then the baseline and TLT mode replay those prompts with each
+sample's max_new_tokens set to its recorded length and stop tokens ignored (rollout/replay.py), so every mode
+decodes exactly the same tokens per sample (checked) — still sampling at T=1, so acceptance stays realistic.
+TRL is not run in a replay (its generate cannot fix per-sample lengths).
 
     python benchmarks/e2e.py --drafter DIR --json benchmarks/results/e2e.json [--steps K] [--seeds 0 1] [--quick]
+    python benchmarks/e2e.py --drafter DIR --replay --json benchmarks/results/e2e_replay.json
+    python benchmarks/e2e.py --drafter DIR --device cuda --max-new-tokens 1024 ... (see docs/benchmarks.md §8)
 """
 
 from __future__ import annotations
@@ -18,18 +29,27 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
 from rl_pairs import interleaved_runs  # noqa: E402
 
-CURVE_KEYS = ("reward_mean", "accuracy", "response_len_mean", "step_s", "rollout_s", "train_s",
-              "rollout_tail_share", "idle_fraction", "spot_train_share", "sd/tau", "sd/sd_step_share")
+CURVE_KEYS = ("reward_mean", "accuracy", "response_len_mean", "response_tokens", "step_s", "rollout_s", "train_s",
+              "step_tok_s", "rollout_tok_s", "rollout_tail_share", "idle_fraction", "spot_train_share", "sd/tau",
+              "sd/sd_step_share")
+SUMMARY_KEYS = ("step_s", "rollout_s", "train_s", "step_tok_s", "rollout_tok_s", "response_tokens")
 
 
-def tlt_modes(drafter: str, seed: int, max_new_tokens: int) -> dict[str, list[str]]:
-    common = ["run.workers=2", "run.backend=ray", "run.threads_per_worker=1", f"run.seed={seed}",
-              f"rollout.max_new_tokens={max_new_tokens}", "run.tensorboard=false"]
-    return {"baseline": common + ["run.speculative=off"],
-            "tlt": common + ["run.speculative=adaptive", f"run.drafter={drafter}", "run.spot_training=true"]}
+def tlt_modes(args, seed: int) -> dict[str, list[str]]:
+    common = [f"run.workers={args.workers}", f"run.seed={seed}", f"rollout.max_new_tokens={args.max_new_tokens}",
+              f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.samples}",
+              f"model.device={args.device}", "run.tensorboard=false"]
+    if args.model:
+        common.append(f"model.path={args.model}")
+    if args.device == "cpu":  # the CPU setup measured so far: Ray workers of one thread each
+        common += ["run.threads_per_worker=1"] + (["run.backend=ray"] if args.workers != "1" else [])
+    off = common + ["run.speculative=off"]
+    modes = {"baseline": off,
+             "tlt": common + ["run.speculative=adaptive", f"run.drafter={args.drafter}", "run.spot_training=true"]}
+    return {"reference": off, **modes} if args.replay else modes
 
 
-def run_trl(seed: int, steps: int, max_new_tokens: int) -> list[dict]:
+def run_trl(args, seed: int, steps: int) -> list[dict]:
     import torch
 
     from tlt.models.default_model import default_model_dir
@@ -43,62 +63,105 @@ def run_trl(seed: int, steps: int, max_new_tokens: int) -> list[dict]:
     task = ArithmeticTask(ArithmeticTaskConfig(min_operations=config.task.min_operations,
                                                max_operations=config.task.max_operations))
     # exactly the prompts tlt draws: step k uses seed run.seed * 1_000_003 + k
-    examples = [task.sample(config.rollout.prompts_per_step, seed=seed * 1_000_003 + k) for k in range(steps)]
-    return trl_step_times(str(default_model_dir()), examples, build_reward(config.task),
-                          samples_per_prompt=config.rollout.samples_per_prompt, max_new_tokens=max_new_tokens,
-                          seed=seed)
+    examples = [task.sample(args.prompts, seed=seed * 1_000_003 + k) for k in range(steps)]
+    return trl_step_times(args.model or str(default_model_dir()), examples, build_reward(config.task),
+                          samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, seed=seed,
+                          use_cpu=args.device == "cpu")
 
 
 def curves(history: list[dict]) -> dict:
-    return {key: [round(float(m.get(key, 0.0)), 4) for m in history] for key in CURVE_KEYS}
+    for metrics in history:
+        metrics["response_tokens"] = sum(metrics["response_lengths"])
+        metrics["step_tok_s"] = metrics["response_tokens"] / metrics["step_s"]
+    out = {key: [round(float(m.get(key, 0.0)), 4) for m in history] for key in CURVE_KEYS}
+    out["response_lengths"] = [m["response_lengths"] for m in history]  # every sample's, per step
+    return out
 
 
-def main() -> None:
+def trl_curves(trl: list[dict], batch: int) -> dict:
+    lengths = [t.get("completion_len_mean") for t in trl]
+    return {"step_s": [round(t["step_s"], 2) for t in trl], "reward_mean": [t.get("reward_mean") for t in trl],
+            "completion_len_mean": lengths,
+            "step_tok_s": [round(length * batch / t["step_s"], 2) if length is not None else None
+                           for length, t in zip(lengths, trl)]}
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--drafter", required=True, help="warmed drafter directory (TLT mode)")
     parser.add_argument("--json", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=4, help="samples per prompt (GRPO group size)")
+    parser.add_argument("--workers", default=None, help="run.workers (default: 2 on CPU, auto on CUDA)")
+    parser.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--replay", action="store_true", help="equal work: replay a reference run's lengths")
     parser.add_argument("--quick", action="store_true", help="1 step, 128 new tokens, no TRL")
     parser.add_argument("--skip-trl", action="store_true")
-    args = parser.parse_args()
-    steps, tokens = (1, 128) if args.quick else (args.steps, 256)
-    result = {"environment": environment(), "steps": steps, "max_new_tokens": tokens, "seeds": args.seeds,
-              "runs": {}}
-    for seed in args.seeds:
-        history = interleaved_runs(tlt_modes(args.drafter, seed, tokens), steps)
-        result["runs"][f"seed{seed}"] = {name: curves(runs) for name, runs in history.items()}
-    import ray
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.max_new_tokens = 1, 128
+    if args.workers is None:
+        args.workers = "2" if args.device == "cpu" else "auto"
+    return args
 
-    ray.shutdown()  # free the workers' memory before TRL loads its own copy
-    if not (args.quick or args.skip_trl):
-        trl = run_trl(args.seeds[0], steps, tokens)
-        result["runs"][f"seed{args.seeds[0]}"]["trl"] = {"step_s": [round(t["step_s"], 2) for t in trl],
-                                                         "reward_mean": [t.get("reward_mean") for t in trl]}
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    result = {"environment": environment(), "equal_work": args.replay, "steps": args.steps,
+              "max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "samples": args.samples,
+              "temperature": 1.0, "device": args.device, "workers": args.workers, "seeds": args.seeds, "runs": {}}
+    for seed in args.seeds:
+        history = interleaved_runs(tlt_modes(args, seed), args.steps, replay_from="reference" if args.replay else None)
+        result["runs"][f"seed{seed}"] = {name: curves(runs) for name, runs in history.items()}
+    try:
+        import ray
+
+        ray.shutdown()  # free the workers' memory before TRL loads its own copy
+    except ImportError:
+        pass
+    if not (args.quick or args.skip_trl or args.replay):
+        trl = run_trl(args, args.seeds[0], args.steps)
+        result["runs"][f"seed{args.seeds[0]}"]["trl"] = trl_curves(trl, args.prompts * args.samples)
     summarize(result)
     write_json(args.json, result)
-    print({k: v for k, v in result.items() if k not in ("runs", "environment")})
+    print({k: v for k, v in result.items() if k not in ("runs", "environment", "by_mode")})
+    return result
 
 
 def summarize(result: dict) -> None:
-    """Medians over all steps of all seeds; ratios of medians."""
+    """Medians over all steps of all seeds, per mode; ratios of medians. In a replay the modes decoded the same
+    tokens, so their step-time ratio is like for like; in natural runs compare tokens/s as well."""
     runs = result["runs"].values()
 
     def pooled(mode: str, key: str) -> list[float]:
-        return [v for run in runs if mode in run for v in run[mode][key]]
+        return [v for run in runs if mode in run for v in run[mode].get(key, []) if v is not None]
 
-    baseline, tlt = statistics.median(pooled("baseline", "step_s")), statistics.median(pooled("tlt", "step_s"))
+    def med(mode: str, key: str):
+        values = pooled(mode, key)
+        return round(statistics.median(values), 3) if values else None
+
+    modes = [m for m in ("reference", "baseline", "tlt", "trl") if pooled(m, "step_s")]
+    result["by_mode"] = {m: {key: med(m, key) for key in SUMMARY_KEYS if med(m, key) is not None} for m in modes}
+    result["by_seed"] = {name: {m: {key: round(statistics.median(run[m][key]), 3) for key in ("step_s", "step_tok_s")
+                                    if run[m].get(key) and None not in run[m][key]} for m in run}
+                         for name, run in result["runs"].items()}
+    baseline, tlt = med("baseline", "step_s"), med("tlt", "step_s")
     shares = [r / s for r, s in zip(pooled("baseline", "rollout_s"), pooled("baseline", "step_s"))]
-    result.update({"baseline_step_s": round(baseline, 2), "tlt_step_s": round(tlt, 2),
-                   "speedup_vs_baseline": round(baseline / tlt, 3),
+    result.update({"baseline_step_s": baseline, "tlt_step_s": tlt, "speedup_vs_baseline": round(baseline / tlt, 3),
+                   "tok_s_ratio_vs_baseline": round(med("tlt", "step_tok_s") / med("baseline", "step_tok_s"), 3),
+                   "rollout_speedup_vs_baseline": round(med("baseline", "rollout_s") / med("tlt", "rollout_s"), 3),
                    "rollout_share_baseline": round(statistics.median(shares), 3),
-                   "rollout_tail_share_baseline": round(statistics.median(pooled("baseline", "rollout_tail_share")), 3),
-                   "baseline_rollout_s": round(statistics.median(pooled("baseline", "rollout_s")), 2),
-                   "tlt_rollout_s": round(statistics.median(pooled("tlt", "rollout_s")), 2)})
+                   "rollout_tail_share_baseline": med("baseline", "rollout_tail_share"),
+                   "baseline_rollout_s": med("baseline", "rollout_s"), "tlt_rollout_s": med("tlt", "rollout_s")})
     trl = pooled("trl", "step_s")
     if trl:
         result["trl_step_s"] = round(statistics.median(trl), 2)
         result["speedup_vs_trl"] = round(statistics.median(trl) / tlt, 3)
+        result["trl_step_tok_s"] = med("trl", "step_tok_s")
 
 
 if __name__ == "__main__":

@@ -75,22 +75,34 @@ def spot_table(data: dict) -> str:
 
 
 def e2e_table(data: dict) -> str:
-    rows = ["| | step s (median) | rollout s | vs baseline |", "|---|---:|---:|---:|"]
+    """Natural runs (different samples per mode: compare tokens/s too) or an equal-work replay (same tokens)."""
+    modes = data.get("by_mode", {})
+
+    def tok_s(mode: str) -> str:
+        value = modes.get(mode, {}).get("step_tok_s")
+        return f"{value:.1f}" if value is not None else "–"
+
+    kind = "equal work (replayed lengths)" if data.get("equal_work") else "natural (different samples per mode)"
+    rows = [f"{kind}; medians over steps and seeds", "",
+            "| | step s | rollout s | response tok/s of the step | vs baseline (step s) |", "|---|---:|---:|---:|---:|"]
     if "trl_step_s" in data:
-        rows.append(f"| TRL `GRPOTrainer` (transformers generate) | {data['trl_step_s']:.1f} | – | "
+        rows.append(f"| TRL `GRPOTrainer` (transformers generate) | {data['trl_step_s']:.1f} | – | {tok_s('trl')} | "
                     f"{data['baseline_step_s'] / data['trl_step_s']:.2f}x |")
-    rows.append(f"| tlt, no SD (baseline) | {data['baseline_step_s']:.1f} | {data['baseline_rollout_s']:.1f} | 1.00x |")
+    rows.append(f"| tlt, no SD (baseline) | {data['baseline_step_s']:.1f} | {data['baseline_rollout_s']:.1f} | "
+                f"{tok_s('baseline')} | 1.00x |")
     rows.append(f"| tlt, TLT mode (adaptive SD + spot training) | {data['tlt_step_s']:.1f} | {data['tlt_rollout_s']:.1f} | "
-                f"{data['speedup_vs_baseline']:.2f}x |")
+                f"{tok_s('tlt')} | {data['speedup_vs_baseline']:.2f}x |")
     rows.append("")
-    rows.append(f"`speedup_vs_baseline` = **{data['speedup_vs_baseline']}**, `speedup_vs_trl` = "
+    rows.append(f"`speedup_vs_baseline` = **{data['speedup_vs_baseline']}**, `tok_s_ratio_vs_baseline` = "
+                f"{data.get('tok_s_ratio_vs_baseline', 'not recorded')}, `speedup_vs_trl` = "
                 f"**{data.get('speedup_vs_trl', 'not run')}**, `rollout_share_baseline` = {data['rollout_share_baseline']}, "
                 f"long-tail share of the rollout (time with ≤ 25% of rows left) = {data['rollout_tail_share_baseline']}")
     return "\n".join(rows)
 
 
 RENDERERS = (("rollout_throughput", rollout_table), ("speculative", speculative_table),
-             ("adaptive", adaptive_table), ("spot_training", spot_table), ("e2e", e2e_table))
+             ("adaptive", adaptive_table), ("spot_training", spot_table), ("e2e", e2e_table),
+             ("e2e_replay", e2e_table))
 
 if __name__ == "__main__":
     for name, render in RENDERERS:

@@ -16,8 +16,9 @@ from transformers import TrainerCallback
 
 def trl_step_times(model_dir: str, examples_per_step: list[list], reward, *, samples_per_prompt: int = 4,
                    max_new_tokens: int = 256, seed: int = 0, out_dir: str = "/tmp/tlt-trl-bench",
-                   system_prompt: str | None = None, log=print) -> list[dict]:
-    """Run len(examples_per_step) TRL GRPO steps; returns per step {step_s, reward_mean, completion_len_mean}."""
+                   system_prompt: str | None = None, use_cpu: bool = True, log=print) -> list[dict]:
+    """Run len(examples_per_step) TRL GRPO steps (on the CPU, or the GPU with use_cpu=False); returns per step
+    {step_s, reward_mean, completion_len_mean}."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -42,7 +43,7 @@ def trl_step_times(model_dir: str, examples_per_step: list[list], reward, *, sam
         batch // samples_per_prompt, num_generations=samples_per_prompt, max_completion_length=max_new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-5, adam_beta1=0.9, adam_beta2=0.99,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, loss_type="grpo", scale_rewards="group",
-        num_iterations=1, max_steps=len(examples_per_step), shuffle_dataset=False, seed=seed, use_cpu=True,
+        num_iterations=1, max_steps=len(examples_per_step), shuffle_dataset=False, seed=seed, use_cpu=use_cpu,
         bf16=False, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         lr_scheduler_type="constant", warmup_steps=0)
     timings = _StepClock(log)

@@ -1,7 +1,9 @@
 """The same step on Ray: two worker processes, gloo all-reduce, spot training, hot-swap, a killed worker."""
 
 import json
+import sys
 import threading
+import time
 
 import pytest
 
@@ -17,6 +19,7 @@ from tlt.rl.run import train  # noqa: E402
 # Worker processes cannot import the tests directory: ship these modules' classes by value.
 ray.cloudpickle.register_pickle_by_value(conftest)
 ray.cloudpickle.register_pickle_by_value(test_distributed)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,3 +73,53 @@ def test_a_killed_worker_is_a_clear_error_and_resume_loses_no_step(tmp_path):
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert (latest_checkpoint(run) / "drafter.safetensors").exists()
+
+
+# -- placement on Ray: what Ray cannot hold fails in seconds, and every wait is bounded ---------------------------
+
+def gpu_placement(workers=2):
+    from tlt.distributed.placement import Placement
+
+    return Placement(workers, "ray", "cuda", workers, 1.0, ("cuda",) * workers, "nccl")
+
+
+def test_gpus_ray_does_not_have_fail_before_any_actor_starts(tmp_path):
+    from tlt.distributed.backends import RayBackend
+    from tlt.distributed.placement import PlacementError
+    from tlt.rl.config import load_config
+
+    started = time.perf_counter()
+    with pytest.raises(PlacementError, match="cluster has 0 GPU.*run.workers=2 x run.gpus_per_worker=1"):
+        RayBackend(load_config(None, ["run.threads_per_worker=1"]), gpu_placement())
+    assert time.perf_counter() - started < 10
+
+
+def test_a_reservation_ray_cannot_make_is_a_bounded_wait(monkeypatch):
+    """Past the resource check (e.g. another job took the GPUs in between), the placement group's wait ends."""
+    from tlt.distributed import backends
+    from tlt.rl.config import load_config
+
+    monkeypatch.setattr(backends, "check_ray_resources", lambda *args: None)
+    monkeypatch.setattr(backends, "PLACEMENT_TIMEOUT_S", 2)
+    started = time.perf_counter()
+    with pytest.raises(WorkerError, match="Ray could not reserve 2 x .*'GPU': 1.0.* within 2 s"):
+        backends.RayBackend(load_config(None, ["run.threads_per_worker=1"]), gpu_placement())
+    assert time.perf_counter() - started < 10
+    assert not [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]  # given back
+
+
+@ray.remote(num_cpus=0)
+def _never_answers():
+    time.sleep(5)
+
+
+def test_a_hub_that_does_not_answer_is_an_error_naming_the_call(monkeypatch):
+    from types import SimpleNamespace
+
+    from tlt.distributed import worker
+    from tlt.distributed.hub import HubTimeout
+
+    monkeypatch.setattr(worker, "HUB_TIMEOUT_S", 0.5)
+    hub = worker.HubClient(SimpleNamespace(latest_version=SimpleNamespace(remote=_never_answers.remote)))
+    with pytest.raises(HubTimeout, match="did not answer latest_version\\(\\) within 0.5 s"):
+        hub.latest_version()

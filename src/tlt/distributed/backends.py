@@ -8,16 +8,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import os
 import socket
 
 from tlt.distributed.hub import DrafterHub
+from tlt.distributed.placement import check_ray_resources
 from tlt.distributed.worker import HubClient, RolloutWorker
 from tlt.errors import TltError
 
 
 class WorkerError(TltError):
-    """A worker died or failed during a step."""
+    """A worker died, failed or did not answer in time during a step."""
+
+
+# Every wait is bounded. A worker call (a shard's rollout, its log-probs, an update) gets CALL_TIMEOUT_S; a hung
+# collective ends sooner, at the process group's own GROUP_TIMEOUT_S, and comes back as the worker's error.
+CALL_TIMEOUT_S = 2 * 3600
+WORKER_START_TIMEOUT_S = 900  # a first run converts the default model's GGUF (about a minute) in every worker
+PLACEMENT_TIMEOUT_S = 60      # Ray reserving the workers' CPUs and GPUs (before any model loads)
+GROUP_TIMEOUT_S = 1800        # forming the gradient group, and any one all-reduce in it
 
 
 def threads_per_worker(config) -> int:
@@ -26,88 +36,134 @@ def threads_per_worker(config) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, config.run.workers))
 
 
-def make_backend(config, **kwargs):
-    """run.backend: "ray", "inprocess", or "auto" (Ray for several workers when it is installed)."""
-    from tlt.rl.config import BACKENDS, check_choice
-
-    choice = config.run.backend
-    check_choice("run.backend", choice, BACKENDS)  # load_config checked it; a config built in code may not be
-    if choice == "auto":
-        try:
-            import ray  # noqa: F401
-            choice = "ray" if config.run.workers > 1 else "inprocess"
-        except ImportError:
-            choice = "inprocess"
-    if choice == "ray":
-        return RayBackend(config, **kwargs)
-    return InProcessBackend(config, **kwargs)
+def make_backend(config, placement, **kwargs):
+    """The backend `placement` names (see distributed/placement.py); `config` has concrete run.workers."""
+    if placement.backend == "ray":
+        return RayBackend(config, placement, **kwargs)
+    return InProcessBackend(config, placement, **kwargs)
 
 
 class InProcessBackend:
-    """Workers as threads (one policy replica each). With one worker and a `loaded` model, that model is used
-    as is; with several, each gets its own copy."""
+    """Workers as threads (one policy replica each), each on its placement's device. With one worker and a
+    `loaded` model, that model is used as is; with several, each gets its own copy on its own device. Each
+    worker is built and called on its own thread, whose current CUDA device is the worker's."""
 
-    def __init__(self, config, *, loaded=None, task=None, reward=None):
+    def __init__(self, config, placement, *, loaded=None, task=None, reward=None):
         from tlt.distributed.collective import ThreadReducer
 
-        size = config.run.workers
-        if size < 1:
-            raise TltError(f"run.workers must be >= 1, got {size}")
+        size = placement.workers
         self.size = size
         self._hub = DrafterHub(config.run.drafter_buffer_tokens)
         self.hub = HubClient(self._hub)
         reducer = ThreadReducer(size) if size > 1 else None
-        self.workers = [
-            RolloutWorker(config, rank, size, self._hub, loaded=_replica(loaded, size), task=task, reward=reward,
-                          reducer=reducer.for_rank(rank) if reducer else None)
-            for rank in range(size)]
-        self._pools = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tlt-worker{r}")
-                       for r in range(size)]
+        self._pools = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tlt-worker{r}",
+                                                             initializer=_use_device, initargs=(device,))
+                       for r, device in enumerate(placement.devices)]
+        self.workers = []
+        try:  # one at a time, as before: model loading and seeded initialization never interleave
+            for rank, (pool, device) in enumerate(zip(self._pools, placement.devices)):
+                self.workers.append(pool.submit(
+                    _start_worker, _on_device(config, device), rank, size, self._hub, _replica(loaded, size, device),
+                    task, reward, reducer.for_rank(rank) if reducer else None).result(WORKER_START_TIMEOUT_S))
+        except concurrent.futures.TimeoutError:
+            self.shutdown(wait=False)
+            raise WorkerError(f"in-process worker {len(self.workers)} did not start within "
+                              f"{WORKER_START_TIMEOUT_S} s (loading the model hangs)") from None
+        except BaseException:  # its own start-up error (bad model, task file...), raised as itself
+            self.shutdown()
+            raise
 
     def submit(self, rank: int, method: str, *args):
         return self._pools[rank].submit(getattr(self.workers[rank], method), *args)
 
-    def wait_any(self, futures) -> list:
-        done, _ = concurrent.futures.wait(list(futures), return_when=concurrent.futures.FIRST_COMPLETED)
+    def wait_any(self, futures, timeout: float | None = None) -> list:
+        timeout = CALL_TIMEOUT_S if timeout is None else timeout
+        done, _ = concurrent.futures.wait(list(futures), timeout=timeout,
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        if not done:
+            raise TimeoutError(f"no answer within {timeout:g} s")
         return list(done)
 
-    def result(self, future):
-        return future.result()
+    def result(self, future, timeout: float | None = None):
+        timeout = CALL_TIMEOUT_S if timeout is None else timeout
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"no answer within {timeout:g} s") from None
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:
         for pool in self._pools:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=wait)
 
 
 class RayBackend:
-    """One Ray actor per worker (its own process, `threads_per_worker` CPU threads), a hub actor, and a gloo
-    (NCCL on GPUs) process group among the workers for the gradient all-reduce. Workers load the model from
-    config.model.path, or receive `loaded` (an in-memory model, e.g. in tests) through Ray's object store."""
+    """One Ray actor per worker (its own process, `threads_per_worker` CPU threads, `placement.gpus_per_worker`
+    of a GPU), a hub actor, and a process group among the workers for the gradient all-reduce (NCCL when each
+    holds a whole GPU, gloo otherwise). Before any actor starts, Ray's cluster is checked and the workers' CPUs
+    and GPUs reserved (a placement group, bounded wait), so a placement Ray cannot satisfy fails in seconds.
+    Workers load the model from config.model.path, or receive `loaded` (an in-memory model, e.g. in tests)
+    through Ray's object store."""
 
-    def __init__(self, config, *, loaded=None, task=None, reward=None):
+    def __init__(self, config, placement, *, loaded=None, task=None, reward=None):
         try:
             import ray
         except ImportError as error:
             raise TltError("run.backend=ray needs Ray: pip install 'tlt-rl[ray]'") from error
-        self.size = config.run.workers
+        self.size = placement.workers
+        self.workers, self._hub, self._group = [], None, None
         threads = threads_per_worker(config)
-        use_gpu = config.model.device not in (None, "cpu") or _cuda_available()
-        if use_gpu and self.size > _cuda_devices():
-            raise TltError(f"run.workers={self.size} asks for one GPU per worker, but this machine has "
-                           f"{_cuda_devices()}: set run.workers={max(1, _cuda_devices())}")
         if not ray.is_initialized():
             # ERROR: Ray's start-up notices (e.g. its token-auth warning) would otherwise open every run's log
             ray.init(num_cpus=max(os.cpu_count() or 1, self.size * threads), include_dashboard=False,
                      log_to_driver=True, logging_level="ERROR")
+        check_ray_resources(placement, threads, ray.cluster_resources())
+        self._group = self._reserve(placement, threads)
         self._hub = ray.remote(DrafterHub).options(num_cpus=0).remote(config.run.drafter_buffer_tokens)
         self.hub = HubClient(self._hub)
-        actor = ray.remote(_RayWorker).options(num_cpus=threads, num_gpus=1 if use_gpu else 0)
-        self.workers = [actor.remote(config, rank, self.size, self._hub, threads=threads, loaded=loaded, task=task,
-                                     reward=reward) for rank in range(self.size)]
+        config = _on_device(config, placement.devices[0])  # Ray: every actor's GPU is its own `cuda`
+        actor = ray.remote(_RayWorker)
+        self.workers = [self._options(actor, rank, placement, threads).remote(
+            config, rank, self.size, self._hub, threads=threads, loaded=loaded, task=task, reward=reward)
+            for rank in range(self.size)]
         self._check(self._started([w.ping.remote() for w in self.workers]))
         if self.size > 1:
             address = f"127.0.0.1:{_free_port()}"
-            ray.get([w.join_group.remote(address) for w in self.workers])
+            self._wait([w.join_group.remote(address, placement.collective, GROUP_TIMEOUT_S) for w in self.workers],
+                       GROUP_TIMEOUT_S + 60, f"the workers did not form their {placement.collective} group")
+
+    def _reserve(self, placement, threads: int):
+        """A placement group holding every worker's CPUs and GPU share, ready within PLACEMENT_TIMEOUT_S."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundle = {"CPU": float(threads)}
+        if placement.gpus_per_worker > 0:
+            bundle["GPU"] = placement.gpus_per_worker
+        group = placement_group([dict(bundle) for _ in range(self.size)], strategy="PACK")
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)
+            raise WorkerError(f"Ray could not reserve {self.size} x {bundle} for the workers within "
+                              f"{PLACEMENT_TIMEOUT_S} s (free: {_resources(ray.available_resources())}): lower "
+                              f"run.workers, run.gpus_per_worker or run.threads_per_worker") from None
+        return group
+
+    def _options(self, actor, rank: int, placement, threads: int):
+        """Worker `rank` in its reserved bundle: its CPU threads and its share of a GPU."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=rank)
+        return actor.options(num_cpus=threads, num_gpus=placement.gpus_per_worker, scheduling_strategy=strategy)
+
+    def _wait(self, refs, timeout: float, what: str):
+        import ray
+
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise WorkerError(f"{what} within {timeout:g} s") from None
 
     def _started(self, pings) -> list[int]:
         """The ranks the workers answer with, or the first worker's own start-up error (bad model, task file,
@@ -118,8 +174,8 @@ class RayBackend:
             answers = ray.get(pings, timeout=WORKER_START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
-            raise WorkerError(f"the workers did not start within {WORKER_START_TIMEOUT_S} s (Ray could not place "
-                              f"them, or loading the model hangs)") from None
+            raise WorkerError(f"the workers did not start within {WORKER_START_TIMEOUT_S} s (their resources were "
+                              f"reserved: loading the model hangs)") from None
         except ray.exceptions.RayError as error:
             self.shutdown()
             raise WorkerError(f"a worker died while starting: {_last_line(error)}") from None
@@ -136,17 +192,24 @@ class RayBackend:
     def submit(self, rank: int, method: str, *args):
         return self.workers[rank].call.remote(method, *args)
 
-    def wait_any(self, futures) -> list:
+    def wait_any(self, futures, timeout: float | None = None) -> list:
         import ray
 
-        done, _ = ray.wait(list(futures), num_returns=1)
+        timeout = CALL_TIMEOUT_S if timeout is None else timeout
+        done, _ = ray.wait(list(futures), num_returns=1, timeout=timeout)
+        if not done:
+            raise TimeoutError(f"no answer within {timeout:g} s")
         return done
 
-    def result(self, future):
+    def result(self, future, timeout: float | None = None):
         """The call's value; a worker's TltError (bad input met mid-step) comes back as itself."""
         import ray
 
-        value = ray.get(future)
+        timeout = CALL_TIMEOUT_S if timeout is None else timeout
+        try:
+            value = ray.get(future, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"no answer within {timeout:g} s") from None
         if isinstance(value, _Failed):
             raise value.error from None
         return value
@@ -159,13 +222,15 @@ class RayBackend:
 
     def shutdown(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
-        ray.kill(self._hub, no_restart=True)
-
-
-WORKER_START_TIMEOUT_S = 900  # a first run converts the default model's GGUF (about a minute) in every worker
+        if self._hub is not None:
+            ray.kill(self._hub, no_restart=True)
+        if self._group is not None:
+            remove_placement_group(self._group)
+            self._group = None
 
 
 class _RayWorker(RolloutWorker):
@@ -204,10 +269,40 @@ def _last_line(error: Exception) -> str:
     return lines[-1].strip() if lines else type(error).__name__
 
 
-def _replica(loaded, size: int):
-    if loaded is None or size == 1:
-        return loaded
-    return copy.deepcopy(loaded)
+def _replica(loaded, size: int, device: str):
+    """The in-memory model for one in-process worker: itself for a single worker, else a copy on `device`."""
+    if loaded is None:
+        return None
+    import torch
+
+    replica = loaded if size == 1 else copy.deepcopy(loaded)
+    current, target = next(replica.model.parameters()).device, torch.device(device)
+    if current.type != target.type or (target.index is not None and current.index != target.index):
+        replica.model.to(target)
+    return replica
+
+
+def _on_device(config, device: str):
+    """The config one worker loads its model with (model.device = its placement's device)."""
+    if config.model.device == device:
+        return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
+
+
+def _use_device(device: str) -> None:
+    """A worker thread's initializer: its CUDA calls (graphs, streams, allocations) go to its own GPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
+def _start_worker(config, rank, size, hub, loaded, task, reward, reducer):
+    return RolloutWorker(config, rank, size, hub, loaded=loaded, task=task, reward=reward, reducer=reducer)
+
+
+def _resources(resources: dict) -> str:
+    return ", ".join(f"{key} {value:g}" for key, value in sorted(resources.items()) if key in ("CPU", "GPU")) or "none"
 
 
 def _free_port() -> int:
@@ -216,13 +311,3 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _cuda_devices() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,8 +1,10 @@
 """Summing gradients across policy replicas.
 
-Ray workers are processes: they form a torch.distributed group (gloo on CPU, NCCL on CUDA) and all-reduce one
-flat buffer per step. In-process workers are threads of one process: they sum into a shared buffer behind a
-barrier. Either way every replica ends the reduction with the same summed gradient, clips the same global norm
+Ray workers are processes: they form a torch.distributed group and all-reduce one flat buffer per step: NCCL
+when each holds a whole GPU of its own, gloo otherwise (CPU, or fractional GPUs: NCCL refuses two ranks on one
+device; gloo's buffer then goes through host memory). The placement decides (distributed/placement.py).
+In-process workers are threads of one process: they sum into a shared buffer behind a barrier, on rank 0's
+device. Either way every replica ends the reduction with the same summed gradient, clips the same global norm
 and takes the same optimizer step, so the replicas stay identical (tested bit for bit).
 """
 
@@ -18,28 +20,35 @@ def flat_gradients(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def unflatten_into(parameters: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Each parameter's gradient becomes its slice of `flat`, copied to the parameter's own device."""
     offset = 0
     for p in parameters:
         count = p.numel()
-        p.grad = flat[offset:offset + count].view_as(p).clone()
+        p.grad = flat[offset:offset + count].view_as(p).to(p.device, copy=True)
         offset += count
 
 
 class ProcessGroupReducer:
-    """A torch.distributed group among the worker processes (one rank each)."""
+    """A torch.distributed group among the worker processes (one rank each). `backend`: "nccl" or "gloo";
+    `timeout_s` bounds forming the group and every all-reduce (a dead peer is an error, not a hang)."""
 
-    def __init__(self, rank: int, world_size: int, address: str, device: torch.device):
+    def __init__(self, rank: int, world_size: int, address: str, backend: str = "gloo", timeout_s: float = 1800):
+        import datetime
+
         import torch.distributed as dist
 
-        backend = "nccl" if device.type == "cuda" else "gloo"
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size)
+            dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         self.world_size = world_size
+        self.host_buffer = backend == "gloo"  # gloo sums host tensors: a GPU buffer goes through host memory
 
     def __call__(self, parameters: list[torch.nn.Parameter]) -> None:
         import torch.distributed as dist
 
         flat = flat_gradients(parameters)
+        if self.host_buffer:
+            flat = flat.cpu()
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         unflatten_into(parameters, flat)
 
@@ -52,19 +61,21 @@ class ProcessGroupReducer:
 
 class ThreadReducer:
     """The same sum for worker threads of one process: each adds its gradient, all wait, all read the total.
-    Additions happen in rank order so the floating-point sum does not depend on thread timing."""
+    Additions happen in rank order so the floating-point sum does not depend on thread timing. A worker that never
+    arrives breaks the barrier after `timeout_s` (threading.BrokenBarrierError in every waiting worker)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, timeout_s: float = 1800):
         self.world_size = world_size
-        self._barrier = threading.Barrier(world_size)
+        self._barrier = threading.Barrier(world_size, timeout=timeout_s)
         self._parts: dict[int, torch.Tensor] = {}
         self._total: torch.Tensor | None = None
 
     def for_rank(self, rank: int):
         def reduce(parameters: list[torch.nn.Parameter]) -> None:
             self._parts[rank] = flat_gradients(parameters)
-            if self._barrier.wait() == 0:  # one thread sums, in rank order
-                self._total = sum(self._parts[r] for r in range(self.world_size))
+            if self._barrier.wait() == 0:  # one thread sums, in rank order, on rank 0's device
+                device = self._parts[0].device
+                self._total = sum(self._parts[r].to(device) for r in range(self.world_size))
             self._barrier.wait()
             unflatten_into(parameters, self._total)
             self._barrier.wait()  # nobody starts the next reduction before all have read this one

@@ -16,6 +16,7 @@ import time
 import torch
 
 from tlt.distributed.backends import WorkerError, make_backend
+from tlt.distributed.placement import resolve_and_log
 from tlt.distributed.timeline import merge_step, time_shares
 from tlt.errors import TltError
 from tlt.rl.checkpoint import latest_checkpoint
@@ -25,17 +26,20 @@ from tlt.rollout.request import RolloutResult
 
 class DistributedGRPO:
     def __init__(self, config, *, backend=None, **backend_kwargs):
-
+        loaded = backend_kwargs.get("loaded")
+        config, self.placement = resolve_and_log(
+            config, device=next(loaded.model.parameters()).device.type if loaded is not None else None)
         if config.rollout.prompts_per_step < config.run.workers:
             raise TltError(f"rollout.prompts_per_step={config.rollout.prompts_per_step} is fewer than "
                            f"run.workers={config.run.workers}: every worker needs at least one prompt")
-        self.config = config
-        self.backend = backend or make_backend(config, **backend_kwargs)
+        self.config = config  # run.workers and run.backend as placed (config.run.workers may have said "auto")
+        self.backend = backend or make_backend(config, self.placement, **backend_kwargs)
         self.size = self.backend.size
         self.step = 0
         self.progress = False
         self.on_phase = None  # callable(text): the driver's status line, told when the rollout is over
         self.last_timeline: dict | None = None
+        self.last_rollout: RolloutResult | None = None  # every worker's samples of the last step, prompt-major
         self.speculative = config.run.speculative != "off"
         self.spot_training = self.speculative and config.run.spot_training and self.size > 1
         if self.speculative:
@@ -43,12 +47,15 @@ class DistributedGRPO:
 
     # -- one RL step -----------------------------------------------------------------------------------------
 
-    def train_step(self) -> dict:
+    def train_step(self, lengths: list[int] | None = None) -> dict:
+        """One RL step. `lengths` (benchmarks): an equal-work replay, every sample decodes exactly this many
+        tokens, stop tokens ignored — one per sample, prompt-major, e.g. another run's `last_rollout` lengths."""
         step_start = time.time()
         examples = self._call(0, "sample_examples", self.step)
         shards = _shard(examples, self.size)
+        replay = self._length_shards(lengths, shards)
         self.backend.hub.begin_step(self.step)
-        rollouts, prepared, spot = self._run_workers(shards)
+        rollouts, prepared, spot = self._run_workers(shards, replay)
         rollout_end = max(r["end"] for r in rollouts.values())
         totals = _sum_totals([prepared[r]["totals"] for r in range(self.size)])
         updates = self._gather({r: self.backend.submit(r, "update", totals) for r in range(self.size)}, "update")
@@ -62,13 +69,27 @@ class DistributedGRPO:
             self._phase(f"step {self.step}: held-out evaluation")
         return {**metrics, **self._call(0, "evaluate")}  # {} unless rank 0 has a held-out set and it is due
 
-    def _run_workers(self, shards: list[list]) -> tuple[dict, dict, dict]:
+    def _length_shards(self, lengths, shards: list[list]) -> list:
+        if lengths is None:
+            return [None] * self.size
+        n = self.config.rollout.samples_per_prompt
+        total = n * sum(len(shard) for shard in shards)
+        if len(lengths) != total:
+            raise TltError(f"a replay step needs one length per sample: {total} samples, {len(lengths)} lengths")
+        parts, start = [], 0
+        for shard in shards:
+            parts.append([int(x) for x in lengths[start:start + n * len(shard)]])
+            start += n * len(shard)
+        return parts
+
+    def _run_workers(self, shards: list[list], lengths: list) -> tuple[dict, dict, dict]:
         """rollout → prepare → (spot_train while any rollout is still running), per worker, as futures finish."""
-        pending = {self.backend.submit(r, "rollout", self.step, shards[r]): ("rollout", r) for r in range(self.size)}
+        pending = {self.backend.submit(r, "rollout", self.step, shards[r], lengths[r]): ("rollout", r)
+                   for r in range(self.size)}
         results = {"rollout": {}, "prepare": {}, "spot_train": {}}
         stopped = False
         while pending:
-            for future in self.backend.wait_any(pending):
+            for future in self._wait_any(pending):
                 phase, rank = pending.pop(future)
                 results[phase][rank] = self._result(future, phase, rank)
                 if phase == "rollout" and len(results["rollout"]) == self.size:
@@ -81,6 +102,14 @@ class DistributedGRPO:
                 self.backend.hub.stop(self.step)  # the last worker is ready for the update: stop spot training
                 stopped = True
         return results["rollout"], results["prepare"], results["spot_train"]
+
+    def _wait_any(self, pending: dict) -> list:
+        try:
+            return self.backend.wait_any(pending)
+        except TimeoutError as error:
+            calls = ", ".join(f"{phase} on worker {rank}" for phase, rank in pending.values())
+            raise WorkerError(f"RL step {self.step + 1}: no worker answered ({error}) while waiting for {calls}; "
+                              f"nothing of this step was saved{self._next_move()}") from None
 
     def _phase(self, text: str) -> None:
         """Tell the driver's display what the step is doing (minutes pass between rollout and step line)."""
@@ -120,6 +149,7 @@ class DistributedGRPO:
         merged = RolloutResult([s for r in ranks for s in rollouts[r]["rollout"].samples],
                                [t for r in ranks for t in rollouts[r]["rollout"].steps],
                                max(rollouts[r]["rollout"].wall_s for r in ranks))
+        self.last_rollout = merged
         rewards = torch.cat([prepared[r]["rewards"] for r in ranks])
         correct = torch.cat([prepared[r]["correct"] for r in ranks])
         update = updates[0]["update"]

@@ -12,6 +12,12 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from tlt.errors import TltError
+
+
+class HubTimeout(TltError):
+    """The hub (a Ray actor) did not answer a call in time."""
+
 
 class DrafterHub:
     def __init__(self, max_feature_tokens: int = 200_000):

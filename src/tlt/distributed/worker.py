@@ -15,6 +15,7 @@ import traceback
 
 import torch
 
+from tlt.distributed.hub import HubTimeout
 from tlt.distributed.timeline import WorkerTimeline
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
@@ -22,8 +23,12 @@ from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
 log = logging.getLogger(__name__)
 
 
+HUB_TIMEOUT_S = 300  # one hub call (a drafter version or a step's features are the largest it moves)
+
+
 class HubClient:
-    """The hub's methods as plain calls, whether it is a local object or a Ray actor handle."""
+    """The hub's methods as plain calls, whether it is a local object or a Ray actor handle (each call bounded
+    by HUB_TIMEOUT_S: a hub that does not answer is an error naming the call, not a hang)."""
 
     def __init__(self, hub):
         self._hub = hub
@@ -37,7 +42,10 @@ class HubClient:
         def call(*args, **kwargs):
             import ray
 
-            return ray.get(method.remote(*args, **kwargs))
+            try:
+                return ray.get(method.remote(*args, **kwargs), timeout=HUB_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise HubTimeout(f"the drafter hub did not answer {name}() within {HUB_TIMEOUT_S} s") from None
         return call
 
 
@@ -64,10 +72,11 @@ class RolloutWorker:
 
     # -- process group -------------------------------------------------------------------------------------
 
-    def join_group(self, address: str) -> None:
+    def join_group(self, address: str, backend: str = "gloo", timeout_s: float = 1800) -> None:
+        """Join the workers' gradient group ("nccl" or "gloo": the placement's choice)."""
         from tlt.distributed.collective import ProcessGroupReducer
 
-        self.reducer = ProcessGroupReducer(self.rank, self.world_size, address, self.trainer.device)
+        self.reducer = ProcessGroupReducer(self.rank, self.world_size, address, backend, timeout_s)
 
     # -- one RL step ----------------------------------------------------------------------------------------
 
@@ -76,15 +85,16 @@ class RolloutWorker:
         self.trainer.step = step
         return self.trainer.task.sample(self.config.rollout.prompts_per_step, seed=self.trainer.step_seed())
 
-    def rollout(self, step: int, examples: list) -> dict:
-        """Generate this worker's shard; swap in newer drafters between decode steps."""
+    def rollout(self, step: int, examples: list, lengths: list[int] | None = None) -> dict:
+        """Generate this worker's shard; swap in newer drafters between decode steps. `lengths`: an equal-work
+        replay (one length per sample; see rollout/replay.py)."""
         self.trainer.step = step
         self.timeline = WorkerTimeline(self.rank)
         self._examples = examples
         if self.drafter is not None:
             self._sync_drafter(self.engine, force=True)
         wall_start = time.time()
-        self._result = self.trainer.rollout(examples, between_steps=self._between_steps)
+        self._result = self.trainer.rollout(examples, between_steps=self._between_steps, lengths=lengths)
         self.timeline.add_rollout(self._result, wall_start)
         return {"rollout": _lean_rollout(self._result), "end": time.time()}
 

@@ -108,9 +108,11 @@ class RunConfig:
     drafter: str | None = None     # drafter directory (tlt drafter warmup); none: spot training (workers >= 2)
                                    # trains one from scratch
     strategy: str = "S4K2N8"       # static mode's strategy, as depth S, branching K, tree size N
-    gate: str = "auto"             # speculate only while the running batch is at most this: an integer, or
+    gate: int | str = "auto"       # speculate only while the running batch is at most this: an integer, or
                                    # "auto" (derived from a cost curve measured once on this device and cached)
-    workers: int = 2               # rollout workers (policy replicas); prompts are sharded across them
+    workers: int | str = "auto"    # rollout workers (policy replicas); prompts are sharded across them. "auto":
+                                   # one per GPU on CUDA (1 on a one-GPU machine), 2 on CPU
+    gpus_per_worker: float = 1.0   # GPU share of each worker, in (0, 1]: 0.5 puts two workers on each GPU
     backend: str = "auto"          # "ray", "inprocess" (threads of this process) or "auto" (Ray if installed
                                    # and workers > 1)
     threads_per_worker: int = 0    # CPU threads per worker (0 = cores // workers)
@@ -214,16 +216,20 @@ def validate(config: TrainConfig) -> TrainConfig:
         SpecStrategy.parse(run.strategy)
     except TltError as error:
         raise ConfigError(f"run.strategy: {error}") from None
-    _check(run.gate == "auto" or (run.gate.isdigit() and int(run.gate) >= 1),
+    _check(run.gate == "auto" or (isinstance(run.gate, int) and run.gate >= 1),
            f"run.gate must be auto or an integer >= 1 (a batch size), got {run.gate!r}")
     for key in ("steps", "checkpoint_every", "keep_checkpoints", "threads_per_worker"):
         _at_least(f"run.{key}", getattr(run, key), 0)
-    for key in ("workers", "publish_every", "drafter_buffer_tokens"):
+    _check(run.workers == "auto" or (isinstance(run.workers, int) and run.workers >= 1),
+           f"run.workers must be >= 1 (or auto), got {run.workers!r}")
+    _check(0 < run.gpus_per_worker <= 1, f"run.gpus_per_worker must be in (0, 1] (0.5 puts two workers on each "
+           f"GPU), got {run.gpus_per_worker}")
+    for key in ("publish_every", "drafter_buffer_tokens"):
         _at_least(f"run.{key}", getattr(run, key), 1)
     _at_least("run.swap_poll_s", run.swap_poll_s, 0)  # 0: check for a newer drafter before every decode step
     _check(run.drafter_lr > 0, f"run.drafter_lr must be > 0, got {run.drafter_lr}")
-    _check(rollout.prompts_per_step >= run.workers, f"rollout.prompts_per_step={rollout.prompts_per_step} is "
-           f"fewer than run.workers={run.workers}: every worker needs at least one prompt")
+    _check(run.workers == "auto" or rollout.prompts_per_step >= run.workers, f"rollout.prompts_per_step="
+           f"{rollout.prompts_per_step} is fewer than run.workers={run.workers}: every worker needs at least one prompt")
     check_speculation(run)
     return config
 
@@ -232,7 +238,8 @@ def check_speculation(run: RunConfig) -> None:
     """A speculative mode needs a drafter: a warmed one, or one spot training teaches from scratch. Also called
     where the engine is built, for configs made in code without `validate`."""
     check_choice("run.speculative", run.speculative, SPECULATIVE_MODES)
-    _check(run.speculative == "off" or bool(run.drafter) or (run.spot_training and run.workers > 1),
+    several = run.workers == "auto" or run.workers > 1  # auto: placement decides (distributed/placement.py)
+    _check(run.speculative == "off" or bool(run.drafter) or (run.spot_training and several),
            f"run.speculative={run.speculative} needs run.drafter (make one with `tlt drafter warmup`) or spot "
            f"training (run.spot_training=true with run.workers >= 2) to train one from scratch")
 
@@ -328,6 +335,13 @@ def _coerce(key: str, value, annotation):
             return None
         annotation = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    elif origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):  # e.g. int | str: first fit
+        for option in args:
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key} expects {' or '.join(a.__name__ for a in args)}, got {value!r}")
     if _is_name_list(annotation):
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):

@@ -24,17 +24,21 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     """Run config.run.steps RL steps (continuing from the latest checkpoint with resume=True; overwrite=True
     replaces a run already in run.out_dir). The run directory is checked before the policy loads."""
     from tlt.distributed.controller import DistributedGRPO
+    from tlt.distributed.placement import resolve
 
     # soft_wrap: a step line stays one line in logs and pipes (rich wraps at 80 columns off a terminal)
     console = console or Console(soft_wrap=True)
     validate(config)  # a config built in code gets the same checks as one from the command line
     owned = trainer is None
     if owned:
+        placed, placement, notes = resolve(config)  # this machine's devices: workers that cannot be placed fail here
         preflight(config)  # before --overwrite deletes anything
+        for note in notes:
+            console.print(f"note: {note}")
     run_dir = Path(config.run.out_dir)
     checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite)
-    with console.status(f"loading the policy ({config.run.workers} worker(s))"):
-        trainer = trainer or DistributedGRPO(config)
+    with console.status(f"loading the policy ({placement.describe() if owned else 'given trainer'})"):
+        trainer = trainer or DistributedGRPO(placed)  # config.json keeps the config as given (e.g. workers=auto)
         trainer.progress = console.is_terminal
     try:
         history = _loop(config, trainer, run_dir, checkpoint, console)

@@ -25,6 +25,7 @@ from tlt.rl.optim import (advance_schedule, autocast_dtype, build_optimizer, bui
                           enable_grad_checkpointing, training_autocast)
 from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.replay import length_matched, regroup
 from tlt.rollout.request import Request, RolloutResult
 from tlt.rollout.sampling import SamplingParams
 
@@ -111,7 +112,9 @@ class GRPOTrainer:
     def step_seed(self) -> int:
         return self.config.run.seed * 1_000_003 + self.step
 
-    def rollout(self, examples, between_steps=None) -> RolloutResult:
+    def rollout(self, examples, between_steps=None, lengths=None) -> RolloutResult:
+        """`lengths` (one per sample, prompt-major): an equal-work replay, every sample decodes exactly its
+        length with stop tokens ignored (rollout/replay.py; benchmarks only)."""
         cfg = self.config.rollout
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 max_new_tokens=cfg.max_new_tokens, seed=self.step_seed())
@@ -120,7 +123,11 @@ class GRPOTrainer:
         self.model.eval()
         if self.engine.speculation is not None:
             self.engine.speculation.reset()  # the batch restarts large: the gate closes again
-        return self.engine.generate(requests, progress=self.progress, between_steps=between_steps)
+        if lengths is None:
+            return self.engine.generate(requests, progress=self.progress, between_steps=between_steps)
+        result = self.engine.generate(length_matched(requests, lengths), progress=self.progress,
+                                      between_steps=between_steps)
+        return regroup(result, requests)
 
     def score(self, examples, rollout: RolloutResult) -> StepBatch:
         from tlt.rl.grpo import group_advantages
