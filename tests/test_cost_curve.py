@@ -60,7 +60,7 @@ def engine_with(graph_runner: bool):
 @pytest.mark.parametrize("graph_runner", [False, True], ids=["eager", "runner"])
 def test_measure_times_plain_and_every_arm_on_the_engine(graph_runner):
     engine = engine_with(graph_runner)
-    curve = measure(engine, ARMS, batches=(1, 2), repeats=1)
+    curve = measure(engine, ARMS, batches=(1, 2), repeats=1, tau=1e9)  # every arm "pays": all timed
     assert curve.batches == [1, 2]
     assert set(curve.step_s) == {a.name for a in ARMS}
     assert all(s > 0 for s in curve.plain_s.values())
@@ -70,6 +70,18 @@ def test_measure_times_plain_and_every_arm_on_the_engine(graph_runner):
     from tlt.rollout.sampling import SamplingParams
     result = engine.generate([Request([1, 2, 3], n=2, params=SamplingParams(temperature=0, max_new_tokens=6))])
     assert len(result.samples) == 2
+
+
+def test_measuring_stops_where_no_arm_can_pay():
+    """With an expectation no arm can meet, only the first batch is timed (each arm once dropped stays out)."""
+    curve = measure(engine_with(False), ARMS, batches=(1, 2, 4), repeats=1, tau=0.0)
+    assert curve.batches == [1] and curve.gate(0.0) == 0 and curve.arms(0.0) == []
+
+
+def test_a_cheap_reading_at_a_large_batch_does_not_reopen_the_gate():
+    curve = synthetic({"a": [1.5, 2.6, 1.2, 0.9, 3.0]})
+    assert curve.cost("a", 8) == 2.6 and curve.ratio("a", 8) == 0.9
+    assert curve.gate(2.0) == 1
 
 
 def test_curve_is_cached_per_device_model_and_arms(tmp_path, monkeypatch):

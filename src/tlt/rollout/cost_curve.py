@@ -7,7 +7,8 @@ price of one up to a much larger batch. So instead of a gate tuned on one machin
 (plain, and every arm's SD step through the same runner the rollout uses) at a few batch sizes, once per (device,
 model shape, rollout dtype, arms), caches the curve as JSON, and derives:
 
-- the gate: the largest measured batch at which some arm is expected to pay (ratio < `EXPECTED_TAU`);
+- the gate: the largest measured batch at which some arm is expected to pay (cost < `EXPECTED_TAU` plain steps,
+  the cost made monotone in the batch size so that noise cannot reopen the gate at a large batch);
 - the arms: those expected to pay at batch 1 (an arm too expensive even there can only lose).
 
 The bandit still learns per batch bucket below the gate from the real τ: the curve only bounds where it looks.
@@ -35,6 +36,7 @@ EXPECTED_TAU = 2.0   # a warmed drafter at T = 1 reaches τ 1.5-2.5 (docs/benchm
 BATCHES = (1, 2, 4, 8, 16, 32)
 CONTEXT = 256        # committed tokens per row while timing (a mid-length response)
 MEASURE_REPEATS = 3
+MEASURE_BUDGET_S = 90.0  # a start-up cost paid once per device and model: bounded even on a loaded machine
 
 
 @dataclass
@@ -52,24 +54,24 @@ class CostCurve:
         return sorted(self.plain_s)
 
     def ratio(self, arm: str, batch: int) -> float:
-        """An SD step of `arm` in plain steps at this batch (inf where it was not measured)."""
+        """An SD step of `arm` in plain steps at this batch, as measured (inf where it was not measured)."""
         step = self.step_s.get(arm, {}).get(batch)
         return float("inf") if step is None else step / self.plain_s[batch]
 
+    def cost(self, arm: str, batch: int) -> float:
+        """The ratio made monotone in the batch size (the most it was at this batch or any smaller one): SD
+        only gets relatively dearer as the batch grows, so a cheap reading at a large batch is noise."""
+        return max(self.ratio(arm, b) for b in self.batches if b <= batch)
+
     def gate(self, tau: float = EXPECTED_TAU) -> int:
-        """The largest measured batch at which some arm costs less than `tau` plain steps (0: never speculate).
-        Larger batches only get relatively dearer, so the first batch where none pays ends the search."""
-        gate = 0
-        for batch in self.batches:
-            if min((self.ratio(arm, batch) for arm in self.step_s), default=float("inf")) >= tau:
-                break
-            gate = batch
-        return gate
+        """The largest measured batch at which some arm costs less than `tau` plain steps (0: never speculate)."""
+        paying = [b for b in self.batches if min((self.cost(arm, b) for arm in self.step_s), default=tau) < tau]
+        return max(paying, default=0)
 
     def arms(self, tau: float = EXPECTED_TAU) -> list[str]:
         """Arms that can pay somewhere: cheaper than `tau` plain steps at the smallest batch."""
         first = self.batches[0]
-        return [arm for arm in self.step_s if self.ratio(arm, first) < tau]
+        return [arm for arm in self.step_s if self.cost(arm, first) < tau]
 
     def summary(self, tau: float = EXPECTED_TAU) -> dict:
         """For the run's metrics: the derived gate and arms, and every arm's cost ratio by batch."""
@@ -130,26 +132,41 @@ def curve_key(engine, strategies: list[SpecStrategy], batches) -> str:
 
 
 @torch.no_grad()
-def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: int = MEASURE_REPEATS) -> CostCurve:
-    """Time a plain step and each arm's SD step at every batch size on scratch buffers (random KV, a random
-    drafter's cost equals a trained one's: the shapes are fixed by the arm). Stops early once no arm can pay."""
+def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: int = MEASURE_REPEATS,
+            tau: float = EXPECTED_TAU, budget_s: float = MEASURE_BUDGET_S) -> CostCurve:
+    """Time plain and SD steps at every batch size on scratch buffers (random KV; a random drafter costs what a
+    trained one does, the arm fixes the shapes). Plain and SD steps alternate and each arm keeps the median of its
+    paired ratios, so load that drifts while measuring (other processes) cancels. An arm is no longer timed past
+    the batch where it stops paying, measuring ends when none pays, or when `budget_s` has passed."""
     if engine.speculative is None:
         raise ValueError("measuring SD costs needs an engine with a drafter")
     started = time.perf_counter()
     plain, steps = {}, {s.name: {} for s in strategies}
+    live = [s for s in strategies if s.branching <= engine.speculative.drafter.draft_vocab_size]
     tree = max(max(s.tree_size, (s.depth - 1) * s.branching) for s in strategies)
+    truncated = False
     for batch in batches:
+        if not live or time.perf_counter() - started > budget_s:
+            truncated = bool(live)
+            break
         scratch = _Scratch(engine, batch, tree)
-        plain[batch] = _median(lambda: scratch.plain_step(), engine.device, repeats)
-        for strategy in strategies:
-            if strategy.branching > engine.speculative.drafter.draft_vocab_size:
-                continue
-            steps[strategy.name][batch] = _median(lambda: scratch.sd_step(strategy), engine.device, repeats)
+        plain_times, ratios = [], {s.name: [] for s in live}
+        for strategy in live:
+            _timed(scratch.sd_step, engine.device, strategy)  # warm-up (graph capture)
+        _timed(scratch.plain_step, engine.device)
+        for _ in range(repeats):
+            for strategy in live:
+                before = _timed(scratch.plain_step, engine.device)
+                ratios[strategy.name].append(_timed(scratch.sd_step, engine.device, strategy) / before)
+                plain_times.append(before)
         scratch.release()
-        if all(steps[s.name].get(batch, float("inf")) / plain[batch] >= 2 * EXPECTED_TAU for s in strategies):
-            break  # every arm costs far more than it can emit: larger batches only cost more
+        plain[batch] = statistics.median(plain_times)
+        for strategy in live:
+            steps[strategy.name][batch] = statistics.median(ratios[strategy.name]) * plain[batch]
+        curve = CostCurve("", plain, steps)
+        live = [s for s in live if curve.cost(s.name, batch) < tau]
     return CostCurve(device_name(engine.device), plain, {k: v for k, v in steps.items() if v},
-                     time.perf_counter() - started, {"context": CONTEXT, "repeats": repeats})
+                     time.perf_counter() - started, {"context": CONTEXT, "repeats": repeats, "truncated": truncated})
 
 
 class _Scratch:
@@ -198,15 +215,11 @@ class _Scratch:
             self.engine.runner.reset()  # its graphs point into this scratch cache
 
 
-def _median(step, device: torch.device, repeats: int) -> float:
-    step()  # warm-up (and graph capture)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def _timed(step, device: torch.device, *args) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    step(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
