@@ -28,7 +28,7 @@ from tlt.models import KVCache, load_model  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
 from tlt.rollout.engine import RolloutEngine  # noqa: E402
 from tlt.rollout.request import Request  # noqa: E402
-from tlt.rollout.sampling import SamplingParams  # noqa: E402
+from tlt.sampling import SamplingParams  # noqa: E402
 from tlt.speculative.strategy import SpecStrategy  # noqa: E402
 from tlt.tasks import ArithmeticTask, ChatTask  # noqa: E402
 

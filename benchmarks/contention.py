@@ -27,7 +27,7 @@ def decode_steps(steps: int, ready, go, out) -> None:
     from tlt.models import load_model
     from tlt.rollout.engine import RolloutEngine
     from tlt.rollout.request import Request
-    from tlt.rollout.sampling import SamplingParams
+    from tlt.sampling import SamplingParams
 
     torch.set_num_threads(1)
     loaded = load_model()

@@ -32,7 +32,7 @@ from common import (MIXED_PROMPTS, environment, median_time, memory_bandwidth, s
 from tlt.models import load_model  # noqa: E402
 from tlt.rollout.engine import RolloutEngine  # noqa: E402
 from tlt.rollout.request import Request  # noqa: E402
-from tlt.rollout.sampling import SamplingParams  # noqa: E402
+from tlt.sampling import SamplingParams  # noqa: E402
 
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:

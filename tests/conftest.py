@@ -82,7 +82,7 @@ def oracle_drafter(model):
 
 def assert_logprobs_match_target(model, samples, params) -> None:
     """Each returned log-prob equals the target's processed log-prob of that token, recomputed from scratch."""
-    from tlt.rollout.sampling import RowSampling, processed_logprobs
+    from tlt.sampling import RowSampling, processed_logprobs
 
     settings = RowSampling.from_params([params], "cpu")
     for sample in samples:

@@ -6,7 +6,7 @@ from conftest import tiny_model
 from tlt.errors import RequestError
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import SamplingParams
+from tlt.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

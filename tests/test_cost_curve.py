@@ -67,7 +67,7 @@ def test_measure_times_plain_and_every_arm_on_the_engine(graph_runner):
     assert all(0 < curve.ratio(a.name, b) < float("inf") for a in ARMS for b in (1, 2))
     # the engine still generates afterwards (the scratch buffers and graphs are gone)
     from tlt.rollout.request import Request
-    from tlt.rollout.sampling import SamplingParams
+    from tlt.sampling import SamplingParams
     result = engine.generate([Request([1, 2, 3], n=2, params=SamplingParams(temperature=0, max_new_tokens=6))])
     assert len(result.samples) == 2
 

@@ -168,7 +168,7 @@ def test_hot_swapping_drafters_every_step_keeps_greedy_output_identical():
     from tlt.models.eagle import EagleDrafter
     from tlt.rollout.engine import RolloutEngine
     from tlt.rollout.request import Request
-    from tlt.rollout.sampling import SamplingParams
+    from tlt.sampling import SamplingParams
     from tlt.speculative.strategy import SpecStrategy
 
     model = tiny_model("llama")

@@ -13,7 +13,7 @@ from tlt.models import LeanForward
 from tlt.models.eagle import DrafterError, EagleDrafter
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import SamplingParams
+from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
 
 

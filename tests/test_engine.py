@@ -6,7 +6,7 @@ import torch
 from conftest import EOS, assert_logprobs_match_target, random_prompts, tiny_model
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import SamplingParams
+from tlt.sampling import SamplingParams
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos=EOS):

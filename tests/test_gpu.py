@@ -16,7 +16,7 @@ from tlt.models.kv_cache import KVCache
 from tlt.models.lean_forward import LeanForward
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import SamplingParams
+from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -89,7 +89,7 @@ def test_negative_control_fails_on_cuda():
     params = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=22)
     engine = RolloutEngine(model, max_batch_size=4000, drafter=oracle_drafter(model),
                            speculation=SpecStrategy(3, 2, 6), max_tree_size=8, dtype="float32")
-    engine.speculative.accept_rule = lambda u, cumulative, probs: u[:, None] <= cumulative * 1.3
+    engine.spec_decoder.accept_rule = lambda u, cumulative, probs: u[:, None] <= cumulative * 1.3
     result = engine.generate([Request([2, 5], n=12_000, params=params)])
     tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, params))
     assert tv > bound, (tv, bound)
@@ -202,9 +202,9 @@ def test_sampled_distribution_through_speculative_graphs(strategy, exact):
                            max_tree_size=16, dtype="float32")
     if not exact:
         if strategy.rule == "q":
-            engine.speculative.q_accept_rule = lambda u, r_c, q_c: u * q_c <= 1.3 * r_c
+            engine.spec_decoder.q_accept_rule = lambda u, r_c, q_c: u * q_c <= 1.3 * r_c
         else:
-            engine.speculative.accept_rule = lambda u, cumulative, probs: u[:, None] <= cumulative * 1.3
+            engine.spec_decoder.accept_rule = lambda u, cumulative, probs: u[:, None] <= cumulative * 1.3
     result = engine.generate([Request([2, 5], n=12_000, params=params)])
     assert speculative_graphs(engine) > 0
     tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, params))

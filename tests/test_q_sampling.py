@@ -14,7 +14,7 @@ from test_speculative_lossless import exact_joint, run, tv_and_bound
 from tlt.models.eagle import EagleDrafter
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import SamplingParams
+from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy, StrategyError
 
 Q_STRATEGIES = [SpecStrategy.chain(3, "q"), SpecStrategy(3, 2, rule="q")]
@@ -38,7 +38,7 @@ def sampled_tv(drafter_for, params, strategy, seed, n=12_000, rules=None):
     engine = RolloutEngine(model, max_batch_size=4000, drafter=drafter_for(model), speculation=strategy,
                            max_tree_size=16)
     for name, rule in (rules or {}).items():
-        setattr(engine.speculative, name, rule)
+        setattr(engine.spec_decoder, name, rule)
     result = engine.generate([Request([2, 5], n=n, params=settings)])
     tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, settings))
     return tv, bound, result.speculation_summary()

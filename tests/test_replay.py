@@ -9,7 +9,7 @@ from tlt.models.eagle import EagleDrafter
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.replay import length_matched, regroup
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import SamplingParams
+from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
 
 

@@ -14,7 +14,7 @@ from tlt.rl.config import ConfigError, load_config
 from tlt.rollout.engine import RolloutEngine, resolve_rollout_dtype
 from tlt.rollout.model_runner import KV_BLOCK, batch_bucket, kv_bucket
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import RowSampling, SamplingParams, processed_logprobs, sample_next
+from tlt.sampling import RowSampling, SamplingParams, processed_logprobs, sample_next
 
 
 def forward_logits(lean, ids):
@@ -132,6 +132,6 @@ def test_bf16_engine_keeps_the_callers_drafter_in_fp32_and_decodes():
                            speculation=SpecStrategy(3, 2, 6))
     result = engine.generate(requests)
     assert drafter.fc.weight.dtype == torch.float32  # a spot trainer may be training this very module
-    assert engine.speculative.drafter.fc.weight.dtype == torch.bfloat16
+    assert engine.spec_decoder.drafter.fc.weight.dtype == torch.bfloat16
     assert all(len(s.token_ids) == 10 for s in result.samples)
     assert engine.forward.dtype == torch.bfloat16 and engine.policy_forward.dtype == torch.float32

@@ -8,7 +8,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
                                                     TopPLogitsWarper)
 
 from tlt.errors import RequestError
-from tlt.rollout.sampling import (RowSampling, SamplingParams, processed_logprobs, sample_from_logprobs,
+from tlt.sampling import (RowSampling, SamplingParams, processed_logprobs, sample_from_logprobs,
                                   sample_next)
 
 

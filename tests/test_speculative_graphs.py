@@ -18,7 +18,7 @@ from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.model_runner import GraphRunner, _Graph
 from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import RowSampling, SamplingParams, draw_uniforms, processed_logprobs
+from tlt.sampling import RowSampling, SamplingParams, draw_uniforms, processed_logprobs
 from tlt.speculative.acceptance import accept
 from tlt.speculative.decoder import StepInputs, StepShape, spans
 from tlt.speculative.q_sampling import DraftDistributions, accept_q
@@ -85,10 +85,10 @@ def test_hot_swap_loads_weights_into_the_captured_drafter():
     first, second = EagleDrafter(model.config), EagleDrafter(model.config)
     before = {k: v.clone() for k, v in first.state_dict().items()}
     _, graphed = engine_pair(model, first, SpecStrategy.chain(2), 4)
-    serving = graphed.speculative.drafter
+    serving = graphed.spec_decoder.drafter
     pointers = [t.data_ptr() for t in serving.state_dict().values()]
     graphed.set_drafter(second, version=2)
-    assert graphed.speculative.drafter is serving and graphed.drafter is second
+    assert graphed.spec_decoder.drafter is serving and graphed.drafter is second
     assert [t.data_ptr() for t in serving.state_dict().values()] == pointers
     for name, value in second.state_dict().items():
         assert torch.equal(serving.state_dict()[name], value)
@@ -227,7 +227,7 @@ def prepared_step(strategy, greedy=False):
     def stop_before_sd(engine_):
         running = 3
         rows = engine_._cache.rows(0, running)
-        decoder = engine_.speculative
+        decoder = engine_.spec_decoder
         decoder.bring_within(rows, torch.zeros(running, dtype=torch.long), strategy.depth + 1)
         settings = RowSampling.from_params([params] * running, "cpu")
         uniforms = draw_uniforms([torch.Generator().manual_seed(i) for i in range(running)], strategy.uniforms_per_row)

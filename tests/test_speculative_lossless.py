@@ -17,7 +17,7 @@ from conftest import assert_logprobs_match_target, markov_model, oracle_drafter,
 from tlt.models.eagle import EagleDrafter
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import RowSampling, SamplingParams, processed_logprobs
+from tlt.sampling import RowSampling, SamplingParams, processed_logprobs
 from tlt.speculative.strategy import SpecStrategy
 
 STRATEGIES = [SpecStrategy.chain(3), SpecStrategy(3, 2, 6), SpecStrategy(4, 3, 12)]
@@ -102,7 +102,7 @@ def test_negative_control_a_biased_acceptance_rule_is_detected():
     settings = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=13)
     engine = RolloutEngine(model, max_batch_size=4000, drafter=oracle_drafter(model),
                            speculation=SpecStrategy(3, 2, 6), max_tree_size=8)
-    engine.speculative.accept_rule = lambda u, cumulative, probs: u[:, None] <= cumulative * 1.3  # accepts too often
+    engine.spec_decoder.accept_rule = lambda u, cumulative, probs: u[:, None] <= cumulative * 1.3  # accepts too often
     result = engine.generate([Request([2, 5], n=12_000, params=settings)])
     tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, settings))
     assert tv > bound, (tv, bound)

@@ -12,7 +12,7 @@ from tlt.rl.rewards import Reward
 from tlt.rl.run import train
 from tlt.rl.trainer import GRPOTrainer
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import SamplingParams
+from tlt.sampling import SamplingParams
 from tlt.tasks.synthetic import IdTokenizer, TargetTokenTask, share_of_target
 
 TARGET = 5  # the toy task rewards emitting this token

@@ -9,7 +9,7 @@ import torch
 
 from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
 from tlt.cli import main
-from tlt.rollout.sampling import SamplingParams
+from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
 from tlt.verify import kolmogorov_sf, ks_pvalue, ks_statistic, over_accepting_rule, randomized_pit, verify
 

@@ -196,7 +196,7 @@ def _run_verify(args) -> int:
 
     from tlt.models import load_model
     from tlt.models.eagle import EagleDrafter
-    from tlt.rollout.sampling import SamplingParams
+    from tlt.sampling import SamplingParams
     from tlt.tasks import ArithmeticTask, ChatTask
     from tlt.threads import pick_threads
     from tlt.verify import OVER_ACCEPTING, verify

@@ -19,7 +19,7 @@ def run_generate(args, *, demo: bool) -> int:
     from tlt.models import load_model
     from tlt.rollout.engine import RolloutEngine
     from tlt.rollout.request import Request
-    from tlt.rollout.sampling import SamplingParams
+    from tlt.sampling import SamplingParams
     from tlt.threads import pick_threads
 
     console = Console()

@@ -22,7 +22,7 @@ from tlt.errors import TltError
 from tlt.models.loading import LoadedModel
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
-from tlt.rollout.sampling import RowSampling, SamplingParams, processed_logprobs
+from tlt.sampling import RowSampling, SamplingParams, processed_logprobs
 from tlt.speculative.strategy import SpecStrategy
 
 
@@ -103,7 +103,7 @@ def _sd_engine(loaded, drafter, strategy: SpecStrategy, accept_rule) -> RolloutE
     room = max(strategy.tree_size, (strategy.depth - 1) * strategy.branching)
     engine = RolloutEngine(loaded, drafter=drafter, speculation=strategy, max_tree_size=room)
     # the rule's own hook: the target-only and q-sampling rules have different signatures
-    setattr(engine.speculative, "q_accept_rule" if strategy.rule == "q" else "accept_rule", accept_rule)
+    setattr(engine.spec_decoder, "q_accept_rule" if strategy.rule == "q" else "accept_rule", accept_rule)
     return engine
 
 

@@ -51,7 +51,7 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
            train_config: DrafterTrainConfig = DrafterTrainConfig(), log=print) -> dict:
     from tlt.rollout.engine import RolloutEngine
     from tlt.rollout.request import Request
-    from tlt.rollout.sampling import SamplingParams
+    from tlt.sampling import SamplingParams
 
     if config.prompts < 2:
         raise TltError(f"drafter warm-up needs at least 2 prompts (one is held out), got {config.prompts}")

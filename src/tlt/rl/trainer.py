@@ -27,7 +27,7 @@ from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.replay import length_matched, regroup
 from tlt.rollout.request import Request, RolloutResult
-from tlt.rollout.sampling import SamplingParams
+from tlt.sampling import SamplingParams
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 
 from tlt.models.kv_cache import KVCache
 from tlt.rollout.model_runner import batch_bucket
-from tlt.rollout.sampling import RowSampling, SamplingParams, sample_next
+from tlt.sampling import RowSampling, SamplingParams, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
 
@@ -138,11 +138,11 @@ def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: in
     trained one does, the arm fixes the shapes). Plain and SD steps alternate and each arm keeps the median of its
     paired ratios, so load that drifts while measuring (other processes) cancels. An arm is no longer timed past
     the batch where it stops paying, measuring ends when none pays, or when `budget_s` has passed."""
-    if engine.speculative is None:
+    if engine.spec_decoder is None:
         raise ValueError("measuring SD costs needs an engine with a drafter")
     started = time.perf_counter()
     plain, steps = {}, {s.name: {} for s in strategies}
-    live = [s for s in strategies if s.branching <= engine.speculative.drafter.draft_vocab_size]
+    live = [s for s in strategies if s.branching <= engine.spec_decoder.drafter.draft_vocab_size]
     tree = max(max(s.tree_size, (s.depth - 1) * s.branching) for s in strategies)
     truncated = False
     for batch in batches:
@@ -179,7 +179,7 @@ class _Scratch:
         self.cache = KVCache(engine.spec, rows, CONTEXT + tree + 2, device=engine.device, dtype=engine.forward.dtype)
         self.cache.add_slot_data("tokens", dtype=torch.long)
         self.cache.add_slot_data("features", (engine.spec.hidden_size,), dtype=engine.forward.dtype)
-        self.decoder = SpeculativeDecoder(engine.forward, engine.speculative.drafter)
+        self.decoder = SpeculativeDecoder(engine.forward, engine.spec_decoder.drafter)
         self.decoder.allocate(rows, self.cache.max_len)
         self.rows = self.cache.rows(0, batch)
         self.settings = RowSampling.from_params([SamplingParams(temperature=1.0)] * batch, "cpu")
@@ -204,7 +204,7 @@ class _Scratch:
         pending = self.ids[:, 0]
         outcome = None
         if engine.runner is not None:
-            outcome = engine.runner.speculative(self.decoder, self.rows, pending, self.settings, uniforms, strategy)
+            outcome = engine.runner.speculative_step(self.decoder, self.rows, pending, self.settings, uniforms, strategy)
         if outcome is None:
             self.decoder.step(self.rows, pending.to(engine.device), self.settings.to(engine.device),
                               uniforms.to(engine.device), strategy)

@@ -22,7 +22,7 @@ from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.model_runner import GraphRunner, batch_bucket
 from tlt.rollout.policy import SpeculationPolicy, as_policy
 from tlt.rollout.request import Request, RolloutResult, SampleOutput, StepTrace
-from tlt.rollout.sampling import RowSampling, draw_uniforms, sample_generator, sample_next
+from tlt.sampling import RowSampling, draw_uniforms, sample_generator, sample_next
 
 PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward: bounds its activation memory
 
@@ -102,7 +102,7 @@ class RolloutEngine:
         self._cache: KVCache | None = None
         self.speculation = speculation  # normalized to a SpeculationPolicy (or None) by the property
         self.max_tree_size = max_tree_size
-        self.speculative = None
+        self.spec_decoder = None
         self.drafter = None
         self.drafter_version = None
         self.cost_curve = None  # set by whoever derived the gate from the device's cost curve (metrics show it)
@@ -120,7 +120,7 @@ class RolloutEngine:
 
         self.drafter_version = version
         self.drafter = drafter  # the caller's, in its own dtype: what a worker reloads and publishes
-        current = self.speculative
+        current = self.spec_decoder
         if current is not None and self.runner is not None and _same_layout(current.drafter, drafter):
             # Captured graphs read the serving drafter's tensors: load the new weights into them in place.
             current.drafter.load_state_dict(drafter.state_dict())
@@ -129,9 +129,9 @@ class RolloutEngine:
             return
         if self.runner is not None or drafter.fc.weight.dtype != self.forward.dtype:
             drafter = drafter.inference_copy(self.forward)  # the caller's drafter (maybe in training) is untouched
-        self.speculative = SpeculativeDecoder(self.forward, drafter.attach(self.forward))
+        self.spec_decoder = SpeculativeDecoder(self.forward, drafter.attach(self.forward))
         if current is not None and current.cache is not None:
-            self.speculative.cache = current.cache
+            self.spec_decoder.cache = current.cache
             current.cache.lengths.zero_()
 
     @property
@@ -203,7 +203,7 @@ class RolloutEngine:
         if self.runner is not None:  # a graph pads the batch to a bucket: its padded rows need cache rows
             rows = batch_bucket(rows, 1 << 30) or rows
         length = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
-        if self.speculative is not None:
+        if self.spec_decoder is not None:
             length += self.max_tree_size + 1  # a verified tree sits past the committed tokens
         cache = self._cache
         if cache is None or cache.max_rows < rows or cache.max_len < length:
@@ -212,11 +212,11 @@ class RolloutEngine:
                 self.runner.reset()
             cache = KVCache(self.spec, rows, length, device=self.device, dtype=self.forward.dtype)
             self._cache = cache
-        if self.speculative is not None:
+        if self.spec_decoder is not None:
             if "tokens" not in cache.slot_data:
                 cache.add_slot_data("tokens", dtype=torch.long)
                 cache.add_slot_data("features", (self.spec.hidden_size,), dtype=self.forward.dtype)
-            self.speculative.allocate(cache.max_rows, cache.max_len)
+            self.spec_decoder.allocate(cache.max_rows, cache.max_len)
         cache.lengths.zero_()
         return cache
 
@@ -259,13 +259,13 @@ class RolloutEngine:
         out = self.forward(ids, rows, logits_at=(lengths - 1).to(self.device))
         self._store_slot_data(rows, ids, out.hidden)
         rows.advance(lengths)
-        if self.speculative is not None:
-            self.speculative.forget_rows(first_row, self.speculative.cache.max_rows - first_row)
+        if self.spec_decoder is not None:
+            self.spec_decoder.forget_rows(first_row, self.spec_decoder.cache.max_rows - first_row)
         return out.logits[:, 0]
 
     def _store_slot_data(self, rows, ids: torch.Tensor, hidden: torch.Tensor) -> None:
         """Keep token ids and target features of the tokens just written: the drafter is built from them."""
-        if self.speculative is None:
+        if self.spec_decoder is None:
             return
         slots = rows.lengths.to(self.device)[:, None] + torch.arange(ids.shape[1], device=self.device)[None, :]
         rows.write_slots("tokens", slots, ids.to(self.device))
@@ -301,7 +301,7 @@ class RolloutEngine:
         started = time.perf_counter()
         arm = self._choose(len(running))
         strategy = None if arm in (None, "off") else arm
-        if strategy is not None and self.speculative is not None:
+        if strategy is not None and self.spec_decoder is not None:
             trace = self._speculative_step(running, cache, strategy)
         else:
             self._plain_step(running, cache)
@@ -329,7 +329,7 @@ class RolloutEngine:
         _append(running, tokens, logprobs)
 
     def _choose(self, batch_size: int):
-        if self.speculation is None or self.speculative is None:
+        if self.speculation is None or self.spec_decoder is None:
             return None
         return self.speculation.choose(batch_size)
 
@@ -337,18 +337,18 @@ class RolloutEngine:
         if max(strategy.tree_size, (strategy.depth - 1) * strategy.branching) > self.max_tree_size:
             raise RequestError(f"strategy {strategy.name} needs more than max_tree_size={self.max_tree_size} "
                                f"cache slots past the committed tokens; raise max_tree_size")
-        if strategy.branching > self.speculative.drafter.draft_vocab_size:
+        if strategy.branching > self.spec_decoder.drafter.draft_vocab_size:
             raise RequestError(f"strategy {strategy.name} drafts {strategy.branching} children per node, but the "
-                               f"drafter's vocabulary has only {self.speculative.drafter.draft_vocab_size} tokens")
+                               f"drafter's vocabulary has only {self.spec_decoder.drafter.draft_vocab_size} tokens")
         rows = cache.rows(0, len(running))
         pending = torch.tensor([s.tokens[-1] for s in running])
         settings = RowSampling.from_params([s.request.params for s in running], "cpu")
         uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row)
         outcome = None
         if self.runner is not None:  # the whole step as one graph (host inputs are copied into its buffers)
-            outcome = self.runner.speculative(self.speculative, rows, pending, settings, uniforms, strategy)
+            outcome = self.runner.speculative_step(self.spec_decoder, rows, pending, settings, uniforms, strategy)
         if outcome is None:
-            outcome = self.speculative.step(rows, pending.to(self.device), settings.to(self.device),
+            outcome = self.spec_decoder.step(rows, pending.to(self.device), settings.to(self.device),
                                             uniforms.to(self.device), strategy)
         result = outcome.acceptance
         emitted = 0
@@ -380,8 +380,8 @@ class RolloutEngine:
             finished.append(running[index])
             if index != last:
                 cache.move_row(last, index)
-                if self.speculative is not None:
-                    self.speculative.move_row(last, index)
+                if self.spec_decoder is not None:
+                    self.spec_decoder.move_row(last, index)
                 running[index] = running[last]
             running.pop()
         if bar is not None and done:

@@ -28,7 +28,7 @@ import torch
 
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import ForwardOutput, LeanForward
-from tlt.rollout.sampling import RowSampling, sample_next
+from tlt.sampling import RowSampling, sample_next
 from tlt.speculative.decoder import SpecOutcome, SpeculativeDecoder, StepInputs, StepShape, spans
 from tlt.speculative.strategy import SpecStrategy
 
@@ -146,7 +146,7 @@ class GraphRunner:
                                                 lambda static: self._decode_body(rows, kv_len, kind, static))
         return tokens[:batch], logprobs[:batch], hidden[:batch]
 
-    def speculative(self, decoder: SpeculativeDecoder, cache: CacheRows, pending: torch.Tensor,
+    def speculative_step(self, decoder: SpeculativeDecoder, cache: CacheRows, pending: torch.Tensor,
                     settings: RowSampling, uniforms: torch.Tensor, strategy: SpecStrategy) -> SpecOutcome | None:
         """One whole speculative step as a graph; None when it must run eagerly (rows not from cache row 0, no
         bucket, top-k/top-p rows). pending [B] and uniforms [B, U] may be host tensors: they are copied into

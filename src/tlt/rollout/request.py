@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tlt.errors import RequestError
-from tlt.rollout.sampling import SamplingParams
+from tlt.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

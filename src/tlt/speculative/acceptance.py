@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt.rollout.sampling import sample_from_logprobs
+from tlt.sampling import sample_from_logprobs
 from tlt.speculative.tree import DraftTree
 
 

@@ -21,7 +21,7 @@ import torch
 from tlt.models.eagle import EagleDrafter
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
-from tlt.rollout.sampling import RowSampling, processed_logprobs
+from tlt.sampling import RowSampling, processed_logprobs
 from tlt.speculative.acceptance import Acceptance, accept
 from tlt.speculative.q_sampling import DraftDistributions, accept_q, sampling_pick
 from tlt.speculative.strategy import SpecStrategy

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tlt.rollout.sampling import RowSampling, processed_logprobs, sample_from_logprobs
+from tlt.sampling import RowSampling, processed_logprobs, sample_from_logprobs
 from tlt.speculative.acceptance import Acceptance, start_walk
 from tlt.speculative.tree import Candidates, DraftTree
 
