@@ -73,7 +73,7 @@ import time  # noqa: E402
 
 from test_verify import byte_tokenizer  # noqa: E402
 from tlt.cli import main  # noqa: E402
-from tlt.models.loading import save_model_dir  # noqa: E402
+from tlt.models.model_files import save_model_dir  # noqa: E402
 
 FAST = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "run.steps=1",
         "run.tensorboard=false", "run.speculative=off"]

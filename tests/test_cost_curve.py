@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import tiny_model
+
 from tlt.models.eagle import EagleDrafter
 from tlt.rollout import cost_curve
 from tlt.rollout.cost_curve import CostCurve, curve_for, measure

@@ -109,7 +109,7 @@ def test_cache_builder_writes_a_safetensors_directory_atomically(tiny_gguf, tmp_
 
 
 def test_interrupted_conversion_leaves_no_half_directory(tiny_gguf, tmp_path, monkeypatch):
-    from tlt.models import default_model, loading
+    from tlt.models import default_model
 
     _, path = tiny_gguf
     target = tmp_path / "models" / "x"
@@ -117,7 +117,7 @@ def test_interrupted_conversion_leaves_no_half_directory(tiny_gguf, tmp_path, mo
     def fail(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(loading, "save_model_dir", fail)
+    monkeypatch.setattr(default_model, "save_model_dir", fail)
     with pytest.raises(RuntimeError, match="disk full"):
         default_model.build_cache_from_gguf(path, target)
     assert not target.exists() and not list((tmp_path / "models").iterdir())

@@ -3,11 +3,19 @@
 import random
 
 import pytest
-
 from conftest import tiny_model
+
 from tlt.rollout.engine import RolloutEngine
-from tlt.rollout.policy import (OFF, AdaptiveSpeculation, BanditConfig, BatchSizeGate, FixedSpeculation, PolicyError,
-                                SpeculationPolicy, StrategyBandit)
+from tlt.rollout.policy import (
+    OFF,
+    AdaptiveSpeculation,
+    BanditConfig,
+    BatchSizeGate,
+    FixedSpeculation,
+    PolicyError,
+    SpeculationPolicy,
+    StrategyBandit,
+)
 from tlt.speculative.strategy import SpecStrategy
 
 # Simulated hardware: a known tokens/s per (batch size, arm), with clear margins between the best arm and the

@@ -10,15 +10,15 @@ host or build a tensor from host data.
 
 import pytest
 import torch
+from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
 from tlt.models.eagle import EagleDrafter
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.model_runner import GraphRunner, _Graph
 from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import Request
-from tlt.sampling import RowSampling, SamplingParams, draw_uniforms, processed_logprobs
+from tlt.sampling import RowSampling, SamplingParams, draw_uniforms
 from tlt.speculative.acceptance import accept
 from tlt.speculative.decoder import StepInputs, StepShape, spans
 from tlt.speculative.q_sampling import DraftDistributions, accept_q

@@ -90,7 +90,7 @@ def byte_tokenizer():
 
 
 def test_cli_verify_on_a_model_directory(tmp_path, capsys):
-    from tlt.models.loading import save_model_dir
+    from tlt.models.model_files import save_model_dir
 
     model = tiny_model("llama", vocab_size=257, eos_token_id=256, max_position_embeddings=512)
     save_model_dir(model, byte_tokenizer(), tmp_path / "model")

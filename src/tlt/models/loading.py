@@ -6,13 +6,20 @@ a .gguf file (dequantized by transformers), or an in-memory transformers causal 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tlt.errors import ModelLoadError
+from tlt.models.default_model import default_model_dir
+from tlt.models.model_files import (
+    check_weights,
+    load_gguf,
+    load_hf_dir,
+    read_gguf_config,
+    read_hf_config,
+)
 from tlt.models.spec import ModelSpec, check_supported
 
 DEFAULT_MODEL_ALIASES = ("smollm2", "default", "SmolLM2-135M-Instruct")
@@ -48,8 +55,6 @@ def load_model(source=None, *, tokenizer=None, device=None, dtype: torch.dtype =
 
 
 def _load_from_path(source):
-    from tlt.models.default_model import default_model_dir
-
     path = default_model_dir() if is_default_source(source) else check_model_path(source)
     if path.is_file():
         model, tokenizer = load_gguf(path)
@@ -71,153 +76,13 @@ def check_model_path(source) -> Path:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf; give a model directory or a .gguf file")
-        _read_gguf_config(path)  # the header only: a broken file fails here, before any worker starts
+        read_gguf_config(path)  # the header only: a broken file fails here, before any worker starts
         return path
-    config = _read_hf_config(path)
+    config = read_hf_config(path)
     if not list(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no .safetensors weights (tlt never loads pickled checkpoints)")
     check_weights(path, config)
     return path
-
-
-def check_weights(path: Path, config) -> None:
-    """Header-only checks of a directory's .safetensors files: a truncated file (an interrupted copy) or weights
-    saved for another config fail in a second, not deep inside from_pretrained (in every worker)."""
-    expected = _expected_shapes(config)
-    for file in sorted(path.glob("*.safetensors")):
-        for name, shape in _stored_shapes(file).items():
-            if name in expected and expected[name] != shape:
-                raise ModelLoadError(f"cannot load the weights in {file}: {name} has shape {list(shape)}, but "
-                                     f"{path / 'config.json'} needs {list(expected[name])} (another model's?)")
-
-
-def _stored_shapes(file: Path) -> dict[str, tuple]:
-    """Tensor shapes from a safetensors header (8-byte length, then JSON), once the file is known to hold every
-    byte the header points at."""
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as handle:
-            length = int.from_bytes(handle.read(8), "little")
-            header = handle.read(length) if size >= 8 and 8 + length <= size else None
-    except OSError as error:
-        raise ModelLoadError(f"cannot read {file}: {error.strerror}") from None
-    if header is None:
-        raise ModelLoadError(f"cannot load the weights in {file}: truncated, or not a safetensors file "
-                             f"({size} bytes; its header claims {length})")
-    try:
-        tensors = json.loads(header)
-        tensors.pop("__metadata__", None)
-        end = max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
-        shapes = {name: tuple(entry["shape"]) for name, entry in tensors.items()}
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
-        raise ModelLoadError(f"cannot load the weights in {file}: not a safetensors file ({error})") from None
-    if 8 + length + end > size:
-        raise ModelLoadError(f"cannot load the weights in {file}: truncated ({size} bytes of {8 + length + end}); "
-                             f"copy or download it again")
-    return shapes
-
-
-def _expected_shapes(config) -> dict[str, tuple]:
-    """Parameter shapes of the model `config` describes, from a model on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception:  # noqa: BLE001 - an unusual config: skip the shape check, the load reports its own error
-        return {}
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-
-
-def _read_hf_config(path: Path):
-    from transformers import AutoConfig
-
-    if not (path / "config.json").exists():
-        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError) as error:  # bad JSON, unknown model_type, unreadable file
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(error)}") from None
-    check_supported(config)
-    return config
-
-
-def load_hf_dir(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    config = _read_hf_config(path)
-    if not list(path.glob("*.safetensors")):
-        raise ModelLoadError(f"{path} has no .safetensors weights (tlt never loads pickled checkpoints)")
-    tokenizer = _load_tokenizer(path)  # first: cheap, and a broken one then fails before the weights' progress bar
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True,
-                                                     use_safetensors=True, dtype=torch.float32)
-    except Exception as error:  # noqa: BLE001 - safetensors and transformers raise many types for bad weights
-        raise ModelLoadError(f"cannot load the weights in {path}: {_first_line(error)}") from None
-    return model, tokenizer
-
-
-def _load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    if not _has_tokenizer(path):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as error:  # noqa: BLE001 - tokenizers and transformers raise many types for a broken file
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_first_line(error)}") from None
-
-
-def _first_line(error: Exception) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
-
-
-def _read_gguf_config(path: Path):
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    except Exception as error:  # noqa: BLE001 - a truncated or foreign file fails in many ways (struct, ValueError...)
-        raise ModelLoadError(f"cannot read GGUF {path}: {_first_line(error)}") from None
-    check_supported(config)
-    return config
-
-
-def load_gguf(path: Path):
-    """Read a GGUF with transformers' GGUF support, dequantized to fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(path)
-    kwargs = dict(gguf_file=path.name, local_files_only=True)
-    _read_gguf_config(path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    except Exception as error:  # noqa: BLE001 - a truncated or foreign GGUF fails in many ways
-        raise ModelLoadError(f"cannot read GGUF {path}: {_first_line(error)}") from None
-    return model, tokenizer
-
-
-def save_model_dir(model, tokenizer, out: Path) -> None:
-    """Write config + model.safetensors (+ tokenizer, generation config) loadable by `load_hf_dir`.
-
-    transformers refuses save_pretrained on a GGUF-loaded model, so the state dict is written directly; tied
-    weights are stored once.
-    """
-    from safetensors.torch import save_model
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights are plain fp32 now
-    config.save_pretrained(out)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out)
-    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -230,7 +95,3 @@ def eos_token_ids(model, tokenizer) -> list[int]:
             if token is not None and int(token) not in ids:
                 ids.append(int(token))
     return ids
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))

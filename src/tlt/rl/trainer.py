@@ -21,8 +21,14 @@ import torch
 from tlt.models.loading import LoadedModel, load_model
 from tlt.rl.actor import PackedSamples, token_logprobs
 from tlt.rl.config import TrainConfig
-from tlt.rl.optim import (advance_schedule, autocast_dtype, build_optimizer, build_scheduler,
-                          enable_grad_checkpointing, training_autocast)
+from tlt.rl.optim import (
+    advance_schedule,
+    autocast_dtype,
+    build_optimizer,
+    build_scheduler,
+    enable_grad_checkpointing,
+    training_autocast,
+)
 from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.replay import length_matched, regroup

@@ -18,11 +18,14 @@ import torch
 from tlt.errors import RequestError
 from tlt.models.kv_cache import KVCache
 from tlt.models.lean_forward import LeanForward
+from tlt.models.loading import LoadedModel
+from tlt.models.loading import eos_token_ids as eos_token_ids_of
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.model_runner import GraphRunner, batch_bucket
 from tlt.rollout.policy import SpeculationPolicy, as_policy
 from tlt.rollout.request import Request, RolloutResult, SampleOutput, StepTrace
 from tlt.sampling import RowSampling, draw_uniforms, sample_generator, sample_next
+from tlt.speculative.decoder import SpeculativeDecoder
 
 PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward: bounds its activation memory
 
@@ -80,8 +83,6 @@ class RolloutEngine:
 
     def __init__(self, model, *, max_batch_size: int = 64, eos_token_ids=None, drafter=None, speculation=None,
                  max_tree_size: int = 64, dtype="auto", cuda_graphs: bool | None = None):
-        from tlt.models.loading import LoadedModel, eos_token_ids as model_eos
-
         tokenizer = None
         if isinstance(model, LoadedModel):
             model, tokenizer = model.model, model.tokenizer
@@ -98,7 +99,7 @@ class RolloutEngine:
         self.runner = GraphRunner(self.forward) if use_graphs else None
         self.spec = self.forward.spec
         self.max_batch_size = max_batch_size
-        self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else model_eos(model, tokenizer))
+        self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else eos_token_ids_of(model, tokenizer))
         self._cache: KVCache | None = None
         self.speculation = speculation  # normalized to a SpeculationPolicy (or None) by the property
         self.max_tree_size = max_tree_size
@@ -116,8 +117,6 @@ class RolloutEngine:
         Safe between decode steps of a running generate() (see `between_steps`): the drafter's KV cache is
         rebuilt from the target features kept per slot, so no target forward is repeated. `version` is recorded
         in each sample's `drafter_versions` when this drafter serves it."""
-        from tlt.speculative.decoder import SpeculativeDecoder
-
         self.drafter_version = version
         self.drafter = drafter  # the caller's, in its own dtype: what a worker reloads and publishes
         current = self.spec_decoder

@@ -29,7 +29,13 @@ import torch
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import ForwardOutput, LeanForward
 from tlt.sampling import RowSampling, sample_next
-from tlt.speculative.decoder import SpecOutcome, SpeculativeDecoder, StepInputs, StepShape, spans
+from tlt.speculative.decoder import (
+    SpecOutcome,
+    SpeculativeDecoder,
+    StepInputs,
+    StepShape,
+    spans,
+)
 from tlt.speculative.strategy import SpecStrategy
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -167,7 +173,7 @@ class GraphRunner:
         kind = ("speculative", strategy.name, *_sampling_kind(settings))
         decoder.drafter.head_weight()  # re-slices the draft head in place if the target's lm_head changed
         rows, all_draft_rows = self._cache.rows(0, bucket), decoder.cache.rows(0, bucket)
-        body = lambda static: self._speculative_body(decoder, rows, all_draft_rows, shape, kind, static)  # noqa: E731
+        body = lambda static: self._speculative_body(decoder, rows, all_draft_rows, shape, kind, static)
         packed, = self._replay((bucket, width, kind), (shape.target_kv, shape.draft_kv), batch, inputs, body)
         return SpecOutcome(decoder.finish(cache, draft_rows, packed), 0.0, 0.0)
 

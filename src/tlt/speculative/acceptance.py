@@ -36,7 +36,7 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
     residual is sampled for every row; otherwise the walk stops when no row is active (same result).
     accept_rule(u, cumulative, child_probs) -> bool [B, K] can replace the exact rule (tests use it to show
     that a biased rule is detected)."""
-    batch, count, _ = logprobs.shape
+    batch = logprobs.shape[0]
     device = logprobs.device
     rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, tree.max_depth, device)
     for step in range(tree.max_depth + 1):
