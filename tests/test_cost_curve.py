@@ -102,3 +102,27 @@ def test_a_damaged_cache_file_is_measured_again(tmp_path):
     path.write_text("{not json")
     again = curve_for(engine, ARMS, cache_dir=tmp_path, batches=(1,))
     assert again.plain_s[1] > 0 and json.loads(path.read_text())["plain_s"]
+
+
+def test_workers_starting_together_measure_once(tmp_path, monkeypatch):
+    """Two threads (in-process workers) ask for the same curve: one measures, the other waits and reads it."""
+    import threading
+    import time as time_
+
+    engine = engine_with(False)
+    calls = []
+
+    def slow_measure(*args, **kwargs):
+        calls.append(1)
+        time_.sleep(0.5)
+        return CostCurve("test", {1: 0.01}, {ARMS[0].name: {1: 0.012}})
+
+    monkeypatch.setattr(cost_curve, "measure", slow_measure)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(curve_for(engine, ARMS, cache_dir=tmp_path)))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [1] and [r.plain_s for r in results] == [{1: 0.01}] * 2

@@ -16,6 +16,8 @@ The bandit still learns per batch bucket below the gate from the real τ: the cu
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -103,17 +105,29 @@ def curve_for(engine, strategies: list[SpecStrategy], *, cache_dir: str | Path |
     """The engine's curve from the cache, or measured now and cached. The key covers what changes the costs:
     the device, the model's shape and rollout dtype, the runner (graphs or eager), the arms and the batches."""
     path = Path(cache_dir or default_cache_dir()) / f"{curve_key(engine, strategies, batches)}.json"
-    if path.exists():
-        try:
-            return CostCurve.from_dict(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError):
-            pass  # a damaged cache file is measured again and replaced
-    curve = measure(engine, strategies, batches)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_suffix(".tmp")
-    staged.write_text(json.dumps(curve.to_dict(), indent=1))
-    staged.replace(path)
+    with _exclusive(path.with_suffix(".lock")):  # workers starting together: one measures, the others read it
+        if path.exists():
+            try:
+                return CostCurve.from_dict(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError):
+                pass  # a damaged cache file is measured again and replaced
+        curve = measure(engine, strategies, batches)
+        staged = path.with_suffix(".tmp")
+        staged.write_text(json.dumps(curve.to_dict(), indent=1))
+        staged.replace(path)
     return curve
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An advisory lock across processes and threads (each open() is its own lock holder)."""
+    with open(lock_path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def default_cache_dir() -> Path:
