@@ -143,11 +143,6 @@ class RolloutEngine:
         self._speculation = as_policy(value)
 
     @property
-    def target(self):
-        """What plain decode steps call: the graph runner on CUDA, else the forward."""
-        return self.runner if self.runner is not None else self.forward
-
-    @property
     def device(self) -> torch.device:
         return self.forward.device
 
