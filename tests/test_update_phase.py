@@ -176,6 +176,17 @@ def test_a_batch_without_old_logprobs_refuses_several_updates(tmp_path, rollout)
         several.update(batch)
 
 
+def test_micro_batches_group_rows_of_similar_length(tmp_path, rollout):
+    examples, result = rollout
+    trainer = make_trainer(tmp_path)
+    packed = trainer.score(examples, result).packed
+    groups = trainer.micro_batches(packed)
+    order = [row for group in groups for row in group]
+    assert sorted(order) == list(range(len(result.samples))) and [len(g) for g in groups] == [5, 5, 2]
+    lengths = [packed.prompt_lengths[r] + packed.response_lengths[r] for r in order]
+    assert lengths == sorted(lengths, reverse=True)  # longest first: less padding per micro-batch
+
+
 # -- the drafter's features ------------------------------------------------------------------------------------
 
 def buffer_after(trainer, examples, result, *, early_micro_batches=0, updates=1):

@@ -143,12 +143,10 @@ class GRPOTrainer:
                          features_done=pending)
 
     def _no_grad_logprobs(self, model, packed: PackedSamples) -> torch.Tensor:
-        rows = list(range(packed.input_ids.shape[0]))
-        width = packed.input_ids.shape[1] - 1
-        out = torch.zeros(len(rows), width, device=self.device)
+        out = torch.zeros(packed.input_ids.shape[0], packed.input_ids.shape[1] - 1, device=self.device)
         collect = self.feature_buffer is not None and model is self.model
         with torch.no_grad():
-            for chunk in _chunks(rows, self.config.optim.micro_batch_size):
+            for chunk in self.micro_batches(packed):
                 micro = packed.select(chunk)
                 actor = token_logprobs(model, micro, self.config.rollout.temperature, want_hidden=collect)
                 out[chunk, :actor.logprobs.shape[1]] = actor.logprobs
@@ -162,7 +160,7 @@ class GRPOTrainer:
         so that spot training has this step's features at once. Returns the micro-batches collected."""
         if batch.features_done is None:
             return 0
-        chunks = list(_chunks(list(range(batch.rewards.shape[0])), self.config.optim.micro_batch_size))
+        chunks = self.micro_batches(batch.packed)
         self.model.eval()
         with torch.no_grad():
             while batch.features_done < len(chunks) and not should_stop():
@@ -170,6 +168,14 @@ class GRPOTrainer:
                 self._add_features(micro, actor_hidden(self.model, micro))
                 batch.features_done += 1
         return batch.features_done
+
+    def micro_batches(self, packed: PackedSamples) -> list[list[int]]:
+        """Row indices, `optim.micro_batch_size` at a time, longest rows first: rows of similar lengths share a
+        micro-batch, so less of each forward is padding. The loss is normalized by whole-step totals, so the
+        grouping does not change it (or the gradient) beyond float rounding."""
+        lengths = [p + r for p, r in zip(packed.prompt_lengths, packed.response_lengths)]
+        rows = sorted(range(len(lengths)), key=lambda row: -lengths[row])  # stable: ties keep their order
+        return list(_chunks(rows, self.config.optim.micro_batch_size))
 
     def _add_features(self, micro: PackedSamples, hidden: torch.Tensor) -> None:
         starts, ends = micro.feature_spans()
@@ -190,14 +196,13 @@ class GRPOTrainer:
         cfg, grpo = self.config.optim, self.config.grpo
         if batch.old_logprobs is None and grpo.updates_per_step > 1:
             raise ValueError("a batch scored without old log-probs allows one update per step only")
-        rows = list(range(batch.rewards.shape[0]))
         totals = totals or self.loss_totals(batch)
         self.model.train()
         stats: dict[str, list[float]] = {}
         grad_norms = []
         for _ in range(grpo.updates_per_step):
             self.optimizer.zero_grad(set_to_none=True)
-            for index, chunk in enumerate(_chunks(rows, cfg.micro_batch_size)):
+            for index, chunk in enumerate(self.micro_batches(batch.packed)):
                 micro = batch.packed.select(chunk)
                 width = micro.response_mask.shape[1]
                 collect = batch.features_done is not None and index >= batch.features_done
