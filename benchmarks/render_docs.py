@@ -100,9 +100,23 @@ def e2e_table(data: dict) -> str:
     return "\n".join(rows)
 
 
+def update_phase_table(data: dict) -> str:
+    rows = ["| | update phase s (wall) | CPU s | log-prob pass s | update s | peak RSS MB | peak over start MB |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in ("before", "after"):
+        rows.append(f"| {name} | {data['update_phase_s'][name]:.1f} | {data['update_phase_cpu_s'][name]:.1f} | "
+                    f"{data['score_s'][name]:.1f} | {data['update_s'][name]:.1f} | {data['peak_rss_mb'][name]} | "
+                    f"{data['peak_over_start_mb'][name]} |")
+    rows.append("")
+    rows.append(f"`speedup` = **{data['speedup']}** (CPU time {data['speedup_cpu_time']}); loss {data['loss']['before']:.3g}"
+                f" vs {data['loss']['after']:.3g} (|diff| {data['loss_abs_diff']:.1g}); grad norm "
+                f"{data['grad_norm']['before']:.7f} vs {data['grad_norm']['after']:.7f}")
+    return "\n".join(rows)
+
+
 RENDERERS = (("rollout_throughput", rollout_table), ("speculative", speculative_table),
              ("adaptive", adaptive_table), ("spot_training", spot_table), ("e2e", e2e_table),
-             ("e2e_replay", e2e_table))
+             ("e2e_replay", e2e_table), ("update_phase", update_phase_table))
 
 if __name__ == "__main__":
     for name, render in RENDERERS:

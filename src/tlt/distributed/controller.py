@@ -1,11 +1,12 @@
 """DistributedGRPO: drives one RL step over N rollout workers, and turns their idle tail time into drafter training.
 
 A step: the prompts are sharded by group (a GRPO group never straddles workers, so advantages stay local) →
-every worker rolls out its shard → as each finishes, it computes its old log-probs (work the update needs
-anyway, now done while others still decode) and, if others are still decoding, trains the drafter ("spot
-training") and publishes versions the long-tail workers pick up mid-rollout → when the last worker has its
-log-probs, spot training is told to stop (it yields within one optimizer step, and nothing waits on it before
-the update barrier) → every worker takes the same policy update (gradients summed across workers).
+every worker rolls out its shard → as each finishes, it scores it (rewards; old log-probs only when the step
+takes several updates) and, if others are still decoding, computes its shard's drafter features and trains the
+drafter ("spot training"), publishing versions the long-tail workers pick up mid-rollout → when the last worker
+has scored its shard, spot training is told to stop (it yields within one micro-batch or optimizer step, and
+nothing waits on it before the update barrier) → every worker takes the same policy update (gradients summed
+across workers; its forward yields the features not computed yet).
 Same interface as GRPOTrainer (`train_step`, `step`, `save`, `resume`), so `tlt train` drives either.
 """
 

@@ -3,7 +3,8 @@
 Workers are separate processes on one machine (or threads in-process), so they stamp intervals with
 `time.time()`; the controller shifts them to seconds after the step began. The kinds:
   rollout      plain decode/prefill steps          rollout_sd   speculative decode steps
-  logprobs     old/reference log-probs for the update (fed to the drafter's feature buffer as well)
+  logprobs     scoring for the update: rewards, reference log-probs (KL), and old log-probs with several
+               updates per step (fed to the drafter's feature buffer as well); with one update, none
   spot_train   drafter training on an otherwise idle worker
   idle         waiting for the slowest worker      update       gradient, all-reduce and optimizer step
 """

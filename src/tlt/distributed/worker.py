@@ -1,7 +1,8 @@
 """RolloutWorker: one policy replica with its rollout engine, its share of the step, and spot training.
 
-The controller calls, per RL step: `rollout(shard)` → `prepare()` (rewards and old log-probs, whose hidden
-states also feed the drafter) → `spot_train()` if other workers are still in the long tail → `update(totals)`.
+The controller calls, per RL step: `rollout(shard)` → `prepare()` (rewards; old log-probs only with several
+updates per step) → `spot_train()` if other workers are still in the long tail (it first computes this shard's
+drafter features, while the tail lasts) → `update(totals)` (its forward yields the features not computed yet).
 While it rolls out, the worker checks the hub between decode steps and swaps in any newer drafter at once.
 The same class runs as a Ray actor (one process per worker) or as a thread of the in-process backend.
 """
@@ -66,6 +67,8 @@ class RolloutWorker:
         self.reducer = reducer
         self.engine = self.trainer.engine
         self.drafter = self.engine.drafter  # in the policy's dtype; the engine serves a copy in its rollout dtype
+        if self.drafter is None:  # no speculation: nothing would train on the features
+            self.trainer.feature_buffer = None
         self._spot = None  # (training drafter, DrafterTrainer, local buffer, next feature sequence) once used
         self._batch = None
         self._last_poll = 0.0
@@ -99,13 +102,11 @@ class RolloutWorker:
         return {"rollout": _lean_rollout(self._result), "end": time.time()}
 
     def prepare(self) -> dict:
-        """Rewards, advantages and old log-probs of this shard (the update's inputs); the same forward pass
-        collects the features the drafter trains on, which go to the hub for every worker's spot training."""
+        """Rewards and advantages of this shard (the update's inputs), and old log-probs when the step takes
+        several updates; that forward then also collects the drafter's features, which go to the hub."""
         started = time.time()
         self._batch = self.trainer.score(self._examples, self._result)
-        entries = self.collected.take()
-        if self.drafter is not None:
-            self.hub.add_features(entries)
+        self._hand_features()
         self.timeline.record("logprobs", started)
         return {"rewards": self._batch.rewards, "correct": self._batch.correct,
                 "totals": self.trainer.loss_totals(self._batch), "reward_failures": self.trainer.reward_failures,
@@ -119,6 +120,10 @@ class RolloutWorker:
         started = time.time()
         published, history, error = [], [], None
         try:
+            # This shard's features first (its update would compute them, but only after the tail): one decoder
+            # forward per micro-batch, stopped as soon as the last worker is ready, like the training below.
+            self.trainer.collect_features(self._batch, lambda: self.hub.should_stop(step))
+            self._hand_features()
             drafter, trainer, buffer = self._spot_state()
             self._pull_features(buffer)
             every = max(1, self.config.run.publish_every)
@@ -143,6 +148,7 @@ class RolloutWorker:
         """The policy update on this shard, normalized by the global totals, gradients summed across workers."""
         started = time.time()
         stats = self.trainer.update(self._batch, totals, reduce_gradients=self.reducer)
+        self._hand_features()  # those the update's forward collected: the next step's spot training uses them
         self.trainer.step += 1
         self._batch = None
         _return_free_memory()
@@ -153,6 +159,12 @@ class RolloutWorker:
     def evaluate(self) -> dict:
         """Held-out greedy accuracy after the update (replicas are identical: rank 0 evaluates for all)."""
         return self.trainer.evaluate() if self.trainer.evaluation_due() else {}
+
+    def _hand_features(self) -> None:
+        """Move the features collected so far to the hub, where every worker's spot training reads them."""
+        entries = self.collected.take()
+        if entries and self.drafter is not None:
+            self.hub.add_features(entries)
 
     # -- drafter versions -------------------------------------------------------------------------------------
 

@@ -2,6 +2,10 @@
 
 Log-probs for the PPO ratio are always recomputed here, by the training-mode transformers forward, never taken
 from the rollout engine: speculative decoding can then never change what the policy is trained on.
+
+Only response positions get logits (a prompt or padding position's next-token distribution is never used), and
+those go through the head in chunks of tokens (`ChunkedTokenLogprobs`): the [tokens, vocabulary] fp32 logits of a
+micro-batch never exist at once, in the forward or in the backward.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+CHUNK_TOKENS = 256  # response tokens per head chunk: 256 x 49152 fp32 logits (SmolLM2) = 48 MiB at a time
 
 
 @dataclass
@@ -46,28 +52,105 @@ class PackedSamples:
                              self.response_mask[index, :width - 1], [self.prompt_lengths[r] for r in rows],
                              [self.response_lengths[r] for r in rows])
 
+    def feature_spans(self) -> tuple[list[int], list[int]]:
+        """Per row, the [start, end) positions whose features the drafter trains on: the response plus the last
+        prompt token, whose feature drafts the first response token."""
+        starts = [p - 1 for p in self.prompt_lengths]
+        ends = [p + r for p, r in zip(self.prompt_lengths, self.response_lengths)]
+        return starts, ends
+
 
 @dataclass
 class ActorOutput:
-    logprobs: torch.Tensor        # [B, L - 1] log p(token_{t+1}); meaningful where response_mask is set
+    logprobs: torch.Tensor        # [B, L - 1] log p(token_{t+1}) where response_mask is set, 0 elsewhere
     hidden: torch.Tensor | None   # [B, L, H] final normed hidden states (the drafter's features), detached
 
 
-def token_logprobs(model, batch: PackedSamples, temperature: float = 1.0, *, want_hidden: bool = False
-                   ) -> ActorOutput:
-    """Per-token log-probs of every next token under the policy at the rollout temperature.
+def actor_hidden(model, batch: PackedSamples) -> torch.Tensor:
+    """[B, L, H] final normed hidden states: the decoder alone, rather than output_hidden_states, so no
+    per-layer activations are kept, and the final normed state is exactly the drafter's feature."""
+    return model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                               use_cache=False).last_hidden_state
+
+
+def token_logprobs(model, batch: PackedSamples, temperature: float = 1.0, *, want_hidden: bool = False,
+                   chunk_tokens: int = CHUNK_TOKENS) -> ActorOutput:
+    """Per-token log-probs of the response tokens under the policy at the rollout temperature.
 
     Top-k/top-p of the rollout are not applied: the policy being optimized is the tempered softmax, as in verl
     and TRL. Gradients flow when called with grad enabled.
     """
-    # The decoder then the head, rather than output_hidden_states: no per-layer activations are kept, and the
-    # final normed state is exactly the drafter's feature.
-    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                 use_cache=False).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[:, :-1]).float()
+    hidden = actor_hidden(model, batch)
+    mask = batch.response_mask
+    # Pack the response positions: [N, H] states and the [N] tokens that follow them.
+    states = hidden[:, :-1][mask]
+    targets = batch.input_ids[:, 1:][mask]
+    head = model.get_output_embeddings()
+    picked = ChunkedTokenLogprobs.apply(states, head.weight, getattr(head, "bias", None), targets,
+                                        float(temperature), chunk_tokens)
+    logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)
+    return ActorOutput(logprobs, hidden.detach() if want_hidden else None)
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """log_softmax(head(states) / T)[targets] for [N, H] states, `chunk` tokens at a time.
+
+    Equal to the plain expression, but only one chunk's [chunk, V] fp32 logits exist at any time: the forward
+    keeps just each token's logsumexp, and the backward recomputes a chunk's logits to form its gradient
+    (d logp / d logits = (onehot(target) - softmax) / T) — one extra head matmul instead of keeping every
+    token's logits from the forward to the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, states, weight, bias, targets, temperature: float, chunk: int):
+        out = torch.empty(states.shape[0], dtype=_logit_dtype(weight), device=states.device)
+        lse = torch.empty_like(out)
+        for start in range(0, states.shape[0], max(1, chunk)):
+            rows = slice(start, start + chunk)
+            logits = _chunk_logits(states[rows], weight, bias, temperature)
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            out[rows] = logits.gather(-1, targets[rows, None])[:, 0] - lse[rows]
+        ctx.save_for_backward(states, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, max(1, chunk)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        states, weight, bias, targets, lse = ctx.saved_tensors
+        want_states, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_states = torch.empty_like(states) if want_states else None
+        accumulate = dict(dtype=lse.dtype, device=weight.device)  # fp32 at least, whatever the model's dtype
+        grad_weight = torch.zeros(weight.shape, **accumulate) if want_weight else None
+        grad_bias = torch.zeros(bias.shape, **accumulate) if want_bias else None
+        scale = 1.0 if ctx.temperature in (0.0, 1.0) else 1.0 / ctx.temperature
+        for start in range(0, states.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            logits = _chunk_logits(states[rows], weight, bias, ctx.temperature)
+            # d out / d logits = onehot(target) - softmax, in place over this chunk's logits
+            grad_logits = logits.sub_(lse[rows, None]).exp_().neg_()
+            grad_logits.scatter_add_(-1, targets[rows, None], torch.ones_like(lse[rows, None]))
+            grad_logits.mul_(grad_out[rows, None] * scale)
+            if want_states:
+                grad_states[rows] = (grad_logits.to(weight.dtype) @ weight).to(states.dtype)
+            if want_weight:
+                grad_weight.addmm_(grad_logits.t(), states[rows].to(lse.dtype))
+            if want_bias:
+                grad_bias += grad_logits.sum(0)
+        return (grad_states, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None, None)
+
+
+def _chunk_logits(states, weight, bias, temperature: float) -> torch.Tensor:
+    """Logits of one chunk in fp32 (or wider), tempered as the rollout samples them; the head runs in the
+    model's dtype, as the model's own forward would."""
+    logits = torch.nn.functional.linear(states, weight, bias).to(_logit_dtype(weight))
     if temperature not in (0, 1):
         logits = logits / temperature
-    targets = batch.input_ids[:, 1:]
-    # log_softmax(x)[y] = x[y] - logsumexp(x): avoids materializing a second [B, L, V] tensor.
-    logprobs = logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
-    return ActorOutput(logprobs, hidden.detach() if want_hidden else None)
+    return logits
+
+
+def _logit_dtype(weight) -> torch.dtype:
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def _cast(grad, like):
+    return None if grad is None else grad.to(like.dtype)

@@ -1,8 +1,10 @@
 """GRPO with verifiable rewards: the RL step that TLT accelerates.
 
 One step reads top to bottom: sample prompts → rollout (n samples per prompt) → rewards → group-normalized
-advantages → old log-probs recomputed by the actor (no grad) → PPO-clip update over micro-batches with gradient
-accumulation and clipping. The rollout engine shares the policy's parameter tensors, so the update is seen by
+advantages → PPO-clip update over micro-batches with gradient accumulation and clipping. With one optimizer update
+per step (the default) the old log-probs equal the update's own, so no separate old-log-prob forward runs: the
+ratio is exp(logp - logp.detach()) (value 1, the policy gradient), as in TRL. With several updates per step the
+old log-probs are recomputed by the actor (no grad) before the first one. The rollout engine shares the policy's parameter tensors, so the update is seen by
 the next rollout with no weight copy. Every random choice derives from (run seed, step), so a resumed run
 repeats exactly what an uninterrupted one would have done.
 """
@@ -19,16 +21,10 @@ from pathlib import Path
 import torch
 
 from tlt.models.loading import LoadedModel, load_model
-from tlt.rl.actor import PackedSamples, token_logprobs
+from tlt.rl.actor import PackedSamples, actor_hidden, token_logprobs
 from tlt.rl.config import TrainConfig
-from tlt.rl.optim import (
-    advance_schedule,
-    autocast_dtype,
-    build_optimizer,
-    build_scheduler,
-    enable_grad_checkpointing,
-    training_autocast,
-)
+from tlt.rl.optim import (advance_schedule, autocast_dtype, build_optimizer, build_scheduler,
+                          enable_grad_checkpointing, training_autocast)
 from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.replay import length_matched, regroup
@@ -44,8 +40,11 @@ class StepBatch:
     rewards: torch.Tensor        # [N]
     correct: torch.Tensor        # [N] bool
     advantages: torch.Tensor     # [N]
-    old_logprobs: torch.Tensor   # [N, L - 1]
+    old_logprobs: torch.Tensor | None  # [N, L - 1]; None: on-policy, the update's own log-probs (detached)
     ref_logprobs: torch.Tensor | None
+    # Micro-batches (in update order) whose drafter features are already in the feature buffer; the update's
+    # forward adds those of the rest. None: nothing to collect (no buffer, or the old-log-prob pass did it).
+    features_done: int | None = None
 
 
 class GRPOTrainer:
@@ -68,7 +67,8 @@ class GRPOTrainer:
         self.reference = self._frozen_reference() if config.grpo.kl_coef > 0 else None
         self.task = task if task is not None else build_task(config.task, self.tokenizer)
         self.reward = reward if reward is not None else build_reward(config.task)
-        # When set, the actor's old-log-prob pass also feeds the drafter's FeatureBuffer (no extra forward).
+        # When set, the drafter's FeatureBuffer is fed from a forward the step runs anyway (the old-log-prob pass,
+        # or the update's own forward when that pass is skipped): no extra forward.
         self.feature_buffer = feature_buffer
         self.progress = False  # a rollout progress bar (the CLI turns it on)
         self.on_phase = None   # callable(text): the driver's status line, told when the rollout is over
@@ -146,26 +146,53 @@ class GRPOTrainer:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         packed = PackedSamples.build([list(s.prompt_ids) for s in rollout.samples],
                                      [s.token_ids for s in rollout.samples], pad, self.device)
-        old = self._no_grad_logprobs(self.model, packed)
+        # Several updates per step move the policy between them: the ratio then needs the log-probs of the policy
+        # that sampled. With one update they would equal the update's own, so that forward is skipped.
+        old = self._no_grad_logprobs(self.model, packed) if self.config.grpo.updates_per_step > 1 else None
         ref = self._no_grad_logprobs(self.reference, packed) if self.reference is not None else None
         self.reward_failures = scored.failures
-        return StepBatch(packed, rewards, torch.tensor(scored.correct), advantages.to(self.device), old, ref)
+        pending = 0 if self.feature_buffer is not None and old is None else None
+        return StepBatch(packed, rewards, torch.tensor(scored.correct), advantages.to(self.device), old, ref,
+                         features_done=pending)
 
     def _no_grad_logprobs(self, model, packed: PackedSamples) -> torch.Tensor:
-        rows = list(range(packed.input_ids.shape[0]))
-        width = packed.input_ids.shape[1] - 1
-        out = torch.zeros(len(rows), width, device=self.device)
+        out = torch.zeros(packed.input_ids.shape[0], packed.input_ids.shape[1] - 1, device=self.device)
         collect = self.feature_buffer is not None and model is self.model
         with torch.no_grad(), training_autocast(self.autocast_dtype, self.device):
-            for chunk in _chunks(rows, self.config.optim.micro_batch_size):
+            for chunk in self.micro_batches(packed):
                 micro = packed.select(chunk)
                 actor = token_logprobs(model, micro, self.config.rollout.temperature, want_hidden=collect)
                 out[chunk, :actor.logprobs.shape[1]] = actor.logprobs
-                if collect:  # response + the last prompt token, whose feature drafts the first response token
-                    starts = [p - 1 for p in micro.prompt_lengths]
-                    ends = [p + r for p, r in zip(micro.prompt_lengths, micro.response_lengths)]
-                    self.feature_buffer.add_samples(micro.input_ids, actor.hidden, starts, ends, self.step)
+                if collect:
+                    self._add_features(micro, actor.hidden)
         return out
+
+    def collect_features(self, batch: StepBatch, should_stop=lambda: False) -> int:
+        """Feed the feature buffer now, micro-batch by micro-batch, with a forward of the decoder alone, until
+        `should_stop()`; the update's forward collects the rest. A worker idle in other workers' tail calls it,
+        so that spot training has this step's features at once. Returns the micro-batches collected."""
+        if batch.features_done is None:
+            return 0
+        chunks = self.micro_batches(batch.packed)
+        self.model.eval()
+        with torch.no_grad():
+            while batch.features_done < len(chunks) and not should_stop():
+                micro = batch.packed.select(chunks[batch.features_done])
+                self._add_features(micro, actor_hidden(self.model, micro))
+                batch.features_done += 1
+        return batch.features_done
+
+    def micro_batches(self, packed: PackedSamples) -> list[list[int]]:
+        """Row indices, `optim.micro_batch_size` at a time, longest rows first: rows of similar lengths share a
+        micro-batch, so less of each forward is padding. The loss is normalized by whole-step totals, so the
+        grouping does not change it (or the gradient) beyond float rounding."""
+        lengths = [p + r for p, r in zip(packed.prompt_lengths, packed.response_lengths)]
+        rows = sorted(range(len(lengths)), key=lambda row: -lengths[row])  # stable: ties keep their order
+        return list(_chunks(rows, self.config.optim.micro_batch_size))
+
+    def _add_features(self, micro: PackedSamples, hidden: torch.Tensor) -> None:
+        starts, ends = micro.feature_spans()
+        self.feature_buffer.add_samples(micro.input_ids, hidden.detach(), starts, ends, self.step)
 
     def loss_totals(self, batch: StepBatch) -> dict:
         """The loss normalizers of this batch; data-parallel workers sum theirs so every shard's loss is
@@ -180,7 +207,8 @@ class GRPOTrainer:
         from tlt.rl.grpo import policy_loss
 
         cfg, grpo = self.config.optim, self.config.grpo
-        rows = list(range(batch.rewards.shape[0]))
+        if batch.old_logprobs is None and grpo.updates_per_step > 1:
+            raise ValueError("a batch scored without old log-probs allows one update per step only")
         totals = totals or self.loss_totals(batch)
         self.model.train()
         stats: dict[str, list[float]] = {}
@@ -188,15 +216,19 @@ class GRPOTrainer:
         advance_schedule(self.scheduler, self.step)  # this step's lr (all its passes share it)
         for _ in range(grpo.updates_per_step):
             self.optimizer.zero_grad(set_to_none=True)
-            for chunk in _chunks(rows, cfg.micro_batch_size):
+            for index, chunk in enumerate(self.micro_batches(batch.packed)):
                 micro = batch.packed.select(chunk)
                 width = micro.response_mask.shape[1]
+                collect = batch.features_done is not None and index >= batch.features_done
                 with training_autocast(self.autocast_dtype, self.device):
-                    logprobs = token_logprobs(self.model, micro, self.config.rollout.temperature).logprobs
+                    actor = token_logprobs(self.model, micro, self.config.rollout.temperature, want_hidden=collect)
+                if collect:  # the skipped old-log-prob pass would have fed the buffer: this forward does
+                    self._add_features(micro, actor.hidden)
+                logprobs = actor.logprobs
+                old = batch.old_logprobs[chunk, :width] if batch.old_logprobs is not None else logprobs.detach()
                 ref = batch.ref_logprobs[chunk, :width] if batch.ref_logprobs is not None else None
-                loss, parts = policy_loss(grpo.loss, logprobs, batch.old_logprobs[chunk, :width],
-                                          batch.advantages[chunk], micro.response_mask, totals,
-                                          clip_low=grpo.clip_low, clip_high=grpo.clip_high,
+                loss, parts = policy_loss(grpo.loss, logprobs, old, batch.advantages[chunk], micro.response_mask,
+                                          totals, clip_low=grpo.clip_low, clip_high=grpo.clip_high,
                                           ref_logprobs=ref, kl_coef=grpo.kl_coef)
                 loss.backward()
                 for key, value in parts.items():
@@ -206,6 +238,8 @@ class GRPOTrainer:
             if cfg.grad_clip > 0:
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
             self.optimizer.step()
+            if batch.features_done is not None:  # every micro-batch's features are in now
+                batch.features_done = None
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         summary = {key: statistics.fmean(values) for key, values in stats.items()}

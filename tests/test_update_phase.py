@@ -1,0 +1,233 @@
+"""The cheaper update phase: no old-log-prob forward with one update per step, chunked head log-probs.
+
+Each check compares against the way the phase ran before (a separate no-grad old-log-prob pass and the full
+[B, L, V] logits), written out here as the reference, on tiny random models and a fixed rollout.
+"""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from tlt.drafter.buffer import FeatureBuffer
+from tlt.models import LoadedModel, ModelSpec
+from tlt.rl.actor import ActorOutput, ChunkedTokenLogprobs, PackedSamples, token_logprobs
+from tlt.rl.config import load_config
+from tlt.rl.rewards import Reward
+from tlt.rl.trainer import GRPOTrainer
+from tlt.tasks.example import TaskExample
+from tlt.tasks.synthetic import IdTokenizer, share_of_target
+
+
+def full_vocabulary_logprobs(model, batch: PackedSamples, temperature: float = 1.0, *, want_hidden=False):
+    """The actor pass as it was: the head over every position at once, log-softmax, gather."""
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 use_cache=False).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[:, :-1]).float()
+    if temperature not in (0, 1):
+        logits = logits / temperature
+    logprobs = logits.log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    return ActorOutput(logprobs * batch.response_mask, hidden.detach() if want_hidden else None)
+
+
+class VariedPromptTask:
+    """Prompts of 2-7 ids, so micro-batches mix prompt lengths and padding (the answer token is 5)."""
+
+    def sample(self, count, seed):
+        generator = torch.Generator().manual_seed(seed)
+        return [TaskExample(f"p{i}", "5", {"ids": torch.randint(6, 16, (2 + (seed + i) % 6,),
+                                                                generator=generator).tolist()})
+                for i in range(count)]
+
+    def prompt_ids(self, example):
+        return example.meta["ids"]
+
+
+def make_trainer(tmp_path, **overrides):
+    model = tiny_model("llama", vocab_size=16, seed=0, tie_word_embeddings=True)
+    loaded = LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "tiny")
+    settings = {"run.speculative": "off", "rollout.prompts_per_step": 3, "rollout.samples_per_prompt": 4,
+                "rollout.max_new_tokens": 9, "rollout.temperature": 0.8, "optim.lr": 0.05,
+                "optim.micro_batch_size": 5, "run.out_dir": str(tmp_path), "run.tensorboard": False, **overrides}
+    trainer = GRPOTrainer(load_config(None, [f"{k}={v}" for k, v in settings.items()]), loaded=loaded,
+                          task=VariedPromptTask(), reward=Reward(share_of_target))
+    # SGD: the update is the gradient itself, so equal updates mean equal gradients (Adam's first step is
+    # ~lr * sign(grad), which turns rounding noise of near-zero gradients into full-size differences)
+    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory):
+    """One fixed rollout (12 samples of varied lengths) that every trainer below learns from."""
+    trainer = make_trainer(tmp_path_factory.mktemp("rollout"))
+    examples = trainer.task.sample(3, seed=trainer.step_seed())
+    result = trainer.rollout(examples)
+    assert len({len(s.token_ids) for s in result.samples}) > 1  # responses of several lengths
+    return examples, result
+
+
+def parameters(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+# -- the chunked head ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 4, 10_000])
+def test_chunked_logprobs_and_gradients_equal_the_full_vocabulary_softmax(temperature, chunk):
+    model = tiny_model("qwen2", vocab_size=97, tie_word_embeddings=True).train()
+    batch = PackedSamples.build([[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14, 15, 16, 17, 18]], pad_id=0)
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fn in (token_logprobs, full_vocabulary_logprobs):
+        model.zero_grad()
+        kwargs = {"chunk_tokens": chunk} if fn is token_logprobs else {}
+        logprobs = fn(model, batch, temperature, **kwargs).logprobs
+        loss = (logprobs * weights).sum()
+        loss.backward()
+        results.append((logprobs.detach(), loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (chunked, loss, grads), (full, full_loss, full_grads) = results
+    assert torch.allclose(chunked, full, atol=1e-5)
+    assert (chunked[~batch.response_mask] == 0).all()  # no prompt or padding position gets a log-prob
+    assert loss == pytest.approx(full_loss, abs=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, full_grads[name], atol=1e-5), name
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_chunked_head_gradients_pass_gradcheck_with_a_bias(temperature):
+    generator = torch.Generator().manual_seed(0)
+    states, weight, bias = (torch.randn(*shape, dtype=torch.float64, generator=generator, requires_grad=True)
+                            for shape in ((7, 5), (11, 5), (11,)))
+    targets = torch.randint(0, 11, (7,), generator=generator)
+    assert torch.autograd.gradcheck(
+        lambda s, w, b: ChunkedTokenLogprobs.apply(s, w, b, targets, temperature, 3), (states, weight, bias))
+
+
+# -- skipping the old-log-prob pass ----------------------------------------------------------------------------
+
+def old_update_phase(trainer, examples, rollout, monkeypatch):
+    """The phase as it ran before: score with a separate no-grad old-log-prob pass, full-vocabulary logits."""
+    monkeypatch.setattr("tlt.rl.trainer.token_logprobs", full_vocabulary_logprobs)
+    batch = trainer.score(examples, rollout)
+    batch.old_logprobs = trainer._no_grad_logprobs(trainer.model, batch.packed)
+    batch.features_done = None  # that pass fed the buffer
+    stats = trainer.update(batch)
+    monkeypatch.undo()
+    return batch, stats
+
+
+def test_skipping_the_old_pass_keeps_the_loss_and_the_update(tmp_path, rollout, monkeypatch):
+    examples, result = rollout
+    new = make_trainer(tmp_path / "new")
+    batch = new.score(examples, result)
+    assert batch.old_logprobs is None  # one update per step: no old-log-prob forward
+    new_stats = new.update(batch)
+    old = make_trainer(tmp_path / "old")
+    start = parameters(old)
+    _, old_stats = old_update_phase(old, examples, result, monkeypatch)
+    assert new_stats["loss"] == pytest.approx(old_stats["loss"], abs=1e-5)
+    assert new_stats["ratio_mean"] == 1.0 and new_stats["clip_fraction"] == 0.0  # on-policy: ratio exactly 1
+    assert old_stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    moved = [(a - s).abs().max() for a, s in zip(parameters(new), start)]
+    assert max(moved) > 1e-3  # the detached old log-probs still carry the policy gradient
+    for a, b in zip(parameters(new), parameters(old)):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_kl_reference_pass_still_runs_without_the_old_pass(tmp_path, rollout, monkeypatch):
+    examples, result = rollout
+    overrides = {"grpo.kl_coef": 0.1}
+    new, old = make_trainer(tmp_path / "new", **overrides), make_trainer(tmp_path / "old", **overrides)
+    for trainer in (new, old):  # a reference that differs from the policy, so the KL term is not zero
+        with torch.no_grad():
+            for param in trainer.reference.parameters():
+                param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(2)))
+    batch = new.score(examples, result)
+    assert batch.old_logprobs is None and batch.ref_logprobs is not None
+    new_stats = new.update(batch)
+    _, old_stats = old_update_phase(old, examples, result, monkeypatch)
+    assert new_stats["kl"] > 1e-4 and new_stats["kl"] == pytest.approx(old_stats["kl"], abs=1e-5)
+    assert new_stats["loss"] == pytest.approx(old_stats["loss"], abs=1e-5)
+    for a, b in zip(parameters(new), parameters(old)):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_several_updates_per_step_still_compute_the_old_logprobs(tmp_path, rollout):
+    examples, result = rollout
+    trainer = make_trainer(tmp_path, **{"grpo.updates_per_step": 2, "optim.lr": 0.05})
+    batch = trainer.score(examples, result)
+    assert batch.old_logprobs is not None
+    with torch.no_grad():
+        expected = full_vocabulary_logprobs(trainer.model, batch.packed, 0.8).logprobs
+    assert torch.allclose(batch.old_logprobs * batch.packed.response_mask, expected, atol=1e-5)
+    stats = trainer.update(batch)
+    # The second pass sees the policy the first one moved: its ratio leaves 1 (it would stay exactly 1 if the
+    # update took its own log-probs as the old ones).
+    assert abs(stats["ratio_mean"] - 1.0) > 1e-4
+
+
+def test_a_batch_without_old_logprobs_refuses_several_updates(tmp_path, rollout):
+    examples, result = rollout
+    trainer = make_trainer(tmp_path)
+    batch = trainer.score(examples, result)
+    several = make_trainer(tmp_path / "several", **{"grpo.updates_per_step": 3})
+    with pytest.raises(ValueError, match="one update per step"):
+        several.update(batch)
+
+
+def test_micro_batches_group_rows_of_similar_length(tmp_path, rollout):
+    examples, result = rollout
+    trainer = make_trainer(tmp_path)
+    packed = trainer.score(examples, result).packed
+    groups = trainer.micro_batches(packed)
+    order = [row for group in groups for row in group]
+    assert sorted(order) == list(range(len(result.samples))) and [len(g) for g in groups] == [5, 5, 2]
+    lengths = [packed.prompt_lengths[r] + packed.response_lengths[r] for r in order]
+    assert lengths == sorted(lengths, reverse=True)  # longest first: less padding per micro-batch
+
+
+# -- the drafter's features ------------------------------------------------------------------------------------
+
+def buffer_after(trainer, examples, result, *, early_micro_batches=0, updates=1):
+    trainer.feature_buffer = FeatureBuffer(max_tokens=100_000)
+    batch = trainer.score(examples, result)
+    if early_micro_batches:  # an idle worker's spot training starts with part of its shard's features
+        calls = iter(range(10**6))
+        assert trainer.collect_features(batch, lambda: next(calls) >= early_micro_batches) == early_micro_batches
+    if updates == 1:
+        trainer.update(batch)
+    return list(trainer.feature_buffer.entries)
+
+
+def test_feature_buffer_is_the_same_whichever_forward_fills_it(tmp_path, rollout):
+    """Before: the old-log-prob pass filled the buffer (what updates_per_step > 1 still does). Now: the update's
+    forward, or an idle worker's decoder-only pass for the first micro-batches and the update for the rest."""
+    examples, result = rollout
+    before = buffer_after(make_trainer(tmp_path / "a", **{"grpo.updates_per_step": 2}), examples, result,
+                          updates=2)
+    from_update = buffer_after(make_trainer(tmp_path / "b"), examples, result)
+    split = buffer_after(make_trainer(tmp_path / "c"), examples, result, early_micro_batches=1)
+    all_early = buffer_after(make_trainer(tmp_path / "d"), examples, result, early_micro_batches=3)
+    assert len(before) == len(result.samples)
+    for entries in (from_update, split, all_early):
+        assert len(entries) == len(before)
+        for got, want in zip(entries, before):
+            assert torch.equal(got.tokens, want.tokens) and got.step == want.step
+            assert torch.allclose(got.features, want.features, atol=1e-6)
+
+
+def test_a_worker_hands_every_feature_to_the_hub(tmp_path):
+    """Two in-process workers: the idle one's features reach the hub during spot training, the last one's
+    after its update; together every sample of the step, once."""
+    from test_distributed import make_controller
+
+    controller = make_controller(tmp_path)
+    try:
+        metrics = controller.train_step()
+        _, entries = controller.backend.hub.features_since(0)
+    finally:
+        controller.close()
+    assert metrics["spot_train_steps"] > 0
+    assert len(entries) == 8 and {e.step for e in entries} == {0}  # 4 prompts x 2 samples, step 0
+    assert sorted(len(e.tokens) for e in entries)[:4] == [2, 2, 2, 2]  # the short shard: prompt end + EOS
