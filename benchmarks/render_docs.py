@@ -108,8 +108,8 @@ def update_phase_table(data: dict) -> str:
                     f"{data['score_s'][name]:.1f} | {data['update_s'][name]:.1f} | {data['peak_rss_mb'][name]} | "
                     f"{data['peak_over_start_mb'][name]} |")
     rows.append("")
-    rows.append(f"`speedup` = **{data['speedup']}** (CPU time {data['speedup_cpu_time']}); loss {data['loss']['before']:.3g}"
-                f" vs {data['loss']['after']:.3g} (|diff| {data['loss_abs_diff']:.1g}); grad norm "
+    rows.append(f"`speedup` = **{data['speedup']}** (CPU time {data['speedup_cpu_time']}); loss "
+                f"{data['loss']['before']:.3g} vs {data['loss']['after']:.3g} (|diff| {data['loss_abs_diff']:.1g}); grad norm "
                 f"{data['grad_norm']['before']:.7f} vs {data['grad_norm']['after']:.7f}")
     return "\n".join(rows)
 

@@ -1,10 +1,11 @@
 """DrafterHub: where workers meet to share the drafter between rollouts and spot training.
 
 It holds (1) the published drafter versions — the drafter's own layers only, never the target's embedding or
-lm_head, which every worker already has; (2) the features every worker's actor forwards produced (an idle worker's
-own pass, or the update's forward), so whichever worker goes idle trains on everybody's data; (3) the per-step control: which worker holds the trainer lease and
-when spot training must stop. On Ray it runs as one small actor; in-process it is a plain object. Every method
-is short and thread-safe, because the rollout worker polls it between decode steps.
+lm_head, which every worker already has; (2) the features every worker's actor forwards produced (an idle
+worker's own pass, or the update's forward), so whichever worker goes idle trains on everybody's data; (3) the
+per-step control: which worker holds the trainer lease and when spot training must stop. On Ray it runs as one
+small actor; in-process it is a plain object. Every method is short and thread-safe, because the rollout worker
+polls it between decode steps.
 """
 
 from __future__ import annotations

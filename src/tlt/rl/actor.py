@@ -119,7 +119,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         states, weight, bias, targets, lse = ctx.saved_tensors
         want_states, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_states = torch.empty_like(states) if want_states else None
-        accumulate = dict(dtype=lse.dtype, device=weight.device)  # fp32 at least, whatever the model's dtype
+        accumulate = {"dtype": lse.dtype, "device": weight.device}  # fp32 at least, whatever the model's dtype
         grad_weight = torch.zeros(weight.shape, **accumulate) if want_weight else None
         grad_bias = torch.zeros(bias.shape, **accumulate) if want_bias else None
         scale = 1.0 if ctx.temperature in (0.0, 1.0) else 1.0 / ctx.temperature

@@ -4,9 +4,9 @@ One step reads top to bottom: sample prompts → rollout (n samples per prompt) 
 advantages → PPO-clip update over micro-batches with gradient accumulation and clipping. With one optimizer update
 per step (the default) the old log-probs equal the update's own, so no separate old-log-prob forward runs: the
 ratio is exp(logp - logp.detach()) (value 1, the policy gradient), as in TRL. With several updates per step the
-old log-probs are recomputed by the actor (no grad) before the first one. The rollout engine shares the policy's parameter tensors, so the update is seen by
-the next rollout with no weight copy. Every random choice derives from (run seed, step), so a resumed run
-repeats exactly what an uninterrupted one would have done.
+old log-probs are recomputed by the actor (no grad) before the first one. The rollout engine shares the policy's
+parameter tensors, so the update is seen by the next rollout with no weight copy. Every random choice derives
+from (run seed, step), so a resumed run repeats exactly what an uninterrupted one would have done.
 """
 
 from __future__ import annotations
