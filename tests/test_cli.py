@@ -50,7 +50,7 @@ def test_print_config_is_the_full_resolved_config_and_loads_back_equal(tmp_path,
     """Every section and key, overrides applied; nothing loaded, nothing written to run.out_dir."""
     import yaml
 
-    from tlt.rl import run
+    from tlt.distributed import run
     from tlt.rl.config import TrainConfig, load_config
 
     monkeypatch.setattr(run, "train", lambda *args, **kwargs: pytest.fail("--print-config started a run"))

@@ -14,7 +14,7 @@ import test_distributed  # noqa: E402
 from test_distributed import assert_spot_training_ends_at_the_barrier, make_controller  # noqa: E402
 from tlt.distributed.backends import WorkerError  # noqa: E402
 from tlt.rl.checkpoint import latest_checkpoint  # noqa: E402
-from tlt.rl.run import train  # noqa: E402
+from tlt.distributed.run import train  # noqa: E402
 
 # Worker processes cannot import the tests directory: ship these modules' classes by value.
 ray.cloudpickle.register_pickle_by_value(conftest)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from test_trainer import TARGET, make_trainer
-from tlt.rl.run import train
+from tlt.distributed.run import train
 from tlt.tasks import ArithmeticTask, DatasetTask, TaskExample
 from tlt.tasks.held_out import split_held_out
 from tlt.tasks.synthetic import IdTokenizer, TargetTokenTask, share_of_target

@@ -17,7 +17,7 @@ from tlt.rl.checkpoint import latest_checkpoint
 from tlt.rl.config import ConfigError, load_config
 from tlt.rl.optim import autocast_dtype, enable_grad_checkpointing, lr_factor, training_autocast
 from tlt.rl.rewards import Reward
-from tlt.rl.run import train
+from tlt.distributed.run import train
 from tlt.rl.run_dir import RunDirError, prepare_run_dir
 from tlt.rl.trainer import GRPOTrainer
 from tlt.tasks.synthetic import IdTokenizer, TargetTokenTask, share_of_target

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from test_trainer import make_trainer
 from tlt.cli import main
 from tlt.rl.checkpoint import latest_checkpoint
-from tlt.rl.run import train
+from tlt.distributed.run import train
 from tlt.rl.run_dir import RunDirError
 
 
@@ -199,12 +199,11 @@ def test_cli_refuses_an_occupied_run_dir_in_one_line_and_overwrite_is_a_flag(tmp
     assert (run_dir / "metrics.jsonl").exists()
 
 
-
 def test_cli_passes_overwrite_and_resume_to_train(tmp_path, monkeypatch):
-    import tlt.rl.run
+    import tlt.distributed.run
 
     calls = []
-    monkeypatch.setattr(tlt.rl.run, "train", lambda config, **flags: calls.append(flags))
+    monkeypatch.setattr(tlt.distributed.run, "train", lambda config, **flags: calls.append(flags))
     assert main(["train", f"run.out_dir={tmp_path}", "--overwrite"]) == 0
     assert main(["train", f"run.out_dir={tmp_path}", "--resume"]) == 0
     assert calls == [{"resume": False, "overwrite": True}, {"resume": True, "overwrite": False}]

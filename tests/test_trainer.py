@@ -9,7 +9,7 @@ from conftest import tiny_model
 from tlt.models import LoadedModel, ModelSpec
 from tlt.rl.config import TrainConfig, load_config
 from tlt.rl.rewards import Reward
-from tlt.rl.run import train
+from tlt.distributed.run import train
 from tlt.rl.trainer import GRPOTrainer
 from tlt.rollout.request import Request
 from tlt.sampling import SamplingParams

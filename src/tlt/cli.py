@@ -114,7 +114,7 @@ def _run_train(args) -> int:
     if args.print_config:
         print(config_yaml(config), end="")
         return 0
-    from tlt.rl.run import train
+    from tlt.distributed.run import train
 
     train(config, resume=args.resume, overwrite=args.overwrite)
     return 0

@@ -21,7 +21,7 @@ from tlt.distributed.placement import resolve_and_log
 from tlt.distributed.timeline import merge_step, time_shares
 from tlt.errors import TltError
 from tlt.rl.checkpoint import latest_checkpoint
-from tlt.rl.trainer import evaluation_due
+from tlt.rl.trainer import evaluation_due, step_metrics
 from tlt.rollout.request import RolloutResult
 
 
@@ -144,8 +144,6 @@ class DistributedGRPO:
     # -- metrics ----------------------------------------------------------------------------------------------
 
     def _metrics(self, rollouts, prepared, spot, updates, timeline, rollout_s, train_s) -> dict:
-        from tlt.rl.trainer import step_metrics
-
         ranks = range(self.size)
         merged = RolloutResult([s for r in ranks for s in rollouts[r]["rollout"].samples],
                                [t for r in ranks for t in rollouts[r]["rollout"].steps],

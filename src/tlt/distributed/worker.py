@@ -16,10 +16,14 @@ import traceback
 
 import torch
 
+from tlt.distributed.collective import ProcessGroupReducer
 from tlt.distributed.hub import HubTimeout
 from tlt.distributed.timeline import WorkerTimeline
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+from tlt.models.eagle import EagleDrafter
+from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
+from tlt.rl.trainer import GRPOTrainer
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +57,6 @@ class HubClient:
 class RolloutWorker:
     def __init__(self, config, rank: int, world_size: int, hub, *, threads: int | None = None, loaded=None,
                  task=None, reward=None, reducer=None):
-        from tlt.rl.trainer import GRPOTrainer
-
         if threads:  # a Ray worker process: its own thread budget, and no per-process loading bars in the log
             torch.set_num_threads(threads)
             from transformers.utils import logging as hf_logging
@@ -77,8 +79,6 @@ class RolloutWorker:
 
     def join_group(self, address: str, backend: str = "gloo", timeout_s: float = 1800) -> None:
         """Join the workers' gradient group ("nccl" or "gloo": the placement's choice)."""
-        from tlt.distributed.collective import ProcessGroupReducer
-
         self.reducer = ProcessGroupReducer(self.rank, self.world_size, address, backend, timeout_s)
 
     # -- one RL step ----------------------------------------------------------------------------------------
@@ -200,8 +200,6 @@ class RolloutWorker:
     def _spot_objects(self) -> list:
         """[training drafter, DrafterTrainer, local FeatureBuffer, next hub feature sequence], made on first use.
         The training drafter is a separate copy: the engine's drafter keeps serving the published version."""
-        from tlt.models.eagle import EagleDrafter
-
         if self._spot is None:
             drafter = EagleDrafter(self.drafter.config, self.drafter.draft_to_target).attach(
                 self.engine.policy_forward)
@@ -237,8 +235,6 @@ class RolloutWorker:
     def save(self, run_dir: str, extra: dict) -> str:
         """Policy, optimizer, RNG and bandit (replicas are identical: rank 0's copy is the run's), plus the
         latest drafter version and its trainer's optimizer state, in one atomic checkpoint directory."""
-        from tlt.rl.checkpoint import _flatten_optimizer
-
         extra, files = dict(extra), {}
         if self.drafter is not None:
             version, weights = self.hub.latest()
@@ -246,7 +242,7 @@ class RolloutWorker:
             extra["drafter"] = {"version": version, "trainer": None}
             state = self.hub.trainer_state()
             if state is not None:
-                tensors, meta = _flatten_optimizer(state["optimizer"])
+                tensors, meta = flatten_optimizer(state["optimizer"])
                 files["drafter_optimizer.safetensors"] = tensors
                 extra["drafter"]["trainer"] = {"steps": state["steps"], "optimizer": meta}
         return str(self.trainer.save(run_dir, extra, files))
@@ -266,8 +262,6 @@ class RolloutWorker:
 
         from safetensors.torch import load_file
 
-        from tlt.rl.checkpoint import _unflatten_optimizer
-
         path = Path(checkpoint)
         meta = json.loads((path / "state.json").read_text()).get("drafter")
         if meta is None or not (path / "drafter.safetensors").exists():
@@ -275,7 +269,7 @@ class RolloutWorker:
         weights = load_file(str(path / "drafter.safetensors"))
         trainer = None
         if meta["trainer"] is not None:
-            optimizer = _unflatten_optimizer(load_file(str(path / "drafter_optimizer.safetensors")),
+            optimizer = unflatten_optimizer(load_file(str(path / "drafter_optimizer.safetensors")),
                                              meta["trainer"]["optimizer"])
             trainer = {"optimizer": optimizer, "steps": meta["trainer"]["steps"]}
         self.hub.restore(meta["version"], weights, trainer)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pairs
+from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
 
 @dataclass(frozen=True)
@@ -138,24 +139,22 @@ class DrafterTrainer:
 
     def save(self, directory: str | Path) -> None:
         """Drafter weights + config (its own layers only) and the optimizer state, all safetensors/JSON."""
-        from tlt.rl.checkpoint import _flatten_optimizer
         from safetensors.torch import save_file
         import json
 
         directory = Path(directory)
         self.drafter.save(directory)
-        tensors, meta = _flatten_optimizer(self.optimizer.state_dict())
+        tensors, meta = flatten_optimizer(self.optimizer.state_dict())
         save_file(tensors, str(directory / "drafter_optimizer.safetensors"))
         (directory / "drafter_trainer.json").write_text(json.dumps({"steps": self.steps, "optimizer": meta}))
 
     def load_optimizer(self, directory: str | Path) -> None:
-        from tlt.rl.checkpoint import _unflatten_optimizer
         from safetensors.torch import load_file
         import json
 
         directory = Path(directory)
         state = json.loads((directory / "drafter_trainer.json").read_text())
-        self.optimizer.load_state_dict(_unflatten_optimizer(load_file(str(directory / "drafter_optimizer.safetensors")),
+        self.optimizer.load_state_dict(unflatten_optimizer(load_file(str(directory / "drafter_optimizer.safetensors")),
                                                             state["optimizer"]))
         self.steps = state["steps"]
 

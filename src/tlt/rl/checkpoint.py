@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file, save_model
 
 from tlt.errors import TltError
+from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
 CHECKPOINT_PREFIX = "step-"
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | No
         save_model(model, str(staging / "policy.safetensors"))
         meta = None
         if optimizer is not None:  # None: a smaller checkpoint; resuming starts a fresh optimizer
-            tensors, meta = _flatten_optimizer(optimizer.state_dict())
+            tensors, meta = flatten_optimizer(optimizer.state_dict())
             save_file(tensors, str(staging / "optimizer.safetensors"))
         save_file({"torch_rng": torch.get_rng_state()}, str(staging / "rng.safetensors"))
         for name, tensors in (files or {}).items():
@@ -111,7 +112,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler=None) -> dict:
     if state.get("optimizer") is None:
         log.warning("%s holds no optimizer state (run.save_optimizer=false): the optimizer starts fresh", path)
     else:
-        optimizer.load_state_dict(_unflatten_optimizer(_read(path / "optimizer.safetensors"),
+        optimizer.load_state_dict(unflatten_optimizer(_read(path / "optimizer.safetensors"),
                                                        state["optimizer"]))
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
@@ -130,25 +131,6 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
 def _first_line(error: Exception) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
-
-
-def _flatten_optimizer(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    tensors, scalars = {}, {}
-    for index, values in state_dict["state"].items():
-        for name, value in values.items():
-            if torch.is_tensor(value):
-                tensors[f"{index}.{name}"] = value.detach().cpu().contiguous()
-            else:
-                scalars[f"{index}.{name}"] = value
-    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
-
-
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
-    state: dict[int, dict] = {}
-    for key, value in list(tensors.items()) + list(meta["scalars"].items()):
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
-    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def _saved_under_another_name(own: dict, weights: dict, name: str) -> bool:

@@ -15,6 +15,8 @@ from pathlib import Path
 import yaml
 
 from tlt.errors import TltError
+from tlt.rl.grpo import AGGREGATIONS
+from tlt.speculative.strategy import SpecStrategy
 
 
 class ConfigError(TltError):
@@ -165,9 +167,6 @@ LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 def validate(config: TrainConfig) -> TrainConfig:
     """Every choice and range, checked before anything loads; raises ConfigError naming the first bad key."""
-    from tlt.rl.grpo import AGGREGATIONS
-    from tlt.speculative.strategy import SpecStrategy
-
     task, rollout, grpo, optim, run = config.task, config.rollout, config.grpo, config.optim, config.run
     check_choice("task.name", task.name, TASK_NAMES)
     _check(task.name == "arithmetic" or bool(task.path), f"task.name={task.name} needs task.path (a dataset file)")

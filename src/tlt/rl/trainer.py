@@ -20,16 +20,23 @@ from pathlib import Path
 
 import torch
 
+from tlt.models.eagle import EagleDrafter
 from tlt.models.loading import LoadedModel, load_model
 from tlt.rl.actor import PackedSamples, actor_hidden, token_logprobs
-from tlt.rl.config import TrainConfig
+from tlt.rl.checkpoint import load_checkpoint, save_checkpoint, save_final_model
+from tlt.rl.config import TrainConfig, check_speculation
+from tlt.rl.grpo import group_advantages, policy_loss
 from tlt.rl.optim import (advance_schedule, autocast_dtype, build_optimizer, build_scheduler,
                           enable_grad_checkpointing, training_autocast)
+from tlt.rl.rewards import build_reward
 from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate, FixedSpeculation
 from tlt.rollout.replay import length_matched, regroup
 from tlt.rollout.request import Request, RolloutResult
 from tlt.sampling import SamplingParams
+from tlt.speculative.strategy import SpecStrategy
+from tlt.tasks import build_task
 
 
 @dataclass
@@ -50,9 +57,6 @@ class StepBatch:
 class GRPOTrainer:
     def __init__(self, config: TrainConfig, *, loaded: LoadedModel | None = None, task=None, reward=None,
                  feature_buffer=None):
-        from tlt.rl.rewards import build_reward
-        from tlt.tasks import build_task
-
         self.config = config
         torch.manual_seed(config.run.seed)
         self.loaded = loaded or load_model(config.model.path, device=config.model.device)
@@ -136,8 +140,6 @@ class GRPOTrainer:
         return regroup(result, requests)
 
     def score(self, examples, rollout: RolloutResult) -> StepBatch:
-        from tlt.rl.grpo import group_advantages
-
         n = self.config.rollout.samples_per_prompt
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in rollout.samples]
         scored = self.reward.score(texts, [examples[s.request_index] for s in rollout.samples])
@@ -204,7 +206,6 @@ class GRPOTrainer:
         """PPO-clip over micro-batches; each micro-batch's loss is weighted so the accumulated gradient equals
         the full-batch loss's gradient (micro 1 x accumulation 8 == micro 8 x accumulation 1).
         `reduce_gradients(parameters)` (data parallel) sums the gradients across replicas before clipping."""
-        from tlt.rl.grpo import policy_loss
 
         cfg, grpo = self.config.optim, self.config.grpo
         if batch.old_logprobs is None and grpo.updates_per_step > 1:
@@ -275,8 +276,6 @@ class GRPOTrainer:
 
     def save(self, run_dir: Path, extra: dict | None = None, files: dict | None = None) -> Path:
         """The one checkpoint writer of a run (workers add their drafter as `extra` and `files`)."""
-        from tlt.rl.checkpoint import save_checkpoint
-
         extra = {**(extra or {}), "config": self.config.to_dict()}
         if self.engine.speculation is not None:  # the bandit's experience carries across steps
             extra["speculation"] = self.engine.speculation.state_dict()
@@ -285,13 +284,9 @@ class GRPOTrainer:
                                scheduler=self.scheduler)
 
     def save_final(self, directory: Path) -> Path:
-        from tlt.rl.checkpoint import save_final_model
-
         return save_final_model(self.model, self.tokenizer, directory)
 
     def resume(self, checkpoint: Path) -> None:
-        from tlt.rl.checkpoint import load_checkpoint
-
         state = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler)
         self.step = state["step"]
         if "speculation" in state and self.engine.speculation is not None:
@@ -330,11 +325,6 @@ def step_metrics(rollout: RolloutResult, rewards: torch.Tensor, correct: torch.T
 
 def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair."""
-    from tlt.models.eagle import EagleDrafter
-    from tlt.rl.config import check_speculation
-    from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate, FixedSpeculation
-    from tlt.speculative.strategy import SpecStrategy
-
     run, batch = config.run, config.rollout.max_batch_size
     check_speculation(run)  # load_config checked it already; a config built in code may not have been
     precision = dict(dtype=config.rollout.dtype, cuda_graphs=config.rollout.cuda_graphs and

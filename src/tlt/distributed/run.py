@@ -7,6 +7,10 @@ from pathlib import Path
 
 from rich.console import Console
 
+from tlt.distributed.controller import DistributedGRPO
+from tlt.distributed.placement import resolve
+from tlt.distributed.timeline import save_timeline
+from tlt.metrics.logger import open_metrics_logger
 from tlt.rl.checkpoint import prune_checkpoints
 from tlt.rl.config import TrainConfig, validate
 from tlt.rl.preflight import preflight
@@ -23,9 +27,6 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
           trainer=None):
     """Run config.run.steps RL steps (continuing from the latest checkpoint with resume=True; overwrite=True
     replaces a run already in run.out_dir). The run directory is checked before the policy loads."""
-    from tlt.distributed.controller import DistributedGRPO
-    from tlt.distributed.placement import resolve
-
     # soft_wrap: a step line stays one line in logs and pipes (rich wraps at 80 columns off a terminal)
     console = console or Console(soft_wrap=True)
     validate(config)  # a config built in code gets the same checks as one from the command line
@@ -51,8 +52,6 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
 
 
 def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
-    from tlt.metrics.logger import open_metrics_logger
-
     logger = open_metrics_logger(run_dir, config, resuming=checkpoint is not None)
     try:
         return _steps(config, trainer, run_dir, checkpoint, console, logger)
@@ -61,8 +60,6 @@ def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
 
 
 def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, logger):
-    from tlt.distributed.timeline import save_timeline
-
     if checkpoint is not None:
         trainer.resume(checkpoint)
         logger.truncate_after(trainer.step)
