@@ -258,3 +258,19 @@ def test_hot_swap_under_speculative_graphs_keeps_them():
     got = engine.generate(requests, between_steps=swap)
     assert [s.token_ids for s in got.samples] == [s.token_ids for s in plain.samples]
     assert engine.runner.captures <= 12  # a few (bucket, KV block) shapes, not one per swap
+
+
+def test_cost_curve_on_cuda_times_the_graph_path():
+    """run.gate=auto on a GPU: the curve times captured plain and SD steps, then the engine generates as before."""
+    from tlt.rollout.cost_curve import measure
+
+    model = tiny_model("llama").to(CUDA)
+    arms = [SpecStrategy.chain(3), SpecStrategy(3, 2, rule="q")]
+    engine = RolloutEngine(model, max_batch_size=4, dtype="float32", drafter=EagleDrafter(model.config),
+                           speculation=arms[0], max_tree_size=16)
+    curve = measure(engine, arms, batches=(1, 2, 4), repeats=2, tau=1e9)
+    assert engine.runner.captures > 0
+    assert all(0 < curve.ratio(a.name, b) < float("inf") for a in arms for b in (1, 2, 4))
+    requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=16)) for p in random_prompts([4, 7])]
+    plain = generate(model, requests, max_batch_size=4, dtype="float32")
+    assert [s.token_ids for s in engine.generate(requests).samples] == [s.token_ids for s in plain.samples]
