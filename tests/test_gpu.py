@@ -6,6 +6,8 @@ tie-aware rule of docs/architecture.md: two decodings may part only where the mo
 within bf16 rounding of each other.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from test_speculative_lossless import exact_joint, tv_and_bound
 from tlt.models.eagle import EagleDrafter
 from tlt.models.kv_cache import KVCache
 from tlt.models.lean_forward import LeanForward
+from tlt.rollout.cost_curve import measure
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
 from tlt.sampling import SamplingParams
@@ -227,7 +230,6 @@ def test_a_replayed_speculative_step_synchronizes_once():
         torch.cuda.set_sync_debug_mode("warn")
         counts.append(0)
 
-    import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine.generate(requests, between_steps=count_syncs)
@@ -262,8 +264,6 @@ def test_hot_swap_under_speculative_graphs_keeps_them():
 
 def test_cost_curve_on_cuda_times_the_graph_path():
     """run.gate=auto on a GPU: the curve times captured plain and SD steps, then the engine generates as before."""
-    from tlt.rollout.cost_curve import measure
-
     model = tiny_model("llama").to(CUDA)
     arms = [SpecStrategy.chain(3), SpecStrategy(3, 2, rule="q")]
     engine = RolloutEngine(model, max_batch_size=4, dtype="float32", drafter=EagleDrafter(model.config),
