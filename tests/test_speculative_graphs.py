@@ -228,7 +228,7 @@ def prepared_step(strategy, greedy=False):
         running = 3
         rows = engine_._cache.rows(0, running)
         decoder = engine_.spec_decoder
-        decoder.bring_within(rows, torch.zeros(running, dtype=torch.long), strategy.depth + 1)
+        decoder.bring_within(rows, strategy.depth + 1)
         settings = RowSampling.from_params([params] * running, "cpu")
         uniforms = draw_uniforms([torch.Generator().manual_seed(i) for i in range(running)], strategy.uniforms_per_row)
         draft_rows = decoder.draft_rows(rows)

@@ -11,3 +11,9 @@ class ModelLoadError(TltError):
 
 class RequestError(TltError):
     """A rollout request or sampling setting that cannot be served."""
+
+
+def first_line(error: Exception) -> str:
+    """The first line of an exception's message (or its type's name): what a one-line error quotes."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

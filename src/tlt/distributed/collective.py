@@ -21,6 +21,7 @@ def flat_gradients(parameters: list[torch.nn.Parameter]) -> torch.Tensor:
 
 def unflatten_into(parameters: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
     """Each parameter's gradient becomes its slice of `flat`, copied to the parameter's own device."""
+    flat = flat.to(parameters[0].device)  # one transfer (e.g. gloo's host buffer), then same-device slices
     offset = 0
     for p in parameters:
         count = p.numel()

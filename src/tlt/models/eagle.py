@@ -145,11 +145,8 @@ class EagleDrafter(nn.Module):
         lean = self.target
         x = self.fuse(tokens, features)
         num_new = tokens.shape[1]
-        if lengths is None:  # the host lengths: kv_len is read there, not from the device
-            lengths = cache.lengths
-            kv_len = int(lengths.max()) + num_new if kv_len is None else kv_len
-        lengths = lengths.to(x.device)
-        slots = lengths[:, None] + torch.arange(num_new, device=x.device)[None, :]
+        lengths = cache.lengths if lengths is None else lengths
+        slots = lengths.to(x.device)[:, None] + torch.arange(num_new, device=x.device)[None, :]
         mask = attention_mask(lengths, num_new, new_token_mask, x.device, kv_len)
         bias = grouped_attention_bias(mask, lean.spec.num_heads // lean.spec.num_kv_heads, x.dtype)
         cos, sin = lean.rope(x, positions.to(x.device))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file, save_model
 
-from tlt.errors import TltError
+from tlt.errors import TltError, first_line
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
 CHECKPOINT_PREFIX = "step-"
@@ -125,12 +125,8 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as error:  # noqa: BLE001 - safetensors raises several types for missing/corrupt files
-        raise CheckpointError(f"cannot read checkpoint file {path}: {_first_line(error)}") from None
+        raise CheckpointError(f"cannot read checkpoint file {path}: {first_line(error)}") from None
 
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 def _saved_under_another_name(own: dict, weights: dict, name: str) -> bool:

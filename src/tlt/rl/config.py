@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ import yaml
 
 from tlt.errors import TltError
 from tlt.rl.grpo import AGGREGATIONS
+from tlt.rl.optim import decay_steps
 from tlt.speculative.strategy import SpecStrategy
 
 
@@ -201,7 +203,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _at_least("optim.warmup_steps", optim.warmup_steps, 0)
     _at_least("optim.decay_steps", optim.decay_steps, 0)
     _check(0 <= optim.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
-    horizon = optim.decay_steps or run.steps
+    horizon = decay_steps(optim, run.steps)
     _check(optim.schedule != "cosine" or optim.warmup_steps < max(horizon, 1),
            f"optim.warmup_steps={optim.warmup_steps} leaves no cosine decay within the {horizon} decay step(s) "
            f"({'optim.decay_steps' if optim.decay_steps else 'run.steps'}): lower it, or use optim.schedule=constant")
@@ -301,12 +303,7 @@ def _parse_text(raw: str, annotation):
     if annotation is str or (optional and str in typing.get_args(annotation)) or (
             _is_name_list(annotation) and not raw.lstrip().startswith("[")):
         return raw  # a name list's comma string is split by _coerce
-    if annotation is float:
-        try:
-            return float(raw)  # YAML 1.1 reads 1e-3 (no dot) as a string
-        except ValueError:
-            pass
-    return yaml.safe_load(raw)
+    return yaml.safe_load(raw)  # a float field's 1e-3 (a string to YAML 1.1) is converted by _coerce
 
 
 def _is_name_list(annotation) -> bool:
@@ -329,12 +326,12 @@ def _check_key(name: str, valid: list[str], what: str, prefix: str = "") -> str:
 def _coerce(key: str, value, annotation):
     """Check a value against a field's annotation (int, float, bool, str, optional, tuple of floats)."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
         if value is None:
             return None
         annotation = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    elif origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):  # e.g. int | str: first fit
+    elif origin in (typing.Union, types.UnionType):  # e.g. int | str: first fit
         for option in args:
             try:
                 return _coerce(key, value, option)

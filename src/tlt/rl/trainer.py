@@ -177,7 +177,7 @@ class GRPOTrainer:
             return 0
         chunks = self.micro_batches(batch.packed)
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), training_autocast(self.autocast_dtype, self.device):  # as the other feature forwards
             while batch.features_done < len(chunks) and not should_stop():
                 micro = batch.packed.select(chunks[batch.features_done])
                 self._add_features(micro, actor_hidden(self.model, micro))
@@ -327,8 +327,8 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair."""
     run, batch = config.run, config.rollout.max_batch_size
     check_speculation(run)  # load_config checked it already; a config built in code may not have been
-    precision = dict(dtype=config.rollout.dtype, cuda_graphs=config.rollout.cuda_graphs and
-                     loaded.model.lm_head.weight.device.type == "cuda")
+    # cuda_graphs=None: the engine captures graphs when its model is on CUDA (false: never)
+    precision = dict(dtype=config.rollout.dtype, cuda_graphs=None if config.rollout.cuda_graphs else False)
     if run.speculative == "off":
         return RolloutEngine(loaded, max_batch_size=batch, **precision)
     if run.drafter:

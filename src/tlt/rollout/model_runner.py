@@ -163,7 +163,7 @@ class GraphRunner:
             return None
         self._adopt(decoder)
         width = strategy.depth + 1  # a row misses at most the accepted path + 1 pair after a step
-        decoder.bring_within(cache, pending.to(self.device), width)
+        decoder.bring_within(cache, width)
         draft_rows = decoder.draft_rows(cache)
         target_max, draft_max = cache.cache.max_len, decoder.cache.max_len
         target_kv, draft_kv = spans(strategy, int(cache.lengths.max()), int(draft_rows.lengths.max()), width)

@@ -38,10 +38,10 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
     that a biased rule is detected)."""
     batch = logprobs.shape[0]
     device = logprobs.device
-    rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, tree.max_depth, device)
+    walk = TreeWalk(batch, tree.max_depth, device)
     for step in range(tree.max_depth + 1):
-        node_logprobs = logprobs[rows, current]                                    # [B, V]
-        children = tree.children[rows, current]                                   # [B, K]
+        node_logprobs = logprobs[walk.rows, walk.current]                          # [B, V]
+        children = tree.children[walk.rows, walk.current]                         # [B, K]
         valid = children >= 0
         child_tokens = tree.tokens.gather(1, children.clamp(min=0))
         child_probs = node_logprobs.gather(1, child_tokens).exp() * valid
@@ -54,38 +54,51 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
         argmax = node_logprobs.argmax(-1)
         greedy_hit = (child_tokens == argmax[:, None]) & valid
         hit = torch.where(greedy[:, None], greedy_hit, hit)
-        found = hit.any(-1) & active
+        found = hit.any(-1) & walk.active
         choice = hit.float().argmax(-1)                                           # first hit
         next_node = children.gather(1, choice[:, None])[:, 0]
         emitted = child_tokens.gather(1, choice[:, None])[:, 0]                    # accepted rows: the child
-        stop = active & ~found                    # rejected (or childless) rows: emit from p without the children
+        stop = walk.active & ~found               # rejected (or childless) rows: emit from p without the children
         if sync_free or bool(stop.any()):
             final = _residual_sample(node_logprobs, child_tokens, valid, uniforms[:, 2 * step + 1], greedy, argmax)
             emitted = torch.where(stop, final, emitted)
-        tokens[:, step] = torch.where(active, emitted, tokens[:, step])
-        token_logprobs[:, step] = torch.where(active, node_logprobs.gather(1, emitted[:, None])[:, 0],
-                                              token_logprobs[:, step])
-        path[:, step + 1] = torch.where(found, next_node, path[:, step + 1])
-        accepted += found.long()
-        active = found
-        current = torch.where(found, next_node, current)
-        if not sync_free and not bool(active.any()):
+        walk.record(step, found, next_node, emitted, node_logprobs)
+        if walk.finished(sync_free):
             break
-    return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
+    return walk.result()
 
 
-def start_walk(batch: int, max_depth: int, device):
-    """The state of a walk down the tree, every row at the root: (rows, current node, active, path, emitted
-    tokens, their log-probs, accepted count), the path and token buffers sized for max_depth + 1 emissions."""
-    rows = torch.arange(batch, device=device)
-    current = torch.zeros(batch, dtype=torch.long, device=device)
-    active = torch.ones(batch, dtype=torch.bool, device=device)
-    path = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
-    path[:, 0].fill_(0)
-    tokens = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
-    token_logprobs = torch.zeros(batch, max_depth + 2, device=device)
-    accepted = torch.zeros(batch, dtype=torch.long, device=device)
-    return rows, current, active, path, tokens, token_logprobs, accepted
+class TreeWalk:
+    """Every row's walk down the tree, all starting at the root, shared by both acceptance rules: the current
+    node, whether the row is still walking, and what it emitted (buffers sized for max_depth + 1 emissions)."""
+
+    def __init__(self, batch: int, max_depth: int, device):
+        self.rows = torch.arange(batch, device=device)
+        self.current = torch.zeros(batch, dtype=torch.long, device=device)
+        self.active = torch.ones(batch, dtype=torch.bool, device=device)
+        self.path = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
+        self.path[:, 0].fill_(0)
+        self.tokens = torch.full((batch, max_depth + 2), -1, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(batch, max_depth + 2, device=device)
+        self.accepted = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def record(self, step: int, found, next_node, emitted, node_logprobs) -> None:
+        """Active rows emitted `emitted` at this depth; rows that `found` an accepted child move to `next_node`,
+        the others stop. No host reads, no boolean-mask indexing."""
+        self.tokens[:, step] = torch.where(self.active, emitted, self.tokens[:, step])
+        self.logprobs[:, step] = torch.where(self.active, node_logprobs.gather(1, emitted[:, None])[:, 0],
+                                             self.logprobs[:, step])
+        self.path[:, step + 1] = torch.where(found, next_node, self.path[:, step + 1])
+        self.accepted += found.long()
+        self.active = found
+        self.current = torch.where(found, next_node, self.current)
+
+    def finished(self, sync_free: bool) -> bool:
+        """Whether every row stopped (read on the host: never inside a graph, which walks every depth)."""
+        return not sync_free and not bool(self.active.any())
+
+    def result(self) -> Acceptance:
+        return Acceptance(self.path, self.accepted, self.tokens, self.logprobs, self.accepted + 1)
 
 
 def _residual_sample(logprobs, child_tokens, valid, uniforms, greedy, argmax) -> torch.Tensor:

@@ -194,10 +194,10 @@ class SpeculativeDecoder:
 
     # the host part ---------------------------------------------------------------------------------------------
 
-    def bring_within(self, target_rows: CacheRows, pending: torch.Tensor, width: int) -> None:
+    def bring_within(self, target_rows: CacheRows, width: int) -> None:
         """Eagerly feed the drafter all but each row's last missing pair when some row misses more than
         `width` (speculation switched on mid-rollout, a row just admitted, a hot-swapped drafter), so that a
-        step of catch-up width `width` serves every row."""
+        step of catch-up width `width` serves every row. Reads host lengths only: free when nothing is missing."""
         draft_rows = self.draft_rows(target_rows)
         committed, seen = target_rows.lengths, draft_rows.lengths
         missing = committed - seen
@@ -205,10 +205,11 @@ class SpeculativeDecoder:
             return
         upto = (missing - 1).clamp(min=0)
         bulk = int(upto.max())
-        device = pending.device
-        until = seen + upto
-        self.feed_pairs(target_rows, draft_rows, pending, committed.to(device), seen.to(device), until.to(device),
-                        bulk, int(seen.max()) + bulk)
+        device = self.cache.device
+        # Pairs before the last one read their next token from the cache: the pending token is never needed.
+        unused_pending = torch.zeros(target_rows.count, dtype=torch.long, device=device)
+        self.feed_pairs(target_rows, draft_rows, unused_pending, committed.to(device), seen.to(device),
+                        (seen + upto).to(device), bulk, int(seen.max()) + bulk)
         draft_rows.advance(upto)
 
     def finish(self, target_rows: CacheRows, draft_rows: CacheRows, packed: torch.Tensor) -> Acceptance:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt.sampling import RowSampling, processed_logprobs, sample_from_logprobs
-from tlt.speculative.acceptance import Acceptance, start_walk
+from tlt.speculative.acceptance import Acceptance, TreeWalk
 from tlt.speculative.tree import Candidates, DraftTree
 
 
@@ -101,32 +101,27 @@ def accept_q(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistributions
     batch, _, vocab = logprobs.shape
     device = logprobs.device
     k = tree.children.shape[-1]
-    rows, current, active, path, tokens, token_logprobs, accepted = start_walk(batch, tree.max_depth, device)
+    walk = TreeWalk(batch, tree.max_depth, device)
     for step in range(tree.max_depth + 1):
-        node_logprobs = logprobs[rows, current]                                    # [B, V]
-        children = tree.children[rows, current]                                   # [B, K]
+        node_logprobs = logprobs[walk.rows, walk.current]                          # [B, V]
+        children = tree.children[walk.rows, walk.current]                         # [B, K]
         child_tokens = tree.tokens.gather(1, children.clamp(min=0))
-        q = _draft_probs(drafts, rows, current, draft_to_target, vocab)           # [B, V]
+        q = _draft_probs(drafts, walk.rows, walk.current, draft_to_target, vocab)  # [B, V]
         coins = uniforms[:, step * (k + 1):(step + 1) * (k + 1)].to(device)
         choice, residual = _verify_children(node_logprobs, q, children >= 0, child_tokens, coins, greedy,
                                             accept_rule, residual_rule, sync_free)
-        found = (choice >= 0) & active
+        found = (choice >= 0) & walk.active
         next_node = children.gather(1, choice.clamp(min=0)[:, None])[:, 0]
         emitted = child_tokens.gather(1, choice.clamp(min=0)[:, None])[:, 0]
-        stop = active & ~found
+        stop = walk.active & ~found
         if sync_free or bool(stop.any()):
             final = sample_from_logprobs(residual.log(), coins[:, k])
             final = torch.where(greedy, node_logprobs.argmax(-1), final)
             emitted = torch.where(stop, final, emitted)
-        tokens[:, step] = torch.where(active, emitted, tokens[:, step])
-        token_logprobs[:, step] = torch.where(active, node_logprobs.gather(1, emitted[:, None])[:, 0], 0.0)
-        path[:, step + 1] = torch.where(found, next_node, path[:, step + 1])
-        accepted += found.long()
-        active = found
-        current = torch.where(found, next_node, current)
-        if not sync_free and not bool(active.any()):
+        walk.record(step, found, next_node, emitted, node_logprobs)
+        if walk.finished(sync_free):
             break
-    return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
+    return walk.result()
 
 
 def _draft_probs(drafts: DraftDistributions, rows, current, draft_to_target, vocab: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from tlt.errors import first_line
 from tlt.tasks.example import TaskExample
 from tlt.tasks.loaders import DatasetError, records_to_examples
 
@@ -30,7 +31,7 @@ def load_hf_examples(path: str | Path, split: str = "train", prompt_field: str =
         except DatasetError:
             raise
         except Exception as error:  # noqa: BLE001 - datasets raises many types (ValueError, FileNotFoundError, ...)
-            raise DatasetError(f"{path}: cannot load split {split!r} with datasets ({_first_line(error)})") from None
+            raise DatasetError(f"{path}: cannot load split {split!r} with datasets ({first_line(error)})") from None
     return records_to_examples(enumerate(rows, start=1), prompt_field, answer_field, f"{path} [{split}]", "row")
 
 
@@ -73,7 +74,3 @@ def _quiet(datasets):
         if was_enabled:
             datasets.enable_progress_bars()
 
-
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
