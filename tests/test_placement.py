@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tlt.distributed.placement import Placement, PlacementError, check_ray_resources, plan, resolve
-from tlt.rl.config import ConfigError, load_config
+from tlt.rl.config import ConfigError, load_config, tail_training_active
 
 SHARES = (1.0, 0.5, 0.34)
 
@@ -173,12 +173,15 @@ def test_resolve_on_the_cpu_machine_keeps_two_workers():
     assert config.run.speculative == "adaptive" and config.run.backend in ("ray", "inprocess")
 
 
-def test_resolve_on_one_gpu_is_one_worker_without_speculation_unless_a_drafter_is_given(monkeypatch):
+def test_resolve_on_one_gpu_is_one_worker_that_trains_its_drafter_in_its_own_tail(monkeypatch):
     fake_gpus(monkeypatch, 1)
     config, placed, notes = resolve(load_config())
     assert (config.run.workers, config.run.backend, placed.devices) == (1, "inprocess", ("cuda:0",))
+    assert config.run.speculative == "adaptive" and notes == []  # run.tail_training=auto: on, on CUDA
+    assert tail_training_active(config.run, placed.workers, placed.device)
+    config, _, notes = resolve(load_config(None, ["run.tail_training=off"]))  # nobody would train the drafter
     assert config.run.speculative == "off" and "decodes without speculation" in notes[0]
-    config, _, notes = resolve(load_config(None, ["run.drafter=some/dir"]))
+    config, _, notes = resolve(load_config(None, ["run.drafter=some/dir", "run.tail_training=off"]))
     assert config.run.speculative == "adaptive" and notes == []
     with pytest.raises(PlacementError, match="run.gpus_per_worker=0.5 to put 2 workers"):
         resolve(load_config(None, ["run.workers=2"]))

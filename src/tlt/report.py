@@ -16,7 +16,7 @@ from pathlib import Path
 from tlt.errors import TltError
 
 KIND_COLORS = {"rollout": "#4c72b0", "rollout_sd": "#55a868", "logprobs": "#8172b2", "spot_train": "#dd8452",
-               "idle": "#d0d0d0", "update": "#c44e52"}
+               "idle": "#d0d0d0", "update": "#c44e52", "tail_train": "#dd8452"}
 TAU_KEYS = ("sd/tau", "sd/mean_accepted", "drafter/tau")  # newest name first; older runs used the others
 # (header, metric key, format) of the step table; a column appears when any step has its key
 STEP_COLUMNS = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), ("accuracy", "accuracy", "{:.3f}"),
@@ -72,6 +72,11 @@ def draw_timeline(timeline: dict, path) -> Path:
             kind = interval["kind"]
             ax.barh(lane, interval["end"] - interval["start"], left=interval["start"], height=0.6,
                     color=KIND_COLORS.get(kind, "#937860"), label=None if kind in seen else kind)
+            seen.add(kind)
+        for interval in worker.get("overlays", []):  # beside the intervals, on a thread of its own: a thin bar
+            kind = interval["kind"]
+            ax.barh(lane + 0.38, interval["end"] - interval["start"], left=interval["start"], height=0.14,
+                    color=KIND_COLORS.get(kind, "#937860"), hatch="//", label=None if kind in seen else kind)
             seen.add(kind)
     ax.set_yticks(range(len(workers)), [f"worker {w.get('worker', i)}" for i, w in enumerate(workers)])
     ax.invert_yaxis()

@@ -22,7 +22,7 @@ from tlt.distributed.timeline import merge_step, time_shares
 from tlt.errors import TltError
 from tlt.rl.checkpoint import latest_checkpoint
 from tlt.rl.trainer import evaluation_due, step_metrics
-from tlt.rollout.request import RolloutResult
+from tlt.rollout.request import TAIL_FRACTION, RolloutResult
 
 
 class DistributedGRPO:
@@ -155,7 +155,9 @@ class DistributedGRPO:
         metrics = step_metrics(merged, rewards, correct, update, rollout_s, train_s,
                                sum(prepared[r]["reward_failures"] for r in ranks))
         shares = time_shares(timeline)
-        published = [v for result in spot.values() for v in result["published"]]
+        # A lone worker's tail training (during its rollout) counts with spot training: both train the drafter.
+        trainers = list(spot.values()) + [rollouts[r]["tail_train"] for r in ranks]
+        published = [v for result in trainers for v in result["published"]]
         served = [s.drafter_versions for s in merged.samples]
         metrics.update({
             "step_s": timeline["duration"],
@@ -164,8 +166,9 @@ class DistributedGRPO:
             "workers": self.size,
             "idle_fraction": shares["idle"],
             "spot_train_share": shares["spot_train"],
-            "spot_train_steps": sum(result["trained_steps"] for result in spot.values()),
-            "spot_train_errors": sum(result["error"] is not None for result in spot.values()),
+            "tail_train_share": shares["tail_train"],
+            "spot_train_steps": sum(result["trained_steps"] for result in trainers),
+            "spot_train_errors": sum(result["error"] is not None for result in trainers),
             "drafter_versions": published,
             "drafter_version": self.backend.hub.latest_version() if self.speculative else None,
             "samples_hot_swapped": sum(len(v) > 1 for v in served),
@@ -208,7 +211,7 @@ def _shard(examples: list, size: int) -> list[list]:
     return shards
 
 
-def tail_time_share(worker_traces: list[tuple[float, list]], fraction: float = 0.25) -> float:
+def tail_time_share(worker_traces: list[tuple[float, list]], fraction: float = TAIL_FRACTION) -> float:
     """Share of the rollout's wall time (first start to last end, all workers) during which the rows still
     decoding, summed over workers, are at most `fraction` of the peak: the long tail."""
     events = []  # (wall time, worker, rows running from then on)

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from tlt.errors import TltError
+from tlt.rl.config import tail_training_active
 
 AUTO = "auto"
 CPU_DEFAULT_WORKERS = 2  # CPU: two worker processes split the cores (the long tail leaves one idle for spot training)
@@ -133,17 +134,20 @@ def placement_for(config, device: str | None = None) -> Placement:
 def resolve(config, device: str | None = None):
     """(config with run.workers and run.backend made concrete, its Placement, notes for the user).
 
-    One case changes more: `run.workers=auto` that comes to a single worker (one GPU) with a speculative mode and
-    no `run.drafter` has nobody to spot-train a drafter, so that run decodes without speculation (lossless either
-    way: the same samples in distribution) and a note says so. An explicit `run.workers=1` there stays an error."""
+    One case changes more: `run.workers=auto` that comes to a single worker with a speculative mode and no
+    `run.drafter` has no idle worker to spot-train a drafter; on CUDA the worker trains it beside its own tail
+    (`run.tail_training=auto`), elsewhere that run decodes without speculation (lossless either way: the same
+    samples in distribution) and a note says so. An explicit `run.workers=1` there stays an error."""
     placement = placement_for(config, device)
     run = dataclasses.replace(config.run, workers=placement.workers, backend=placement.backend)
     notes = []
-    if (config.run.workers == AUTO and placement.workers == 1 and run.speculative != "off" and not run.drafter):
+    if (config.run.workers == AUTO and placement.workers == 1 and run.speculative != "off" and not run.drafter
+            and not tail_training_active(run, 1, placement.device)):
         run = dataclasses.replace(run, speculative="off")
         notes.append(f"run.speculative={config.run.speculative} without run.drafter needs a second worker to "
                      f"spot-train the drafter, and run.workers=auto gives one here ({placement.describe()}): this "
-                     f"run decodes without speculation. Give run.drafter (tlt drafter warmup) to speculate.")
+                     f"run decodes without speculation. Give run.drafter (tlt drafter warmup) to speculate, or "
+                     f"run.tail_training=on to train it beside this worker's own rollout tail.")
     return dataclasses.replace(config, run=run), placement, notes
 
 

@@ -7,6 +7,8 @@ Workers are separate processes on one machine (or threads in-process), so they s
                updates per step (fed to the drafter's feature buffer as well); with one update, none
   spot_train   drafter training on an otherwise idle worker
   idle         waiting for the slowest worker      update       gradient, all-reduce and optimizer step
+Beside them, overlays: work that runs at the same time as the intervals, on a thread of its own —
+  tail_train   drafter training beside a lone worker's rollout tail (drafter/tail_trainer.py)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 KINDS = ("rollout", "rollout_sd", "logprobs", "spot_train", "idle", "update")
+OVERLAY_KINDS = ("tail_train",)
 
 
 @dataclass
@@ -32,11 +35,17 @@ class WorkerTimeline:
 
     worker: int
     intervals: list[Interval] = field(default_factory=list)
+    overlays: list[Interval] = field(default_factory=list)
 
     def record(self, kind: str, start: float, end: float | None = None) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown timeline kind {kind!r}; expected one of {KINDS}")
         self.intervals.append(Interval(kind, start, time.time() if end is None else end))
+
+    def record_overlay(self, kind: str, start: float, end: float) -> None:
+        if kind not in OVERLAY_KINDS:
+            raise ValueError(f"unknown overlay kind {kind!r}; expected one of {OVERLAY_KINDS}")
+        self.overlays.append(Interval(kind, start, end))
 
     def add_rollout(self, rollout, wall_start: float) -> None:
         """Turn an engine trace into intervals: runs of consecutive plain / SD steps become one interval each."""
@@ -63,17 +72,21 @@ def merge_step(step: int, timelines: list[WorkerTimeline], step_start: float, st
             cursor = max(cursor, interval.end)
         if step_end - cursor > 1e-3:
             filled.append(Interval("idle", cursor, step_end))
-        workers.append({"worker": timeline.worker, "intervals": [
-            {"kind": i.kind, "start": round(i.start - step_start, 4), "end": round(i.end - step_start, 4)}
-            for i in filled]})
+        workers.append({"worker": timeline.worker, "intervals": _relative(filled, step_start),
+                        "overlays": _relative(timeline.overlays, step_start)})
     return {"step": step, "duration": round(step_end - step_start, 4), "workers": workers}
 
 
+def _relative(intervals: list[Interval], step_start: float) -> list[dict]:
+    return [{"kind": i.kind, "start": round(i.start - step_start, 4), "end": round(i.end - step_start, 4)}
+            for i in intervals]
+
+
 def time_shares(timeline: dict) -> dict:
-    """Fraction of all worker-seconds spent in each kind."""
-    totals = {kind: 0.0 for kind in KINDS}
+    """Fraction of all worker-seconds spent in each kind (overlays: seconds they ran, beside the intervals)."""
+    totals = {kind: 0.0 for kind in KINDS + OVERLAY_KINDS}
     for worker in timeline["workers"]:
-        for interval in worker["intervals"]:
+        for interval in worker["intervals"] + worker.get("overlays", []):
             totals[interval["kind"]] += interval["end"] - interval["start"]
     whole = timeline["duration"] * max(1, len(timeline["workers"]))
     return {kind: value / whole if whole > 0 else 0.0 for kind, value in totals.items()}

@@ -4,6 +4,8 @@ The controller calls, per RL step: `rollout(shard)` → `prepare()` (rewards; ol
 updates per step) → `spot_train()` if other workers are still in the long tail (it first computes this shard's
 drafter features, while the tail lasts) → `update(totals)` (its forward yields the features not computed yet).
 While it rolls out, the worker checks the hub between decode steps and swaps in any newer drafter at once.
+A lone worker has no idle peer: with tail training it trains the drafter itself beside its own long tail
+(drafter/tail_trainer.py: a background thread, a second CUDA stream), on the features its rollout kept.
 The same class runs as a Ray actor (one process per worker) or as a thread of the in-process backend.
 """
 
@@ -20,10 +22,13 @@ from tlt.distributed.collective import ProcessGroupReducer
 from tlt.distributed.hub import HubTimeout
 from tlt.distributed.timeline import WorkerTimeline
 from tlt.drafter.buffer import FeatureBuffer
+from tlt.drafter.tail_trainer import TailReport, TailTrainer
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
 from tlt.models.eagle import EagleDrafter
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
+from tlt.rl.config import tail_training_active
 from tlt.rl.trainer import GRPOTrainer
+from tlt.rollout.request import in_long_tail
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +74,15 @@ class RolloutWorker:
         self.reducer = reducer
         self.engine = self.trainer.engine
         self.drafter = self.engine.drafter  # in the policy's dtype; the engine serves a copy in its rollout dtype
-        if self.drafter is None:  # no speculation: nothing would train on the features
-            self.trainer.feature_buffer = None
         self._spot = None  # (training drafter, DrafterTrainer, local buffer, next feature sequence) once used
+        self.tail = None   # a TailTrainer when this lone worker trains the drafter beside its own tail
+        if self.drafter is not None and tail_training_active(config.run, world_size, self.engine.device.type):
+            self.tail = self._tail_trainer()
+        if self.drafter is None or self.tail is not None:  # nothing trains on them / the rollout keeps its own
+            self.trainer.feature_buffer = None
         self._batch = None
         self._last_poll = 0.0
+        self._peak_rows = 0
 
     # -- process group -------------------------------------------------------------------------------------
 
@@ -96,10 +105,18 @@ class RolloutWorker:
         self._examples = examples
         if self.drafter is not None:
             self._sync_drafter(self.engine, force=True)
+        self._peak_rows = 0
+        collect = self.tail.collect(step) if self.tail is not None else None
         wall_start = time.time()
-        self._result = self.trainer.rollout(examples, between_steps=self._between_steps, lengths=lengths)
+        try:
+            self._result = self.trainer.rollout(examples, between_steps=self._between_steps, lengths=lengths,
+                                                collect_features=collect)
+        finally:  # the training thread never outlives the rollout (nor a failed one)
+            tail = self.tail.stop() if self.tail is not None else TailReport()
         self.timeline.add_rollout(self._result, wall_start)
-        return {"rollout": _lean_rollout(self._result), "end": time.time()}
+        if tail.started_s is not None:
+            self.timeline.record_overlay("tail_train", tail.started_s, tail.ended_s)
+        return {"rollout": _lean_rollout(self._result), "end": time.time(), "tail_train": _report(tail)}
 
     def prepare(self) -> dict:
         """Rewards and advantages of this shard (the update's inputs), and old log-probs when the step takes
@@ -171,6 +188,11 @@ class RolloutWorker:
     def _between_steps(self, engine) -> None:
         if self.drafter is not None and time.time() - self._last_poll >= self.config.run.swap_poll_s:
             self._sync_drafter(engine)
+        self._peak_rows = max(self._peak_rows, engine.running_rows)
+        if (self.tail is not None and not self.tail.running
+                and in_long_tail(engine.running_rows, engine.waiting_samples, self._peak_rows)):
+            self._spot_state()  # the latest version and optimizer state (a restored checkpoint's, the first time)
+            self.tail.start()
 
     def _sync_drafter(self, engine, force: bool = False) -> None:
         self._last_poll = time.time()
@@ -208,6 +230,11 @@ class RolloutWorker:
             buffer = FeatureBuffer(self.config.run.drafter_buffer_tokens, seed=self.config.run.seed + self.rank)
             self._spot = [drafter, DrafterTrainer(drafter, buffer, config), buffer, 0]
         return self._spot
+
+    def _tail_trainer(self) -> TailTrainer:
+        drafter, trainer, _, _ = self._spot_objects()
+        return TailTrainer(trainer, lambda final: self._publish(drafter, trainer, self.trainer.step, final),
+                           publish_every=self.config.run.publish_every, device=self.engine.device)
 
     def _spot_state(self):
         """The training objects at the latest published version, with the last spot trainer's optimizer state."""
@@ -304,6 +331,13 @@ def _return_free_memory() -> None:
 
 def _cpu_state(module) -> dict:
     return {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+
+
+def _report(tail: TailReport) -> dict:
+    """What the controller's metrics need of a tail-training report (None fields: it did not run)."""
+    return {"trained_steps": tail.trained_steps, "published": tail.published, "error": tail.error,
+            "seconds": (tail.ended_s - tail.started_s) if tail.started_s is not None else 0.0,
+            "loss": tail.loss, "top1": tail.top1}
 
 
 def _lean_rollout(rollout):

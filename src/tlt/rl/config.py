@@ -121,6 +121,8 @@ class RunConfig:
                                    # and workers > 1)
     threads_per_worker: int = 0    # CPU threads per worker (0 = cores // workers)
     spot_training: bool = True     # train the drafter on workers idle in the long tail (speculative modes)
+    tail_training: str = "auto"    # one worker: train the drafter beside the rollout's long tail on its own device
+                                   # (a background thread, a second CUDA stream): "on", "off" or "auto" (on CUDA)
     publish_every: int = 10        # drafter optimizer steps between published versions (hot-swapped mid-rollout)
     swap_poll_s: float = 0.2       # how often a rolling-out worker checks for a newer drafter
     drafter_lr: float = 1e-3
@@ -157,6 +159,7 @@ class TrainConfig:
 
 TASK_NAMES = ("arithmetic", "jsonl", "parquet", "hf")
 SPECULATIVE_MODES = ("off", "static", "adaptive")
+TAIL_TRAINING = ("auto", "on", "off")
 BACKENDS = ("auto", "ray", "inprocess")
 BUILTIN_REWARDS = ("auto", "integer", "math_verify")
 
@@ -239,10 +242,21 @@ def check_speculation(run: RunConfig) -> None:
     """A speculative mode needs a drafter: a warmed one, or one spot training teaches from scratch. Also called
     where the engine is built, for configs made in code without `validate`."""
     check_choice("run.speculative", run.speculative, SPECULATIVE_MODES)
+    check_choice("run.tail_training", run.tail_training, TAIL_TRAINING)
     several = run.workers == "auto" or run.workers > 1  # auto: placement decides (distributed/placement.py)
-    _check(run.speculative == "off" or bool(run.drafter) or (run.spot_training and several),
+    _check(run.speculative == "off" or bool(run.drafter) or
+           (run.spot_training and (several or run.tail_training == "on")),
            f"run.speculative={run.speculative} needs run.drafter (make one with `tlt drafter warmup`) or spot "
-           f"training (run.spot_training=true with run.workers >= 2) to train one from scratch")
+           f"training to train one from scratch (run.spot_training=true with run.workers >= 2, or with one worker "
+           f"run.tail_training=on)")
+
+
+def tail_training_active(run: RunConfig, workers: int, device_type: str) -> bool:
+    """Whether a lone worker trains the drafter beside its own rollout's tail (drafter/tail_trainer.py). Only
+    with one worker: with several, the workers idle in the tail train it (one trainer per step)."""
+    if run.speculative == "off" or not run.spot_training or workers != 1:
+        return False
+    return run.tail_training == "on" or (run.tail_training == "auto" and device_type == "cuda")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -122,9 +122,10 @@ class GRPOTrainer:
     def step_seed(self) -> int:
         return self.config.run.seed * 1_000_003 + self.step
 
-    def rollout(self, examples, between_steps=None, lengths=None) -> RolloutResult:
+    def rollout(self, examples, between_steps=None, lengths=None, collect_features=None) -> RolloutResult:
         """`lengths` (one per sample, prompt-major): an equal-work replay, every sample decodes exactly its
-        length with stop tokens ignored (rollout/replay.py; benchmarks only)."""
+        length with stop tokens ignored (rollout/replay.py; benchmarks only). `between_steps` and
+        `collect_features`: see `RolloutEngine.generate`."""
         cfg = self.config.rollout
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 max_new_tokens=cfg.max_new_tokens, seed=self.step_seed())
@@ -133,11 +134,10 @@ class GRPOTrainer:
         self.model.eval()
         if self.engine.speculation is not None:
             self.engine.speculation.reset()  # the batch restarts large: the gate closes again
+        hooks = dict(progress=self.progress, between_steps=between_steps, collect_features=collect_features)
         if lengths is None:
-            return self.engine.generate(requests, progress=self.progress, between_steps=between_steps)
-        result = self.engine.generate(length_matched(requests, lengths), progress=self.progress,
-                                      between_steps=between_steps)
-        return regroup(result, requests)
+            return self.engine.generate(requests, **hooks)
+        return regroup(self.engine.generate(length_matched(requests, lengths), **hooks), requests)
 
     def score(self, examples, rollout: RolloutResult) -> StepBatch:
         n = self.config.rollout.samples_per_prompt

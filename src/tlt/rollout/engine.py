@@ -107,6 +107,7 @@ class RolloutEngine:
         self.drafter = None
         self.drafter_version = None
         self.cost_curve = None  # set by whoever derived the gate from the device's cost curve (metrics show it)
+        self.running_rows = self.waiting_samples = 0  # where generate() stands (read in between_steps)
         self._generate_start = time.perf_counter()
         if drafter is not None:
             self.set_drafter(drafter)
@@ -147,11 +148,21 @@ class RolloutEngine:
         return self.forward.device
 
     @torch.no_grad()
-    def generate(self, requests: list[Request], *, progress: bool = False, between_steps=None) -> RolloutResult:
-        """Sample every request's n responses. `between_steps(engine)`, if given, is called before every decode
-        step with no forward in flight: the place to hot-swap the drafter (`set_drafter`) mid-rollout."""
+    def generate(self, requests: list[Request], *, progress: bool = False, between_steps=None,
+                 collect_features=None) -> RolloutResult:
+        """Sample every request's n responses.
+
+        between_steps(engine), if given, is called before every decode step with no forward in flight: the place
+        to hot-swap the drafter (`set_drafter`) mid-rollout; `engine.running_rows` and `engine.waiting_samples`
+        say where the rollout stands (the long tail: nothing waits and few rows run).
+        collect_features(tokens, features), if given (an engine with a drafter), receives each finished sample's
+        target features as the rollout computed them, before its cache row is reused: tokens [T] (the last
+        prompt token and the response but its last token, which was never fed) and the final normed hidden
+        states [T, H] at those positions, on the device — drafter training data at no extra forward."""
         start = self._generate_start = time.perf_counter()
         self._validate(requests)
+        if collect_features is not None and self.spec_decoder is None:
+            raise RequestError("collect_features needs an engine with a drafter (only then are features kept)")
         if self.rollout_copy is not None:  # the policy changed since the last rollout: one device-to-device copy
             self.rollout_copy.refresh()
         cache = self._cache_for(requests)
@@ -163,12 +174,13 @@ class RolloutEngine:
         while queue or running:
             if queue and len(running) < self.max_batch_size:
                 self._admit(requests, queue, running, cache, steps)
-            self._retire(running, cache, finished, bar)
+            self._retire(running, cache, finished, bar, collect_features)
             if running:
                 if between_steps is not None:
+                    self.running_rows, self.waiting_samples = len(running), sum(p.count for p in queue)
                     between_steps(self)
                 self._decode(running, cache, steps)
-                self._retire(running, cache, finished, bar)
+                self._retire(running, cache, finished, bar, collect_features)
         if bar is not None:
             bar.close()
         finished.sort(key=lambda s: (s.request_index, s.sample_index))
@@ -366,9 +378,13 @@ class RolloutEngine:
         tokens, logprobs = sample_next(logits, settings, uniforms)
         _append(seqs, tokens, logprobs)
 
-    def _retire(self, running: list[_Sequence], cache: KVCache, finished: list[_Sequence], bar) -> None:
+    def _retire(self, running: list[_Sequence], cache: KVCache, finished: list[_Sequence], bar,
+                collect_features=None) -> None:
         """Remove finished rows; the last running row fills each hole so the batch stays dense."""
         done = [i for i, s in enumerate(running) if s.finish_reason is not None]
+        if collect_features is not None:
+            for index in done:
+                _hand_features(cache, index, running[index], collect_features)
         for index in reversed(done):
             last = len(running) - 1
             finished.append(running[index])
@@ -387,6 +403,17 @@ def _append(seqs: list[_Sequence], tokens: torch.Tensor, logprobs: torch.Tensor)
     host = torch.stack([tokens.double(), logprobs.double()]).cpu()
     for seq, token, logprob in zip(seqs, host[0].long().tolist(), host[1].float().tolist()):
         seq.append(token, logprob)
+
+
+def _hand_features(cache: KVCache, row: int, seq: _Sequence, collect_features) -> None:
+    """The committed tokens and features of a finished row, from the last prompt token to the response's
+    second-to-last token (slot p + j holds response token j; the last one was emitted but never fed). A
+    speculative step may have committed slots past a stop token: they are not the sample's and are left out."""
+    start = len(seq.request.prompt_ids) - 1
+    end = start + len(seq.tokens)
+    if end > int(cache.lengths[row]):
+        raise AssertionError(f"row {row} holds {int(cache.lengths[row])} committed tokens, expected >= {end}")
+    collect_features(cache.slot_data["tokens"][row, start:end], cache.slot_data["features"][row, start:end])
 
 
 def _same_layout(serving, drafter) -> bool:

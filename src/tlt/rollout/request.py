@@ -8,6 +8,15 @@ from tlt.errors import RequestError
 from tlt.sampling import SamplingParams
 
 
+TAIL_FRACTION = 0.25  # the long tail: no sample waits and at most this share of the rollout's peak rows decode
+
+
+def in_long_tail(running: int, waiting: int, peak: int) -> bool:
+    """Whether a rollout with `running` rows decoding, `waiting` samples queued and a peak of `peak` rows so
+    far is in its long tail (the batch has drained; most of the device sits idle)."""
+    return waiting == 0 and 0 < running <= max(1, int(TAIL_FRACTION * peak))
+
+
 @dataclass(frozen=True)
 class Request:
     """One prompt to sample `n` responses for."""

@@ -1,0 +1,145 @@
+"""TailTrainer: trains the drafter beside the rollout's long tail, on the same device (spot training on one GPU).
+
+With one worker there is no idle worker to train the drafter, yet in the long tail the GPU is mostly idle: a batch
+of 1-4 rows decodes with a sliver of its compute. So the worker hands this trainer the features of every sample as
+it finishes (`RolloutEngine.generate(collect_features=...)`: the rollout's own hidden states, no extra forward)
+and starts it when the rollout enters the tail; it trains on a background thread, on a second CUDA stream of the
+rollout's device, and publishes versions that the decode loop hot-swaps between steps (as from a spot-training
+worker). The thread takes the GIL only to launch kernels; the decode loop releases it while it waits for the GPU.
+
+Lossless whatever it does: speculative sampling is exact for every drafter, so only the speed depends on it.
+On the CPU the thread competes with decoding for the same cores (`run.tail_training=auto` leaves it off there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tlt.drafter.buffer import FeatureBuffer
+from tlt.drafter.trainer import DrafterTrainer
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long the thread sleeps when it has nothing to train on yet
+
+
+@dataclass
+class TailReport:
+    """What one rollout's tail training did."""
+
+    trained_steps: int = 0
+    published: list[int] = field(default_factory=list)
+    error: str | None = None
+    started_s: float | None = None  # time.time() when training started (None: the rollout never reached the tail)
+    ended_s: float | None = None
+    loss: float | None = None
+    top1: float | None = None
+
+
+class TailTrainer:
+    """trainer: a `DrafterTrainer` over a training drafter (not the one the engine serves) and its buffer.
+    publish(final): called on the training thread after every `publish_every` optimizer steps (final=False) and
+    once when stopped after any training (final=True); it hands the weights on (e.g. to the drafter hub) and
+    returns the new version number."""
+
+    def __init__(self, trainer: DrafterTrainer, publish: Callable[[bool], int], *, publish_every: int,
+                 device: torch.device):
+        self.trainer = trainer
+        self.buffer: FeatureBuffer = trainer.buffer
+        self.publish = publish
+        self.publish_every = max(1, publish_every)
+        self.device = torch.device(device)
+        self._incoming: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._report = TailReport()
+        self._step = 0
+
+    # -- the decode loop's side (main thread) -------------------------------------------------------------
+
+    def collect(self, step: int):
+        """The `collect_features` callback for a rollout of RL step `step`: queues each finished sample's
+        features (copied to the host, so the engine may reuse its cache row at once)."""
+        def add(tokens: torch.Tensor, features: torch.Tensor) -> None:
+            self._incoming.put((tokens.to("cpu"), features.to("cpu", torch.float32), step))
+        return add
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Start training on the background thread (no-op when already running)."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._report = TailReport(started_s=time.time())
+        self._thread = threading.Thread(target=self._run, name="tlt-tail-trainer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> TailReport:
+        """Stop within one micro-step, publish the last version, and report (also when never started: the
+        features queued meanwhile still go into the buffer for the next rollout)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        else:
+            self._drain()
+        report, self._report = self._report, TailReport()
+        return report
+
+    # -- the training thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        history = []
+        try:
+            with self._side_stream():
+                while not self._stop.is_set():
+                    self._drain()
+                    if not len(self.buffer):
+                        self._stop.wait(IDLE_WAIT_S)
+                        continue
+                    chunk = self.trainer.train_until(self._stop.is_set, self.publish_every)
+                    history.extend(chunk)
+                    if chunk and not self._stop.is_set():
+                        self._report.published.append(self.publish(False))
+                if history:
+                    self._report.published.append(self.publish(True))
+        except Exception as exc:  # noqa: BLE001 - the rollout keeps the last good drafter and goes on
+            self._report.error = f"{type(exc).__name__}: {exc}"
+            log.warning("tail training failed (SD keeps the last good drafter): %s\n%s", self._report.error,
+                        traceback.format_exc())
+        self._report.trained_steps = len(history)
+        self._report.ended_s = time.time()
+        if history:
+            self._report.loss, self._report.top1 = history[-1]["loss"], history[-1]["top1"]
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                tokens, features, step = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            self.buffer.add(tokens, features, step)
+
+    @contextlib.contextmanager
+    def _side_stream(self):
+        """On CUDA, a stream of its own (on the rollout's device) so its kernels overlap the decode graphs
+        instead of queueing behind them; the published weights are copied to the host on that stream, after
+        the training kernels, so they are complete."""
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.set_device(self.device)
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):
+            yield
