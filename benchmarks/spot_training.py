@@ -1,12 +1,19 @@
-"""Spot training on vs off on SmolLM2-135M-Instruct, 2 Ray workers x 1 thread, same starting drafter, static SD
-(S4K2N8 once a worker's batch is at most 8 — always, with 8 rows per worker).
+"""Spot training on vs off on SmolLM2-135M-Instruct, same starting drafter, static SD (S4K2N8 at batch <= 8).
+
+Two setups: 2 Ray workers x 1 thread on the CPU (the idle worker trains while the other decodes its tail), or
+`--lone-worker`: one worker that trains the drafter beside its own tail (`run.tail_training=on`: a background
+thread, a second CUDA stream on a GPU; drafter/tail_trainer.py) — the one-GPU setup.
 
 Two measurements, each with the two modes' steps interleaved (benchmarks/rl_pairs.py):
   overhead  greedy decoding: SD is lossless, so both modes emit the same tokens and do the same rollout and
-            update work; the step-time ratio is what spot training costs (or saves) — target <= 1.03x.
+            update work; the step-time ratio is what spot training costs (or saves) — target <= 1.03x. With a
+            lone worker, also the slowdown of the decoding the training overlaps: the extra rollout time over
+            the seconds the tail trainer ran (target <= 3%).
   tau       sampling at T=1 (the RL setting): tau per RL step with the spot-trained drafter vs the frozen one.
 
     python benchmarks/spot_training.py --drafter DIR --json benchmarks/results/spot_training.json [--steps K]
+    python benchmarks/spot_training.py --lone-worker --device cuda --drafter DIR --max-new-tokens 1024 \
+        --tau-steps 10 --json $OUT/spot_training_h100.json
 """
 
 from __future__ import annotations
@@ -22,12 +29,29 @@ from common import environment, write_json  # noqa: E402
 from rl_pairs import interleaved_runs, median  # noqa: E402
 
 
-def modes(drafter: str, temperature: float, seed: int) -> dict[str, list[str]]:
+def modes(args, temperature: float, seed: int) -> dict[str, list[str]]:
     # static: one fixed strategy at batch <= 8, so tau compares drafters, not the bandit's arm choices
-    common = [f"run.drafter={drafter}", "run.speculative=static", "run.strategy=S4K2N8", "run.gate=8", "run.workers=2", "run.backend=ray",
-              "run.threads_per_worker=1", f"rollout.temperature={temperature}", f"run.seed={seed}",
-              "run.tensorboard=false", "optim.micro_batch_size=2"]  # 2: four resident workers fit in 24 GB
+    common = [f"run.drafter={args.drafter}", "run.speculative=static", "run.strategy=S4K2N8", "run.gate=8",
+              f"rollout.temperature={temperature}", f"run.seed={seed}", "run.tensorboard=false",
+              f"rollout.max_new_tokens={args.max_new_tokens}", f"model.device={args.device}"]
+    if args.lone_worker:
+        common += ["run.workers=1", "run.backend=inprocess"]
+        return {"spot": common + ["run.tail_training=on"],
+                "frozen": common + ["run.tail_training=off", "run.spot_training=false"]}
+    common += ["run.workers=2", "run.backend=ray", "run.threads_per_worker=1",
+               "optim.micro_batch_size=2"]  # 2: four resident workers fit in 24 GB
     return {"spot": common + ["run.spot_training=true"], "frozen": common + ["run.spot_training=false"]}
+
+
+def overlap_slowdown(history: dict) -> list[float]:
+    """Per step (greedy: identical tokens in both modes), the extra rollout seconds of the spot mode over the
+    seconds its tail trainer ran beside the rollout: how much slower the overlapped decoding went."""
+    out = []
+    for spot, frozen in zip(history["spot"], history["frozen"]):
+        overlapped = spot.get("tail_train_share", 0.0) * spot["step_s"]
+        extra = spot["rollout_s"] - frozen["rollout_s"]
+        out.append(round(extra / (overlapped - extra), 4) if overlapped - extra > 0 else None)
+    return out
 
 
 def summarize(history: dict) -> dict:
@@ -48,6 +72,8 @@ def summarize(history: dict) -> dict:
         "overhead_ratio_median": round(statistics.median(ratios), 4),
         "median_step_s": {name: round(median(runs, "step_s"), 2) for name, runs in history.items()},
         "timelines_spot": [m["timeline"] for m in spot],
+        "tail_train_share": [round(m.get("tail_train_share", 0.0), 4) for m in spot],
+        "rollout_ratio_per_step": [round(s["rollout_s"] / f["rollout_s"], 4) for s, f in zip(spot, frozen)],
     }
 
 
@@ -59,17 +85,33 @@ def main() -> None:
     parser.add_argument("--tau-steps", type=int, default=4)
     parser.add_argument("--phases", nargs="+", choices=["overhead", "tau"], default=["overhead", "tau"],
                         help="run only these; the other phase's results already in --json are kept")
+    parser.add_argument("--lone-worker", action="store_true",
+                        help="one worker training beside its own tail (run.tail_training=on) instead of 2 Ray workers")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
     path = Path(args.json)
     result = json.loads(path.read_text()) if path.exists() else {}
-    result.update({"environment": environment(), "workers": 2, "threads_per_worker": 1, "drafter": args.drafter})
+    result.update({"environment": environment(), "drafter": args.drafter, "device": args.device,
+                   "max_new_tokens": args.max_new_tokens,
+                   **({"workers": 1, "tail_training": True} if args.lone_worker else
+                      {"workers": 2, "threads_per_worker": 1})})
     if "overhead" in args.phases:
         print("== overhead (greedy: identical work in both modes)")
-        result["overhead"] = summarize(interleaved_runs(modes(args.drafter, 0.0, 0), args.steps))
+        history = interleaved_runs(modes(args, 0.0, 0), args.steps)
+        result["overhead"] = summarize(history)
         result["spot_overhead_ratio"] = result["overhead"]["overhead_ratio_median"]
+        if args.lone_worker:
+            slowdowns = [x for x in overlap_slowdown(history) if x is not None]
+            result["overhead"]["overlap_slowdown_per_step"] = overlap_slowdown(history)
+            result["overlap_slowdown_median"] = statistics.median(slowdowns) if slowdowns else None
     if "tau" in args.phases:
         print("== tau over RL steps (T=1)")
-        result["tau"] = summarize(interleaved_runs(modes(args.drafter, 1.0, 0), args.tau_steps))
+        result["tau"] = summarize(interleaved_runs(modes(args, 1.0, 0), args.tau_steps))
+        taus = result["tau"]["tau"]
+        last = max(1, len(taus["spot"]) // 2)  # the second half of the run: the drafters have drifted apart
+        spot, frozen = statistics.median(taus["spot"][-last:]), statistics.median(taus["frozen"][-last:])
+        result["tau_gain_late"] = round(spot / frozen - 1, 4) if frozen else None
     write_json(args.json, result)
     print(f"overhead ratio (median of per-step spot/frozen): {result.get('spot_overhead_ratio')}")
     if "tau" in result:

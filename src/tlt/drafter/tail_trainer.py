@@ -141,5 +141,9 @@ class TailTrainer:
             yield
             return
         torch.cuda.set_device(self.device)
-        with torch.cuda.stream(torch.cuda.Stream(self.device)):
-            yield
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            try:
+                yield
+            finally:  # nothing of a dropped micro-step may still run when the decode thread loads weights next
+                stream.synchronize()
