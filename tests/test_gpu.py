@@ -274,3 +274,39 @@ def test_cost_curve_on_cuda_times_the_graph_path():
     requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=16)) for p in random_prompts([4, 7])]
     plain = generate(model, requests, max_batch_size=4, dtype="float32")
     assert [s.token_ids for s in engine.generate(requests).samples] == [s.token_ids for s in plain.samples]
+
+
+def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
+    """One worker on CUDA trains its drafter on a side stream while its tail replays speculative graphs (new
+    batch buckets are captured while the thread runs): no error, versions published and swapped in mid-rollout,
+    and greedy output equals a run without speculation (fp32: exact)."""
+    from test_distributed import EOS as STOP, ShortLongTask, long_tail_model, share_of_eights
+    from tlt.distributed.controller import DistributedGRPO
+    from tlt.models import LoadedModel, ModelSpec
+    from tlt.rl.config import load_config
+    from tlt.rl.rewards import Reward
+    from tlt.tasks.synthetic import IdTokenizer
+
+    def controller(**overrides):
+        model = long_tail_model().to(CUDA)
+        loaded = LoadedModel(model, IdTokenizer(eos_token_id=STOP), ModelSpec.from_config(model.config), "markov")
+        settings = {"rollout.prompts_per_step": 4, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 240,
+                    "rollout.temperature": 0, "rollout.dtype": "float32", "run.workers": 1,
+                    "run.backend": "inprocess", "model.device": "cuda", "run.speculative": "static",
+                    "run.strategy": "S3K1N3", "run.gate": 64, "run.publish_every": 2, "run.swap_poll_s": 0.0,
+                    "run.out_dir": str(tmp_path / str(len(overrides))), "run.tensorboard": False, **overrides}
+        config = load_config(None, [f"{k}={v}" for k, v in settings.items()])
+        return DistributedGRPO(config, loaded=loaded, task=ShortLongTask(), reward=Reward(share_of_eights))
+
+    lengths = [12] * 6 + [240] * 2
+    runs = {}
+    for name, overrides in {"tail": {"run.tail_training": "on"}, "plain": {"run.speculative": "off"}}.items():
+        driver = controller(**overrides)
+        try:
+            runs[name] = (driver.train_step(lengths=lengths), [s.token_ids for s in driver.last_rollout.samples])
+        finally:
+            driver.close()
+    metrics, tokens = runs["tail"]
+    assert metrics["spot_train_errors"] == 0 and metrics["spot_train_steps"] > 0 and metrics["drafter_versions"]
+    assert metrics["samples_hot_swapped"] > 0 and metrics["tail_train_share"] > 0
+    assert tokens == runs["plain"][1]
