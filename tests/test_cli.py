@@ -80,6 +80,17 @@ def test_a_config_file_with_overrides_on_top_either_way(tmp_path, capsys):
         assert printed["rollout"]["max_new_tokens"] == 32 and printed["optim"]["lr"] == 1e-4
 
 
+def test_options_may_sit_between_overrides(capsys):
+    import yaml
+
+    assert main(["train", "rollout.max_new_tokens=32", "--print-config", "run.steps=3", "optim.lr=2e-5"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (printed["rollout"]["max_new_tokens"], printed["run"]["steps"], printed["optim"]["lr"]) == (32, 3, 2e-5)
+    with pytest.raises(SystemExit):
+        main(["report", "some/dir", "extra=1"])  # only `train` takes overrides
+    assert "unrecognized arguments: extra=1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["a.yaml", "b.yaml"], "'b.yaml' is not a section.key=value override (the config file is a.yaml)"),
     (["run.steps=2", "b.yaml"], "'b.yaml' is not a section.key=value override (a config file goes first, or after "

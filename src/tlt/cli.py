@@ -59,7 +59,12 @@ def main(argv=None) -> int:
     report.add_argument("--out", default=None, help="directory for index.html and its PNGs (default RUN_DIR/report)")
     _add_verify(commands.add_parser("verify", help="statistical check that speculative decoding is lossless "
                                     "on your model and drafter"))
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":  # argparse stops collecting overrides at an option: `a=b --overwrite c=d`
+        args.overrides += [item for item in extra if not item.startswith("-")]
+        extra = [item for item in extra if item.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "drafter":
             return _run_warmup(args) if args.drafter_command == "warmup" else _run_export(args)
