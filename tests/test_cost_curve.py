@@ -9,7 +9,7 @@ from tlt.models.eagle import EagleDrafter
 from tlt.rollout import cost_curve
 from tlt.rollout.cost_curve import CostCurve, curve_for, measure
 from tlt.rollout.engine import RolloutEngine
-from tlt.rollout.model_runner import GraphRunner
+from tlt.rollout.graph_runner import GraphRunner
 from tlt.speculative.strategy import SpecStrategy
 
 ARMS = [SpecStrategy.chain(3), SpecStrategy(3, 2, rule="q")]

@@ -12,7 +12,7 @@ from tlt.models.lean_forward import LeanForward
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rl.config import ConfigError, load_config
 from tlt.rollout.engine import RolloutEngine, resolve_rollout_dtype
-from tlt.rollout.model_runner import KV_BLOCK, batch_bucket, kv_bucket
+from tlt.rollout.graph_runner import KV_BLOCK, batch_bucket, kv_bucket
 from tlt.rollout.request import Request
 from tlt.sampling import RowSampling, SamplingParams, processed_logprobs, sample_next
 

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tlt.models.eagle import EagleDrafter
 from tlt.rollout.engine import RolloutEngine
-from tlt.rollout.model_runner import GraphRunner, _Graph
+from tlt.rollout.graph_runner import GraphRunner, _Graph
 from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import Request
 from tlt.sampling import RowSampling, SamplingParams, draw_uniforms
@@ -226,7 +226,7 @@ def prepared_step(strategy, greedy=False):
 
     def stop_before_sd(engine_):
         running = 3
-        rows = engine_._cache.rows(0, running)
+        rows = engine_.model_runner.cache.rows(0, running)
         decoder = engine_.spec_decoder
         decoder.bring_within(rows, strategy.depth + 1)
         settings = RowSampling.from_params([params] * running, "cpu")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from tlt.models.kv_cache import KVCache
-from tlt.rollout.model_runner import batch_bucket
+from tlt.rollout.graph_runner import batch_bucket
 from tlt.sampling import RowSampling, SamplingParams, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy

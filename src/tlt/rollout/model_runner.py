@@ -1,278 +1,215 @@
-"""The model runner on CUDA: the target's forward (and a plain decode step with its sampling) replayed as CUDA graphs.
+"""ModelRunner: how a rollout step runs — the forward over the KV cache, eager or as CUDA graphs.
 
-A decode step of a small model is a few hundred tiny kernels; launched one by one from Python each costs more
-than its work (measured on an H100: 14.7 ms eager fp32 per batch-1 step vs ~0.09 ms of weight streaming). A CUDA
-graph launches them all at once. A graph replays fixed shapes and fixed addresses, so the runner:
-
-- pads the batch to a bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, ...); padded rows are free cache rows (running rows
-  are dense at the front) whose writes are never committed;
-- attends over a fixed KV length per graph, the longest row + new tokens rounded up to a block of 256 slots,
-  with per-row lengths read from a device buffer (masking), so one graph serves every length inside its block;
-- copies inputs into static buffers and reads outputs from static buffers (valid until the next replay).
-
-Sampling runs inside the decode graph from pre-drawn uniforms whenever no row uses top-k/top-p (the RL default);
-with filters it runs eagerly after the graph. A whole speculative step (drafter catch-up, drafting, tree, verify,
-acceptance, KV commit) is one graph per (batch bucket, strategy, sampling kind, KV blocks): Python only
-schedules, and one device-to-host copy per step returns what was emitted. Graphs are captured lazily and dropped
-when the engine reallocates its cache or changes its drafter.
-
-Off CUDA the engine does not use the runner; tests build one with capture=False, which runs the same bodies
-on the same padded static buffers eagerly, so the bucketing and padding logic is checked on any device.
+It owns the rollout forward, the KV cache (with the per-slot tokens and features the drafter is rebuilt from),
+the speculative decoder and, on CUDA, the `GraphRunner` (rollout/graph_runner.py). Its steps take the running
+sequences of the scheduler (rollout/scheduler.py), sequence i in cache row i, and append what they sample to
+them. Each sample's uniforms come from its own generator, drawn on the host in a fixed count per step, so the
+eager and the graph path consume the same random numbers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from tlt.errors import RequestError
 from tlt.models.kv_cache import CacheRows, KVCache
-from tlt.models.lean_forward import ForwardOutput, LeanForward
-from tlt.sampling import RowSampling, sample_next
-from tlt.speculative.decoder import (
-    SpecOutcome,
-    SpeculativeDecoder,
-    StepInputs,
-    StepShape,
-    spans,
-)
+from tlt.models.lean_forward import LeanForward
+from tlt.rollout.graph_runner import GraphRunner, batch_bucket
+from tlt.rollout.request import StepTrace
+from tlt.rollout.sequence import Sequence
+from tlt.sampling import RowSampling, draw_uniforms, sample_next
+from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-KV_BLOCK = 256
 
+class ModelRunner:
+    """Runs prefills, plain decode steps and speculative steps for one engine.
 
-def batch_bucket(batch: int, max_rows: int) -> int | None:
-    """The smallest bucket >= batch that the cache has rows for (None: run eagerly)."""
-    for bucket in BATCH_BUCKETS:
-        if batch <= bucket <= max_rows:
-            return bucket
-    return None
+    forward: the rollout forward (the policy's own, or its rollout-precision copy).
+    cuda_graphs: replay decode and speculative steps as CUDA graphs (default: on CUDA).
+    max_tree_size: cache slots kept past the committed tokens for a verified tree."""
 
-
-def kv_bucket(longest: int, num_new: int, max_len: int) -> int:
-    return min(max_len, -(-(longest + num_new) // KV_BLOCK) * KV_BLOCK)
-
-
-@dataclass
-class _Graph:
-    """A captured step (graph + its static outputs), or, without capture, the step itself run on each replay."""
-
-    graph: torch.cuda.CUDAGraph | None
-    outputs: tuple[torch.Tensor, ...] | None
-    step: object
-
-    def replay(self) -> tuple[torch.Tensor, ...]:
-        if self.graph is None:
-            return self.step()
-        self.graph.replay()
-        return self.outputs
-
-
-@dataclass
-class _Buffers:
-    """Static inputs shared by every graph of one (batch bucket, shape, kind). Rows from `padded_from` on hold
-    padding (length 0, an identity tree); they are rewritten only when the batch size changes."""
-
-    inputs: dict[str, torch.Tensor]
-    padded_from: int | None = None
-
-
-class GraphRunner:
-    """CUDA-graph replays of `LeanForward.run` and of whole speculative steps over one engine's KV cache."""
-
-    def __init__(self, forward: LeanForward, *, capture: bool | None = None):
-        capture = forward.device.type == "cuda" if capture is None else capture
-        if capture and forward.device.type != "cuda":
-            raise ValueError("GraphRunner captures CUDA graphs: it needs a model on CUDA")
+    def __init__(self, forward: LeanForward, *, cuda_graphs: bool | None = None, max_tree_size: int = 64):
+        use_graphs = forward.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if use_graphs and forward.device.type != "cuda":
+            raise RequestError("cuda_graphs=True needs a model on CUDA")
         self.forward = forward
-        self.capture = capture
-        self._cache: KVCache | None = None
-        self._speculative: tuple | None = None  # (decoder, its drafter cache) the speculative graphs read
-        self._graphs: dict[tuple, _Graph] = {}
-        self._buffers: dict[tuple, _Buffers] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self.captures = 0  # graphs captured so far (benchmarks and tests read it)
+        self.graphs = GraphRunner(forward) if use_graphs else None  # None: every step runs eagerly
+        self.max_tree_size = max_tree_size
+        self.cache: KVCache | None = None
+        self.spec_decoder: SpeculativeDecoder | None = None
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         return self.forward.device
 
-    def reset(self) -> None:
-        """Forget every graph (their addresses point into buffers about to be freed)."""
-        self._graphs.clear()
-        self._buffers.clear()
-        self._cache = None
-        self._speculative = None
-        # A private pool is released with the last graph that used it: later captures need a fresh handle
-        # (reusing the old one trips the caching allocator's use_count assert, seen on the third RL step).
-        if self.capture:
-            self._pool = torch.cuda.graph_pool_handle()
+    def set_drafter(self, drafter) -> None:
+        """Serve this drafter; the drafter's cache is reset, to be rebuilt from the per-slot features."""
+        current = self.spec_decoder
+        if current is not None and self.graphs is not None and _same_layout(current.drafter, drafter):
+            # Captured graphs read the serving drafter's tensors: load the new weights into them in place.
+            current.drafter.load_state_dict(drafter.state_dict())
+            if current.cache is not None:
+                current.cache.lengths.zero_()
+            return
+        if self.graphs is not None or drafter.fc.weight.dtype != self.forward.dtype:
+            drafter = drafter.inference_copy(self.forward)  # the caller's drafter (maybe in training) is untouched
+        self.spec_decoder = SpeculativeDecoder(self.forward, drafter.attach(self.forward))
+        if current is not None and current.cache is not None:
+            self.spec_decoder.cache = current.cache
+            current.cache.lengths.zero_()
 
-    # -- the entry points --------------------------------------------------------------------------------------
+    def allocate(self, rows: int, length: int) -> KVCache:
+        """An empty cache of at least `rows` rows of `length` slots (the old one when it is large enough)."""
+        if self.graphs is not None:  # a graph pads the batch to a bucket: its padded rows need cache rows
+            rows = batch_bucket(rows, 1 << 30) or rows
+        if self.spec_decoder is not None:
+            length += self.max_tree_size + 1  # a verified tree sits past the committed tokens
+        cache = self.cache
+        if cache is None or cache.max_rows < rows or cache.max_len < length:
+            self.cache = None  # free the old buffers before allocating the new ones
+            if self.graphs is not None:
+                self.graphs.reset()
+            cache = KVCache(self.forward.spec, rows, length, device=self.device, dtype=self.forward.dtype)
+            self.cache = cache
+        if self.spec_decoder is not None:
+            if "tokens" not in cache.slot_data:
+                cache.add_slot_data("tokens", dtype=torch.long)
+                cache.add_slot_data("features", (self.forward.spec.hidden_size,), dtype=self.forward.dtype)
+            self.spec_decoder.allocate(cache.max_rows, cache.max_len)
+        cache.lengths.zero_()
+        return cache
 
-    def __call__(self, input_ids: torch.Tensor, cache: CacheRows, *, positions: torch.Tensor | None = None,
-                 new_token_mask: torch.Tensor | None = None, logits_at="all") -> ForwardOutput:
-        """`LeanForward.__call__` for rows starting at cache row 0 with logits at every new token (decode,
-        verification); anything else runs eagerly. The outputs are views of static buffers."""
-        batch, num_new = input_ids.shape
-        bucket = self._bucket(cache, batch)
-        if bucket is None or not (isinstance(logits_at, str) and logits_at == "all"):
-            return self.forward(input_ids, cache, positions=positions, new_token_mask=new_token_mask,
-                                logits_at=logits_at)
-        lengths = cache.lengths
-        if positions is None:
-            positions = lengths[:, None] + torch.arange(num_new)[None, :]
-        inputs = {"ids": input_ids, "positions": positions, "lengths": lengths}
-        if new_token_mask is not None:
-            inputs["tree"] = new_token_mask
-        kv_len = kv_bucket(int(lengths.max()), num_new, cache.cache.max_len)
-        kind = "tree" if new_token_mask is not None else "causal"
-        rows = self._cache.rows(0, bucket)
-        logits, hidden = self._replay((bucket, num_new, kind), (kv_len,), batch, inputs,
-                                      lambda static: self._forward_body(rows, kv_len, static))
-        return ForwardOutput(logits[:batch], hidden[:batch])
+    # -- the steps ---------------------------------------------------------------------------------------------
 
-    def decode(self, input_ids: torch.Tensor, cache: CacheRows, settings: RowSampling, uniforms: torch.Tensor):
-        """One plain decode step: (tokens [B], log-probs [B], hidden [B, 1, H]); sampling is in the graph
-        unless a row filters with top-k/top-p. Outputs are views of static buffers."""
-        batch = input_ids.shape[0]
-        bucket = self._bucket(cache, batch)
-        if bucket is None or settings.any_filtered:
-            out = self(input_ids, cache)
-            tokens, logprobs = sample_next(out.logits[:, 0], settings.to(self.device), uniforms[:, 0].to(self.device))
-            return tokens, logprobs, out.hidden
-        lengths = cache.lengths
-        inputs = {"ids": input_ids, "lengths": lengths, "temperature": settings.temperature,
-                  "greedy": settings.greedy, "uniforms": uniforms}
-        kind = ("decode", *_sampling_kind(settings))
-        kv_len = kv_bucket(int(lengths.max()), 1, cache.cache.max_len)
-        rows = self._cache.rows(0, bucket)
-        tokens, logprobs, hidden = self._replay((bucket, 1, kind), (kv_len,), batch, inputs,
-                                                lambda static: self._decode_body(rows, kv_len, kind, static))
-        return tokens[:batch], logprobs[:batch], hidden[:batch]
+    def prefill(self, groups: list[list[Sequence]], first_row: int) -> list[Sequence]:
+        """Prefill each group's prompt once and sample every sequence's first token; returns the sequences in
+        the order they occupy rows first_row, first_row + 1, ...: the group leaders (prefilled), then each
+        group's siblings in turn, whose rows receive a copy of their leader's prompt KV."""
+        logits = self._prefill([group[0].request.prompt_ids for group in groups], first_row)
+        leaders, siblings = [group[0] for group in groups], []
+        source = list(range(len(groups)))  # the logits row of each sequence, in row order
+        next_row = first_row + len(groups)
+        for index, group in enumerate(groups):
+            self.cache.copy_prefix(first_row + index, list(range(next_row, next_row + len(group) - 1)))
+            next_row += len(group) - 1
+            siblings += group[1:]
+            source += [index] * (len(group) - 1)
+        new = leaders + siblings
+        self._sample_into(new, logits[torch.tensor(source, device=logits.device)])
+        return new
 
-    def speculative_step(self, decoder: SpeculativeDecoder, cache: CacheRows, pending: torch.Tensor,
-                    settings: RowSampling, uniforms: torch.Tensor, strategy: SpecStrategy) -> SpecOutcome | None:
-        """One whole speculative step as a graph; None when it must run eagerly (rows not from cache row 0, no
-        bucket, top-k/top-p rows). pending [B] and uniforms [B, U] may be host tensors: they are copied into
-        static buffers. Returns host results; the caches' host lengths are advanced."""
-        batch = pending.shape[0]
-        bucket = self._bucket(cache, batch)
-        if bucket is None or settings.any_filtered:
-            return None
-        self._adopt(decoder)
-        width = strategy.depth + 1  # a row misses at most the accepted path + 1 pair after a step
-        decoder.bring_within(cache, width)
-        draft_rows = decoder.draft_rows(cache)
-        target_max, draft_max = cache.cache.max_len, decoder.cache.max_len
-        target_kv, draft_kv = spans(strategy, int(cache.lengths.max()), int(draft_rows.lengths.max()), width)
-        shape = StepShape(strategy, width, kv_bucket(target_kv, 0, target_max), kv_bucket(draft_kv, 0, draft_max))
-        inputs = {"pending": pending, "committed": cache.lengths, "seen": draft_rows.lengths,
-                  "temperature": settings.temperature, "greedy": settings.greedy, "uniforms": uniforms}
-        kind = ("speculative", strategy.name, *_sampling_kind(settings))
-        decoder.drafter.head_weight()  # re-slices the draft head in place if the target's lm_head changed
-        rows, all_draft_rows = self._cache.rows(0, bucket), decoder.cache.rows(0, bucket)
-        body = lambda static: self._speculative_body(decoder, rows, all_draft_rows, shape, kind, static)
-        packed, = self._replay((bucket, width, kind), (shape.target_kv, shape.draft_kv), batch, inputs, body)
-        return SpecOutcome(decoder.finish(cache, draft_rows, packed), 0.0, 0.0)
+    def _prefill(self, prompts: list[tuple[int, ...]], first_row: int) -> torch.Tensor:
+        """Run each prompt in its own row from first_row on; returns next-token logits [G, V]."""
+        lengths = torch.tensor([len(p) for p in prompts])
+        ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = torch.tensor(prompt)
+        rows = self.cache.rows(first_row, len(prompts))
+        rows.lengths.zero_()
+        ids = ids.to(self.device)
+        out = self.forward(ids, rows, logits_at=(lengths - 1).to(self.device))
+        self._store_slot_data(rows, ids, out.hidden)
+        rows.advance(lengths)
+        if self.spec_decoder is not None:  # rows past the running ones start with an empty drafter state
+            self.spec_decoder.forget_rows(first_row, self.spec_decoder.cache.max_rows - first_row)
+        return out.logits[:, 0]
 
-    # -- capture and replay ------------------------------------------------------------------------------------
+    def decode(self, running: list[Sequence]) -> None:
+        """One plain decode step: every running sequence gets one token."""
+        rows = self.cache.rows(0, len(running))
+        ids = torch.tensor([[s.tokens[-1]] for s in running])  # host: the forward or the graph's buffer copies it
+        if self.graphs is None:
+            out = self.forward(ids, rows, logits_at="all")
+            self._store_slot_data(rows, ids, out.hidden)
+            rows.advance(1)
+            self._sample_into(running, out.logits[:, 0])
+            return
+        settings = RowSampling.from_params([s.request.params for s in running], "cpu")  # copied into the graph
+        uniforms = draw_uniforms([s.generator for s in running])
+        tokens, logprobs, hidden = self.graphs.decode(ids, rows, settings, uniforms)  # sampled inside the graph
+        self._store_slot_data(rows, ids, hidden)
+        rows.advance(1)
+        _append(running, tokens, logprobs)
 
-    def _bucket(self, cache: CacheRows, batch: int) -> int | None:
-        if cache.start != 0:
-            return None
-        if self._cache is not cache.cache:  # a new cache: graphs of the old one point at freed buffers
-            if self._cache is not None:
-                self.reset()
-            self._cache = cache.cache
-        return batch_bucket(batch, cache.cache.max_rows)
+    def speculative_step(self, running: list[Sequence], strategy: SpecStrategy) -> StepTrace:
+        """One speculative step (draft → verify → accept → commit): each sequence gets 1 to depth + 1 tokens,
+        none past its stop token or budget. Its trace has no wall time yet (the caller measures the step)."""
+        self._check(strategy)
+        rows = self.cache.rows(0, len(running))
+        pending = torch.tensor([s.tokens[-1] for s in running])
+        settings = RowSampling.from_params([s.request.params for s in running], "cpu")
+        uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row)
+        outcome = None
+        if self.graphs is not None:  # the whole step as one graph (host inputs are copied into its buffers)
+            outcome = self.graphs.speculative_step(self.spec_decoder, rows, pending, settings, uniforms, strategy)
+        if outcome is None:  # no graph for it (e.g. top-k/top-p rows): the eager step
+            outcome = self.spec_decoder.step(rows, pending.to(self.device), settings.to(self.device),
+                                            uniforms.to(self.device), strategy)
+        result = outcome.acceptance
+        emitted = 0
+        for seq, tokens, logprobs, count in zip(running, result.tokens.tolist(), result.logprobs.tolist(),
+                                                result.emitted.tolist()):
+            for token, logprob in zip(tokens[:count], logprobs[:count]):
+                seq.append(token, logprob)
+                emitted += 1
+                if seq.finish_reason is not None:
+                    break  # nothing after a stop token or past the length budget is emitted
+        accepted = torch.bincount(result.accepted, minlength=strategy.depth + 1).tolist()
+        return StepTrace("decode", len(running), emitted, 0.0, mode="sd", strategy=strategy.name,
+                         accepted_hist=tuple(accepted), draft_s=outcome.draft_s, verify_s=outcome.verify_s)
 
-    def _adopt(self, decoder: SpeculativeDecoder) -> None:
-        """Speculative graphs read one decoder's drafter weights and drafter cache: another one drops them."""
-        current = (decoder, decoder.cache)
-        if self._speculative is not None and (self._speculative[0] is not decoder
-                                              or self._speculative[1] is not decoder.cache):
-            cache = self._cache
-            self.reset()
-            self._cache = cache
-        self._speculative = current
+    def _check(self, strategy: SpecStrategy) -> None:
+        if max(strategy.tree_size, (strategy.depth - 1) * strategy.branching) > self.max_tree_size:
+            raise RequestError(f"strategy {strategy.name} needs more than max_tree_size={self.max_tree_size} "
+                               f"cache slots past the committed tokens; raise max_tree_size")
+        if strategy.branching > self.spec_decoder.drafter.draft_vocab_size:
+            raise RequestError(f"strategy {strategy.name} drafts {strategy.branching} children per node, but the "
+                               f"drafter's vocabulary has only {self.spec_decoder.drafter.draft_vocab_size} tokens")
 
-    def _replay(self, slot: tuple, spans_: tuple, batch: int, inputs: dict[str, torch.Tensor], body):
-        buffers = self._buffers.get(slot)
-        if buffers is None:
-            buffers = self._buffers[slot] = _Buffers(self._static_inputs(slot[0], inputs))
-        self._fill(buffers, inputs, batch)
-        key = (*slot, *spans_)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self._capture(lambda: body(buffers.inputs))
-        return graph.replay()
+    def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        settings = RowSampling.from_params([s.request.params for s in seqs], self.device)
+        uniforms = draw_uniforms([s.generator for s in seqs])[:, 0]
+        tokens, logprobs = sample_next(logits, settings, uniforms)
+        _append(seqs, tokens, logprobs)
 
-    def _static_inputs(self, bucket: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: torch.zeros((bucket, *t.shape[1:]), dtype=t.dtype, device=self.device)
-                for name, t in inputs.items()}
+    def _store_slot_data(self, rows: CacheRows, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Keep token ids and target features of the tokens just written: the drafter is built from them."""
+        if self.spec_decoder is None:
+            return
+        slots = rows.lengths.to(self.device)[:, None] + torch.arange(ids.shape[1], device=self.device)[None, :]
+        rows.write_slots("tokens", slots, ids.to(self.device))
+        rows.write_slots("features", slots, hidden)
 
-    @staticmethod
-    def _fill(buffers: _Buffers, inputs: dict[str, torch.Tensor], batch: int) -> None:
-        """Copy this step's inputs into the static buffers; padded rows get length 0 and an identity tree."""
-        repad = buffers.padded_from != batch
-        buffers.padded_from = batch
-        for name, value in inputs.items():
-            static = buffers.inputs[name]
-            static[:batch].copy_(value, non_blocking=True)
-            if repad and batch < static.shape[0]:
-                pad = static[batch:]
-                if name == "tree":
-                    pad.copy_(torch.eye(pad.shape[-1], dtype=torch.bool, device=pad.device).expand_as(pad))
-                elif name in ("temperature", "uniforms"):
-                    pad.fill_(0.5)
-                else:
-                    pad.zero_()
+    # -- the rows' state, for the scheduler -------------------------------------------------------------------
 
-    def _capture(self, step) -> _Graph:
-        if not self.capture:  # as on CUDA, the body runs once before its first replay: it must be idempotent
-            step()
-            return _Graph(None, None, step)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy initialization (cuBLAS handles, workspaces) off the graph
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = step()
-        self.captures += 1
-        return _Graph(graph, outputs, step)
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src's committed state (target KV and slot data, drafter KV) now lives in row dst."""
+        self.cache.move_row(src, dst)
+        if self.spec_decoder is not None:
+            self.spec_decoder.move_row(src, dst)
 
-    # -- the bodies: fixed shapes, static inputs, nothing read on the host ---------------------------------
-
-    def _forward_body(self, rows: CacheRows, kv_len: int, static: dict[str, torch.Tensor]):
-        out = self.forward.run(static["ids"], rows, static["lengths"], positions=static["positions"],
-                               new_token_mask=static.get("tree"), logits_at="all", kv_len=kv_len)
-        return out.logits, out.hidden
-
-    def _decode_body(self, rows: CacheRows, kv_len: int, kind: tuple, static: dict[str, torch.Tensor]):
-        out = self.forward.run(static["ids"], rows, static["lengths"], logits_at="all", kv_len=kv_len)
-        tokens, logprobs = sample_next(out.logits[:, 0], _static_settings(static, kind), static["uniforms"][:, 0])
-        return tokens, logprobs, out.hidden
-
-    @staticmethod
-    def _speculative_body(decoder: SpeculativeDecoder, rows: CacheRows, draft_rows: CacheRows, shape: StepShape,
-                          kind: tuple, static: dict[str, torch.Tensor]):
-        inputs = StepInputs(static["pending"], static["committed"], static["seen"], _static_settings(static, kind),
-                            static["uniforms"])
-        return (decoder.run(rows, draft_rows, inputs, shape, sync_free=True),)
+    def committed_features(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [T] and target features [T, H] of a row's committed slots [start, end), on the device
+        (views: valid until the row is reused)."""
+        committed = int(self.cache.lengths[row])
+        if end > committed:
+            raise AssertionError(f"row {row} holds {committed} committed tokens, expected >= {end}")
+        return self.cache.slot_data["tokens"][row, start:end], self.cache.slot_data["features"][row, start:end]
 
 
-def _sampling_kind(settings: RowSampling) -> tuple[bool, bool, bool]:
-    """The host flags a graph's sampling code depends on: part of its key."""
-    return settings.any_tempered, settings.any_greedy, settings.all_greedy
+def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """One device-to-host copy for both (token ids < 2^53 are exact in float64)."""
+    host = torch.stack([tokens.double(), logprobs.double()]).cpu()
+    for seq, token, logprob in zip(seqs, host[0].long().tolist(), host[1].float().tolist()):
+        seq.append(token, logprob)
 
 
-def _static_settings(static: dict[str, torch.Tensor], kind: tuple) -> RowSampling:
-    """Unfiltered per-row settings over the static buffers (graphs never run top-k/top-p rows)."""
-    any_tempered, any_greedy, all_greedy = kind[-3:]
-    return RowSampling(static["temperature"], torch.zeros_like(static["greedy"], dtype=torch.long),
-                       torch.ones_like(static["temperature"]), static["greedy"], any_tempered, False, any_greedy,
-                       all_greedy)
+def _same_layout(serving, drafter) -> bool:
+    """Whether `drafter`'s weights can be loaded into the serving drafter's tensors (same shapes and vocabulary)."""
+    theirs, ours = drafter.state_dict(), serving.state_dict()
+    if theirs.keys() != ours.keys() or any(theirs[k].shape != ours[k].shape for k in ours):
+        return False
+    if (serving.draft_to_target is None) != (drafter.draft_to_target is None):
+        return False
+    return serving.draft_to_target is None or torch.equal(serving.draft_to_target.cpu(), drafter.draft_to_target.cpu())

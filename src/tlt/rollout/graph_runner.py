@@ -1,0 +1,279 @@
+"""CUDA graphs of the rollout's steps: the target's forward, a plain decode step with its sampling, a whole SD step.
+
+A decode step of a small model is a few hundred tiny kernels; launched one by one from Python each costs more
+than its work (measured on an H100: 14.7 ms eager fp32 per batch-1 step vs ~0.09 ms of weight streaming). A CUDA
+graph launches them all at once. A graph replays fixed shapes and fixed addresses, so the runner:
+
+- pads the batch to a bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, ...); padded rows are free cache rows (running rows
+  are dense at the front) whose writes are never committed;
+- attends over a fixed KV length per graph, the longest row + new tokens rounded up to a block of 256 slots,
+  with per-row lengths read from a device buffer (masking), so one graph serves every length inside its block;
+- copies inputs into static buffers and reads outputs from static buffers (valid until the next replay).
+
+Sampling runs inside the decode graph from pre-drawn uniforms whenever no row uses top-k/top-p (the RL default);
+with filters it runs eagerly after the graph. A whole speculative step (drafter catch-up, drafting, tree, verify,
+acceptance, KV commit) is one graph per (batch bucket, strategy, sampling kind, KV blocks): Python only
+schedules, and one device-to-host copy per step returns what was emitted. Graphs are captured lazily and dropped
+when the model runner reallocates its cache or changes its drafter.
+
+Off CUDA the model runner (rollout/model_runner.py) steps eagerly without one; tests build one with
+capture=False, which runs the same bodies on the same padded static buffers eagerly, so the bucketing and
+padding logic is checked on any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt.models.kv_cache import CacheRows, KVCache
+from tlt.models.lean_forward import ForwardOutput, LeanForward
+from tlt.sampling import RowSampling, sample_next
+from tlt.speculative.decoder import (
+    SpecOutcome,
+    SpeculativeDecoder,
+    StepInputs,
+    StepShape,
+    spans,
+)
+from tlt.speculative.strategy import SpecStrategy
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+KV_BLOCK = 256
+
+
+def batch_bucket(batch: int, max_rows: int) -> int | None:
+    """The smallest bucket >= batch that the cache has rows for (None: run eagerly)."""
+    for bucket in BATCH_BUCKETS:
+        if batch <= bucket <= max_rows:
+            return bucket
+    return None
+
+
+def kv_bucket(longest: int, num_new: int, max_len: int) -> int:
+    return min(max_len, -(-(longest + num_new) // KV_BLOCK) * KV_BLOCK)
+
+
+@dataclass
+class _Graph:
+    """A captured step (graph + its static outputs), or, without capture, the step itself run on each replay."""
+
+    graph: torch.cuda.CUDAGraph | None
+    outputs: tuple[torch.Tensor, ...] | None
+    step: object
+
+    def replay(self) -> tuple[torch.Tensor, ...]:
+        if self.graph is None:
+            return self.step()
+        self.graph.replay()
+        return self.outputs
+
+
+@dataclass
+class _Buffers:
+    """Static inputs shared by every graph of one (batch bucket, shape, kind). Rows from `padded_from` on hold
+    padding (length 0, an identity tree); they are rewritten only when the batch size changes."""
+
+    inputs: dict[str, torch.Tensor]
+    padded_from: int | None = None
+
+
+class GraphRunner:
+    """CUDA-graph replays of `LeanForward.run` and of whole speculative steps over one model runner's KV cache."""
+
+    def __init__(self, forward: LeanForward, *, capture: bool | None = None):
+        capture = forward.device.type == "cuda" if capture is None else capture
+        if capture and forward.device.type != "cuda":
+            raise ValueError("GraphRunner captures CUDA graphs: it needs a model on CUDA")
+        self.forward = forward
+        self.capture = capture
+        self._cache: KVCache | None = None
+        self._speculative: tuple | None = None  # (decoder, its drafter cache) the speculative graphs read
+        self._graphs: dict[tuple, _Graph] = {}
+        self._buffers: dict[tuple, _Buffers] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.captures = 0  # graphs captured so far (benchmarks and tests read it)
+
+    @property
+    def device(self):
+        return self.forward.device
+
+    def reset(self) -> None:
+        """Forget every graph (their addresses point into buffers about to be freed)."""
+        self._graphs.clear()
+        self._buffers.clear()
+        self._cache = None
+        self._speculative = None
+        # A private pool is released with the last graph that used it: later captures need a fresh handle
+        # (reusing the old one trips the caching allocator's use_count assert, seen on the third RL step).
+        if self.capture:
+            self._pool = torch.cuda.graph_pool_handle()
+
+    # -- the entry points --------------------------------------------------------------------------------------
+
+    def __call__(self, input_ids: torch.Tensor, cache: CacheRows, *, positions: torch.Tensor | None = None,
+                 new_token_mask: torch.Tensor | None = None, logits_at="all") -> ForwardOutput:
+        """`LeanForward.__call__` for rows starting at cache row 0 with logits at every new token (decode,
+        verification); anything else runs eagerly. The outputs are views of static buffers."""
+        batch, num_new = input_ids.shape
+        bucket = self._bucket(cache, batch)
+        if bucket is None or not (isinstance(logits_at, str) and logits_at == "all"):
+            return self.forward(input_ids, cache, positions=positions, new_token_mask=new_token_mask,
+                                logits_at=logits_at)
+        lengths = cache.lengths
+        if positions is None:
+            positions = lengths[:, None] + torch.arange(num_new)[None, :]
+        inputs = {"ids": input_ids, "positions": positions, "lengths": lengths}
+        if new_token_mask is not None:
+            inputs["tree"] = new_token_mask
+        kv_len = kv_bucket(int(lengths.max()), num_new, cache.cache.max_len)
+        kind = "tree" if new_token_mask is not None else "causal"
+        rows = self._cache.rows(0, bucket)
+        logits, hidden = self._replay((bucket, num_new, kind), (kv_len,), batch, inputs,
+                                      lambda static: self._forward_body(rows, kv_len, static))
+        return ForwardOutput(logits[:batch], hidden[:batch])
+
+    def decode(self, input_ids: torch.Tensor, cache: CacheRows, settings: RowSampling, uniforms: torch.Tensor):
+        """One plain decode step: (tokens [B], log-probs [B], hidden [B, 1, H]); sampling is in the graph
+        unless a row filters with top-k/top-p. Outputs are views of static buffers."""
+        batch = input_ids.shape[0]
+        bucket = self._bucket(cache, batch)
+        if bucket is None or settings.any_filtered:
+            out = self(input_ids, cache)
+            tokens, logprobs = sample_next(out.logits[:, 0], settings.to(self.device), uniforms[:, 0].to(self.device))
+            return tokens, logprobs, out.hidden
+        lengths = cache.lengths
+        inputs = {"ids": input_ids, "lengths": lengths, "temperature": settings.temperature,
+                  "greedy": settings.greedy, "uniforms": uniforms}
+        kind = ("decode", *_sampling_kind(settings))
+        kv_len = kv_bucket(int(lengths.max()), 1, cache.cache.max_len)
+        rows = self._cache.rows(0, bucket)
+        tokens, logprobs, hidden = self._replay((bucket, 1, kind), (kv_len,), batch, inputs,
+                                                lambda static: self._decode_body(rows, kv_len, kind, static))
+        return tokens[:batch], logprobs[:batch], hidden[:batch]
+
+    def speculative_step(self, decoder: SpeculativeDecoder, cache: CacheRows, pending: torch.Tensor,
+                    settings: RowSampling, uniforms: torch.Tensor, strategy: SpecStrategy) -> SpecOutcome | None:
+        """One whole speculative step as a graph; None when it must run eagerly (rows not from cache row 0, no
+        bucket, top-k/top-p rows). pending [B] and uniforms [B, U] may be host tensors: they are copied into
+        static buffers. Returns host results; the caches' host lengths are advanced."""
+        batch = pending.shape[0]
+        bucket = self._bucket(cache, batch)
+        if bucket is None or settings.any_filtered:
+            return None
+        self._adopt(decoder)
+        width = strategy.depth + 1  # a row misses at most the accepted path + 1 pair after a step
+        decoder.bring_within(cache, width)
+        draft_rows = decoder.draft_rows(cache)
+        target_max, draft_max = cache.cache.max_len, decoder.cache.max_len
+        target_kv, draft_kv = spans(strategy, int(cache.lengths.max()), int(draft_rows.lengths.max()), width)
+        shape = StepShape(strategy, width, kv_bucket(target_kv, 0, target_max), kv_bucket(draft_kv, 0, draft_max))
+        inputs = {"pending": pending, "committed": cache.lengths, "seen": draft_rows.lengths,
+                  "temperature": settings.temperature, "greedy": settings.greedy, "uniforms": uniforms}
+        kind = ("speculative", strategy.name, *_sampling_kind(settings))
+        decoder.drafter.head_weight()  # re-slices the draft head in place if the target's lm_head changed
+        rows, all_draft_rows = self._cache.rows(0, bucket), decoder.cache.rows(0, bucket)
+        body = lambda static: self._speculative_body(decoder, rows, all_draft_rows, shape, kind, static)
+        packed, = self._replay((bucket, width, kind), (shape.target_kv, shape.draft_kv), batch, inputs, body)
+        return SpecOutcome(decoder.finish(cache, draft_rows, packed), 0.0, 0.0)
+
+    # -- capture and replay ------------------------------------------------------------------------------------
+
+    def _bucket(self, cache: CacheRows, batch: int) -> int | None:
+        if cache.start != 0:
+            return None
+        if self._cache is not cache.cache:  # a new cache: graphs of the old one point at freed buffers
+            if self._cache is not None:
+                self.reset()
+            self._cache = cache.cache
+        return batch_bucket(batch, cache.cache.max_rows)
+
+    def _adopt(self, decoder: SpeculativeDecoder) -> None:
+        """Speculative graphs read one decoder's drafter weights and drafter cache: another one drops them."""
+        current = (decoder, decoder.cache)
+        if self._speculative is not None and (self._speculative[0] is not decoder
+                                              or self._speculative[1] is not decoder.cache):
+            cache = self._cache
+            self.reset()
+            self._cache = cache
+        self._speculative = current
+
+    def _replay(self, slot: tuple, spans_: tuple, batch: int, inputs: dict[str, torch.Tensor], body):
+        buffers = self._buffers.get(slot)
+        if buffers is None:
+            buffers = self._buffers[slot] = _Buffers(self._static_inputs(slot[0], inputs))
+        self._fill(buffers, inputs, batch)
+        key = (*slot, *spans_)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(lambda: body(buffers.inputs))
+        return graph.replay()
+
+    def _static_inputs(self, bucket: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros((bucket, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                for name, t in inputs.items()}
+
+    @staticmethod
+    def _fill(buffers: _Buffers, inputs: dict[str, torch.Tensor], batch: int) -> None:
+        """Copy this step's inputs into the static buffers; padded rows get length 0 and an identity tree."""
+        repad = buffers.padded_from != batch
+        buffers.padded_from = batch
+        for name, value in inputs.items():
+            static = buffers.inputs[name]
+            static[:batch].copy_(value, non_blocking=True)
+            if repad and batch < static.shape[0]:
+                pad = static[batch:]
+                if name == "tree":
+                    pad.copy_(torch.eye(pad.shape[-1], dtype=torch.bool, device=pad.device).expand_as(pad))
+                elif name in ("temperature", "uniforms"):
+                    pad.fill_(0.5)
+                else:
+                    pad.zero_()
+
+    def _capture(self, step) -> _Graph:
+        if not self.capture:  # as on CUDA, the body runs once before its first replay: it must be idempotent
+            step()
+            return _Graph(None, None, step)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy initialization (cuBLAS handles, workspaces) off the graph
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = step()
+        self.captures += 1
+        return _Graph(graph, outputs, step)
+
+    # -- the bodies: fixed shapes, static inputs, nothing read on the host ---------------------------------
+
+    def _forward_body(self, rows: CacheRows, kv_len: int, static: dict[str, torch.Tensor]):
+        out = self.forward.run(static["ids"], rows, static["lengths"], positions=static["positions"],
+                               new_token_mask=static.get("tree"), logits_at="all", kv_len=kv_len)
+        return out.logits, out.hidden
+
+    def _decode_body(self, rows: CacheRows, kv_len: int, kind: tuple, static: dict[str, torch.Tensor]):
+        out = self.forward.run(static["ids"], rows, static["lengths"], logits_at="all", kv_len=kv_len)
+        tokens, logprobs = sample_next(out.logits[:, 0], _static_settings(static, kind), static["uniforms"][:, 0])
+        return tokens, logprobs, out.hidden
+
+    @staticmethod
+    def _speculative_body(decoder: SpeculativeDecoder, rows: CacheRows, draft_rows: CacheRows, shape: StepShape,
+                          kind: tuple, static: dict[str, torch.Tensor]):
+        inputs = StepInputs(static["pending"], static["committed"], static["seen"], _static_settings(static, kind),
+                            static["uniforms"])
+        return (decoder.run(rows, draft_rows, inputs, shape, sync_free=True),)
+
+
+def _sampling_kind(settings: RowSampling) -> tuple[bool, bool, bool]:
+    """The host flags a graph's sampling code depends on: part of its key."""
+    return settings.any_tempered, settings.any_greedy, settings.all_greedy
+
+
+def _static_settings(static: dict[str, torch.Tensor], kind: tuple) -> RowSampling:
+    """Unfiltered per-row settings over the static buffers (graphs never run top-k/top-p rows)."""
+    any_tempered, any_greedy, all_greedy = kind[-3:]
+    return RowSampling(static["temperature"], torch.zeros_like(static["greedy"], dtype=torch.long),
+                       torch.ones_like(static["temperature"]), static["greedy"], any_tempered, False, any_greedy,
+                       all_greedy)
