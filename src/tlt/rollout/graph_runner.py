@@ -241,7 +241,9 @@ class GraphRunner:
             step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread may launch CUDA work meanwhile (the tail trainer on its own stream, which
+        # allocates); "global" would fail its allocations, or this capture, whenever a new bucket is captured.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = step()
         self.captures += 1
         return _Graph(graph, outputs, step)
