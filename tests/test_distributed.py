@@ -129,7 +129,7 @@ def test_fewer_prompts_than_workers_is_an_error(tmp_path):
 
 
 def test_tail_time_share_counts_time_when_few_rows_are_left():
-    from tlt.distributed.controller import tail_time_share
+    from tlt.metrics.step import tail_time_share
     from tlt.rollout.request import StepTrace
 
     def trace(batches):  # one decode step per second with these batch sizes

@@ -116,17 +116,25 @@ def test_distributed_runs_evaluate_once_per_due_step(tmp_path, workers):
     controller = make_controller(tmp_path, **{"run.workers": workers, "run.speculative": "off", "run.steps": 3,
                                               "task.eval_size": 2, "task.eval_every": 2,
                                               "rollout.max_new_tokens": 12})
-    calls = []
-    rank0 = controller.backend.workers[0].trainer
-    rank0.task.eval_examples = ShortLongTask().sample(2, seed=0)  # the task object all ranks share in-process
+    from tlt.rl.phases import evaluate as evaluate_policy
+
+    evaluated = []
+    rank0 = controller.backend.workers[0]
+    rank0.replica.task.eval_examples = ShortLongTask().sample(2, seed=0)  # the task all ranks share in-process
     evaluate = rank0.evaluate
-    rank0.evaluate = lambda: calls.append(rank0.step) or evaluate()
+
+    def recording(step):
+        result = evaluate(step)
+        if result:
+            evaluated.append(step)
+        return result
+    rank0.evaluate = recording
     try:
         history = train(controller.config, trainer=controller)
-        again = rank0.evaluate()
+        again = evaluate_policy(rank0.replica)
     finally:
         controller.close()
-    assert calls == [2, 3, 3]  # steps 2 and 3, then ours
+    assert evaluated == [2, 3]
     assert [("eval_accuracy" in m) for m in history] == [False, True, True]
     assert history[-1]["eval_reward_mean"] == again["eval_reward_mean"]
     # one STOPPER prompt (a 1-token answer, no 8s) and one RUNNER prompt: the mean is half the runner's share

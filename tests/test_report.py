@@ -9,7 +9,8 @@ pytest.importorskip("matplotlib")
 
 from tlt.cli import main  # noqa: E402
 from tlt.errors import TltError  # noqa: E402
-from tlt.report import draw_timeline, write_report  # noqa: E402
+from tlt.metrics.figures import draw_timeline  # noqa: E402
+from tlt.report import write_report  # noqa: E402
 from tlt.rl.config import TrainConfig  # noqa: E402
 
 TIMELINE = {"step": 3, "duration": 2.0, "workers": [
@@ -82,15 +83,15 @@ def test_cli_report(run_dir, capsys):
 
 def test_held_out_accuracy_column_and_curve(run_dir, monkeypatch):
     """Held-out accuracy is measured only every task.eval_every steps: its column and curve show those steps."""
-    import tlt.report
+    from tlt.metrics import figures
 
     records = [_metrics(step) for step in (1, 2, 3)]
     records[1]["eval_accuracy"], records[2]["eval_accuracy"] = 0.4375, 0.5625
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     plotted = {}
-    line_plot = tlt.report._line_plot
-    monkeypatch.setattr(tlt.report, "_line_plot", lambda metrics, path, title, series: plotted.update(
-        {label: tlt.report._series(metrics, key) for key, label in series}) or line_plot(metrics, path, title, series))
+    line_plot = figures._line_plot
+    monkeypatch.setattr(figures, "_line_plot", lambda metrics, path, title, series: plotted.update(
+        {label: figures._series(metrics, key) for key, label in series}) or line_plot(metrics, path, title, series))
     page = write_report(run_dir).read_text()
     steps = re.search(r"<h2>Steps</h2>(.*?)</table>", page).group(1)
     assert "held-out acc" in steps and "0.438" in steps and "0.562" in steps

@@ -164,7 +164,8 @@ def test_resume_accepts_a_config_saved_by_an_older_tlt(tmp_path):
 
 
 def test_workers_write_checkpoints_and_the_final_policy_through_the_trainers_save(tmp_path):
-    """The distributed run saves through GRPOTrainer.save (one save path) and adds its drafter; it resumes."""
+    """The distributed run saves through the one run-checkpoint writer (rl/run_checkpoint.py), with its drafter;
+    it resumes."""
     from test_distributed import make_controller
 
     controller = make_controller(tmp_path, **{"run.steps": 1, "run.save_optimizer": False})

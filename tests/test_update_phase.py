@@ -12,6 +12,7 @@ from tlt.drafter.buffer import FeatureBuffer
 from tlt.models import LoadedModel, ModelSpec
 from tlt.rl.actor import ActorOutput, ChunkedTokenLogprobs, PackedSamples, token_logprobs
 from tlt.rl.config import load_config
+from tlt.rl.phases import no_grad_logprobs
 from tlt.rl.rewards import Reward
 from tlt.rl.trainer import GRPOTrainer
 from tlt.tasks.example import TaskExample
@@ -108,9 +109,9 @@ def test_chunked_head_gradients_pass_gradcheck_with_a_bias(temperature):
 
 def old_update_phase(trainer, examples, rollout, monkeypatch):
     """The phase as it ran before: score with a separate no-grad old-log-prob pass, full-vocabulary logits."""
-    monkeypatch.setattr("tlt.rl.trainer.token_logprobs", full_vocabulary_logprobs)
+    monkeypatch.setattr("tlt.rl.phases.token_logprobs", full_vocabulary_logprobs)
     batch = trainer.score(examples, rollout)
-    batch.old_logprobs = trainer._no_grad_logprobs(trainer.model, batch.packed)
+    batch.old_logprobs = no_grad_logprobs(trainer.replica, trainer.model, batch.packed, trainer.step)
     batch.features_done = None  # that pass fed the buffer
     stats = trainer.update(batch)
     monkeypatch.undo()

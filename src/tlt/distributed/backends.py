@@ -12,6 +12,7 @@ import dataclasses
 import os
 import socket
 
+from tlt.distributed.collective import ThreadReducer
 from tlt.distributed.hub import DrafterHub
 from tlt.distributed.placement import check_ray_resources
 from tlt.distributed.worker import HubClient, RolloutWorker
@@ -49,8 +50,6 @@ class InProcessBackend:
     worker is built and called on its own thread, whose current CUDA device is the worker's."""
 
     def __init__(self, config, placement, *, loaded=None, task=None, reward=None):
-        from tlt.distributed.collective import ThreadReducer
-
         size = placement.workers
         self.size = size
         self._hub = DrafterHub(config.run.drafter_buffer_tokens)

@@ -7,6 +7,8 @@ drafter ("spot training"), publishing versions the long-tail workers pick up mid
 has scored its shard, spot training is told to stop (it yields within one micro-batch or optimizer step, and
 nothing waits on it before the update barrier) → every worker takes the same policy update (gradients summed
 across workers; its forward yields the features not computed yet).
+Each worker runs rl/phases.py's phases, as GRPOTrainer does in one process; this class only sequences them
+across workers and merges their results (metrics/ computes the step metrics, the tail share and the timeline).
 Same interface as GRPOTrainer (`train_step`, `step`, `save`, `resume`), so `tlt train` drives either.
 """
 
@@ -18,11 +20,12 @@ import torch
 
 from tlt.distributed.backends import WorkerError, make_backend
 from tlt.distributed.placement import resolve_and_log
-from tlt.distributed.timeline import merge_step, time_shares
 from tlt.errors import TltError
+from tlt.metrics.step import step_metrics, tail_time_share
+from tlt.metrics.timeline import merge_step, time_shares
 from tlt.rl.checkpoint import latest_checkpoint
-from tlt.rl.trainer import evaluation_due, step_metrics
-from tlt.rollout.request import TAIL_FRACTION, RolloutResult
+from tlt.rl.phases import evaluation_due
+from tlt.rollout.request import RolloutResult
 
 
 class DistributedGRPO:
@@ -68,7 +71,7 @@ class DistributedGRPO:
                                 step_end - rollout_end)
         if self.config.task.eval_size > 0 and evaluation_due(self.config, self.step):
             self._phase(f"step {self.step}: held-out evaluation")
-        return {**metrics, **self._call(0, "evaluate")}  # {} unless rank 0 has a held-out set and it is due
+        return {**metrics, **self._call(0, "evaluate", self.step)}  # {} unless rank 0 has a held-out set, due
 
     def _length_shards(self, lengths, shards: list[list]) -> list:
         if lengths is None:
@@ -174,14 +177,14 @@ class DistributedGRPO:
             "samples_hot_swapped": sum(len(v) > 1 for v in served),
             "drafter_versions_per_sample": [len(v) for v in served],  # the full lists are in the RolloutResult
             "lr": updates[0]["lr"],
-            **updates[_tail_rank(rollouts)]["policy_metrics"],
+            **updates[_tail_rank(rollouts)]["speculation_metrics"],
         })
         return metrics
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def save(self, run_dir) -> str:
-        return self._call(0, "save", str(run_dir), {"workers": self.size})
+        return self._call(0, "save", str(run_dir), self.step, {"workers": self.size})
 
     def save_final(self, directory) -> str:
         return self._call(0, "save_final", str(directory))
@@ -209,30 +212,6 @@ def _shard(examples: list, size: int) -> list[list]:
         shards.append(examples[start:start + count])
         start += count
     return shards
-
-
-def tail_time_share(worker_traces: list[tuple[float, list]], fraction: float = TAIL_FRACTION) -> float:
-    """Share of the rollout's wall time (first start to last end, all workers) during which the rows still
-    decoding, summed over workers, are at most `fraction` of the peak: the long tail."""
-    events = []  # (wall time, worker, rows running from then on)
-    for worker, (start, steps) in enumerate(worker_traces):
-        events += [(start + s.start_s, worker, s.batch_size) for s in steps if s.kind == "decode"]
-        if steps:
-            last = steps[-1]
-            events.append((start + last.start_s + last.wall_s, worker, 0))
-    if not events:
-        return 0.0
-    events.sort()
-    running, peak, tail, previous = {}, 0, 0.0, events[0][0]
-    for when, worker, rows in events:
-        total = sum(running.values())
-        if running and total <= fraction * peak:
-            tail += when - previous
-        previous = when
-        running[worker] = rows
-        peak = max(peak, sum(running.values()))
-    span = events[-1][0] - events[0][0]
-    return tail / span if span > 0 else 0.0
 
 
 def _sum_totals(parts: list[dict]) -> dict:

@@ -1,4 +1,5 @@
-"""`tlt train`: the run loop around GRPOTrainer — progress, a metrics line per step, checkpoints, resume."""
+"""`tlt train`: the run loop around a driver (DistributedGRPO, or a GRPOTrainer given in code) — progress, a
+metrics line per step, the timeline, checkpoints, resume."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from rich.console import Console
 
 from tlt.distributed.controller import DistributedGRPO
 from tlt.distributed.placement import resolve
-from tlt.distributed.timeline import save_timeline
 from tlt.metrics.logger import open_metrics_logger
+from tlt.metrics.timeline import save_timeline
 from tlt.rl.checkpoint import prune_checkpoints
 from tlt.rl.config import TrainConfig, validate
 from tlt.rl.preflight import preflight

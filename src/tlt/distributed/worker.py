@@ -1,8 +1,10 @@
 """RolloutWorker: one policy replica with its rollout engine, its share of the step, and spot training.
 
-The controller calls, per RL step: `rollout(shard)` → `prepare()` (rewards; old log-probs only with several
-updates per step) → `spot_train()` if other workers are still in the long tail (it first computes this shard's
+The controller calls, per RL step: `rollout(step, shard)` → `prepare()` (rewards; old log-probs only with several
+updates per step) → `spot_train(step)` if other workers are still in the long tail (it first computes this shard's
 drafter features, while the tail lasts) → `update(totals)` (its forward yields the features not computed yet).
+Each call runs a phase of rl/phases.py — the code GRPOTrainer runs in one process — over this worker's
+PolicyReplica; what the worker adds is the drafter: versions from the hub, spot and tail training, features.
 While it rolls out, the worker checks the hub between decode steps and swaps in any newer drafter at once.
 A lone worker has no idle peer: with tail training it trains the drafter itself beside its own long tail
 (drafter/tail_trainer.py: a background thread, a second CUDA stream), on the features its rollout kept.
@@ -11,23 +13,31 @@ The same class runs as a Ray actor (one process per worker) or as a thread of th
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import gc
 import hashlib
 import logging
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
 from tlt.distributed.collective import ProcessGroupReducer
 from tlt.distributed.hub import HubTimeout
-from tlt.distributed.timeline import WorkerTimeline
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.drafter.tail_trainer import TailReport, TailTrainer
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+from tlt.metrics.step import speculation_metrics
+from tlt.metrics.timeline import WorkerTimeline
 from tlt.models.eagle import EagleDrafter
-from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
+from tlt.rl import phases
+from tlt.rl.checkpoint import save_final_model
 from tlt.rl.config import tail_training_active
-from tlt.rl.trainer import GRPOTrainer
+from tlt.rl.replica import PolicyReplica
+from tlt.rl.run_checkpoint import DrafterSnapshot, read_drafter, resume_replica, save_run_checkpoint
 from tlt.rollout.request import in_long_tail
 
 log = logging.getLogger(__name__)
@@ -69,18 +79,19 @@ class RolloutWorker:
             hf_logging.disable_progress_bar()
         self.rank, self.world_size, self.config = rank, world_size, config
         self.hub = HubClient(hub)
-        self.collected = FeatureBuffer(10**9)  # this step's features, handed to the hub after prepare()
-        self.trainer = GRPOTrainer(config, loaded=loaded, task=task, reward=reward, feature_buffer=self.collected)
+        self.replica = PolicyReplica.build(config, loaded=loaded, task=task, reward=reward)
         self.reducer = reducer
-        self.engine = self.trainer.engine
+        self.engine = self.replica.engine
         self.drafter = self.engine.drafter  # in the policy's dtype; the engine serves a copy in its rollout dtype
         self._spot = None  # (training drafter, DrafterTrainer, local buffer, next feature sequence) once used
         self.tail = None   # a TailTrainer when this lone worker trains the drafter beside its own tail
         if self.drafter is not None and tail_training_active(config.run, world_size, self.engine.device.type):
             self.tail = self._tail_trainer()
-        if self.drafter is None or self.tail is not None:  # nothing trains on them / the rollout keeps its own
-            self.trainer.feature_buffer = None
-        self._batch = None
+        # The features the step's forwards yield, handed to the hub as they come. None when nothing trains on
+        # them (no drafter) or when tail training takes the rollout's own instead.
+        self.features = FeatureBuffer(10**9) if self.drafter is not None and self.tail is None else None
+        self._step = 0  # the RL step in progress (the controller names it with each rollout)
+        self._examples, self._result, self._batch = None, None, None  # this step's shard, as its phases go
         self._last_poll = 0.0
         self._peak_rows = 0
 
@@ -94,23 +105,21 @@ class RolloutWorker:
 
     def sample_examples(self, step: int) -> list:
         """The step's prompts (every worker could draw them; rank 0 does, from the run seed and the step)."""
-        self.trainer.step = step
-        return self.trainer.task.sample(self.config.rollout.prompts_per_step, seed=self.trainer.step_seed())
+        return phases.sample_prompts(self.replica, step)
 
     def rollout(self, step: int, examples: list, lengths: list[int] | None = None) -> dict:
         """Generate this worker's shard; swap in newer drafters between decode steps. `lengths`: an equal-work
         replay (one length per sample; see rollout/replay.py)."""
-        self.trainer.step = step
+        self._step, self._examples = step, examples
         self.timeline = WorkerTimeline(self.rank)
-        self._examples = examples
         if self.drafter is not None:
             self._sync_drafter(self.engine, force=True)
         self._peak_rows = 0
         collect = self.tail.collect(step) if self.tail is not None else None
         wall_start = time.time()
         try:
-            self._result = self.trainer.rollout(examples, between_steps=self._between_steps, lengths=lengths,
-                                                collect_features=collect)
+            self._result = phases.rollout(self.replica, examples, step, between_steps=self._between_steps,
+                                          lengths=lengths, collect_features=collect)
         finally:  # the training thread never outlives the rollout (nor a failed one)
             tail = self.tail.stop() if self.tail is not None else TailReport()
         self.timeline.add_rollout(self._result, wall_start)
@@ -122,12 +131,12 @@ class RolloutWorker:
         """Rewards and advantages of this shard (the update's inputs), and old log-probs when the step takes
         several updates; that forward then also collects the drafter's features, which go to the hub."""
         started = time.time()
-        self._batch = self.trainer.score(self._examples, self._result)
+        self._batch = phases.score(self.replica, self._examples, self._result, self._step, self.features)
         self._hand_features()
         self.timeline.record("logprobs", started)
         return {"rewards": self._batch.rewards, "correct": self._batch.correct,
-                "totals": self.trainer.loss_totals(self._batch), "reward_failures": self.trainer.reward_failures,
-                "end": time.time()}
+                "totals": phases.loss_totals(self.config, self._batch),
+                "reward_failures": self._batch.reward_failures, "end": time.time()}
 
     def spot_train(self, step: int) -> dict:
         """Train the drafter until the hub says the last rollout ended (checked before every optimizer step).
@@ -139,7 +148,7 @@ class RolloutWorker:
         try:
             # This shard's features first (its update would compute them, but only after the tail): one decoder
             # forward per micro-batch, stopped as soon as the last worker is ready, like the training below.
-            self.trainer.collect_features(self._batch, lambda: self.hub.should_stop(step))
+            phases.collect_features(self.replica, self._batch, lambda: self.hub.should_stop(step))
             self._hand_features()
             drafter, trainer, buffer = self._spot_state()
             self._pull_features(buffer)
@@ -164,23 +173,23 @@ class RolloutWorker:
     def update(self, totals: dict) -> dict:
         """The policy update on this shard, normalized by the global totals, gradients summed across workers."""
         started = time.time()
-        stats = self.trainer.update(self._batch, totals, reduce_gradients=self.reducer)
+        stats = phases.update(self.replica, self._batch, totals, reduce_gradients=self.reducer)
         self._hand_features()  # those the update's forward collected: the next step's spot training uses them
-        self.trainer.step += 1
-        self._batch = None
+        self._examples, self._result, self._batch = None, None, None
         _return_free_memory()
         self.timeline.record("update", started)
-        return {"update": stats, "timeline": self.timeline, "end": time.time(),
-                "lr": self.trainer.optimizer.param_groups[0]["lr"], "policy_metrics": self.trainer.policy_metrics()}
+        return {"update": stats, "timeline": self.timeline, "end": time.time(), "lr": self.replica.lr,
+                "speculation_metrics": speculation_metrics(self.engine)}
 
-    def evaluate(self) -> dict:
-        """Held-out greedy accuracy after the update (replicas are identical: rank 0 evaluates for all)."""
-        return self.trainer.evaluate() if self.trainer.evaluation_due() else {}
+    def evaluate(self, step: int) -> dict:
+        """Held-out greedy accuracy after step `step`'s update, when due (replicas are identical: rank 0
+        evaluates for all)."""
+        return phases.evaluate(self.replica) if phases.held_out_due(self.replica, step) else {}
 
     def _hand_features(self) -> None:
         """Move the features collected so far to the hub, where every worker's spot training reads them."""
-        entries = self.collected.take()
-        if entries and self.drafter is not None:
+        entries = self.features.take() if self.features is not None else []
+        if entries:
             self.hub.add_features(entries)
 
     # -- drafter versions -------------------------------------------------------------------------------------
@@ -208,15 +217,13 @@ class RolloutWorker:
     def publish_initial_drafter(self) -> int:
         """Version 0: the run's starting drafter, with its warm-up optimizer state when the directory has one
         (a fresh Adam would take full-size steps on an already trained drafter and undo part of its warm-up)."""
-        from pathlib import Path
-
         state = None
         source = self.config.run.drafter
         if source and (Path(source) / "drafter_trainer.json").exists():
             trainer = self._spot_objects()[1]
             trainer.load_optimizer(source)
             state = {"optimizer": trainer.optimizer.state_dict(), "steps": trainer.steps}
-        return self.hub.publish(_cpu_state(self.drafter), step=self.trainer.step, worker=self.rank, trainer_steps=0,
+        return self.hub.publish(_cpu_state(self.drafter), step=self._step, worker=self.rank, trainer_steps=0,
                                 trainer_state=state)
 
     def _spot_objects(self) -> list:
@@ -233,7 +240,7 @@ class RolloutWorker:
 
     def _tail_trainer(self) -> TailTrainer:
         drafter, trainer, _, _ = self._spot_objects()
-        return TailTrainer(trainer, lambda final: self._publish(drafter, trainer, self.trainer.step, final),
+        return TailTrainer(trainer, lambda final: self._publish(drafter, trainer, self._step, final),
                            publish_every=self.config.run.publish_every, device=self.engine.device)
 
     def _spot_state(self):
@@ -259,53 +266,35 @@ class RolloutWorker:
 
     # -- checkpoints and checks -------------------------------------------------------------------------------
 
-    def save(self, run_dir: str, extra: dict) -> str:
-        """Policy, optimizer, RNG and bandit (replicas are identical: rank 0's copy is the run's), plus the
-        latest drafter version and its trainer's optimizer state, in one atomic checkpoint directory."""
-        extra, files = dict(extra), {}
+    def save(self, run_dir: str, step: int, extra: dict) -> str:
+        """The run's checkpoint after `step` steps (replicas are identical: rank 0's copy is the run's), with
+        the hub's latest drafter version and its trainer's optimizer state."""
+        drafter = None
         if self.drafter is not None:
             version, weights = self.hub.latest()
-            files["drafter.safetensors"] = weights
-            extra["drafter"] = {"version": version, "trainer": None}
-            state = self.hub.trainer_state()
-            if state is not None:
-                tensors, meta = flatten_optimizer(state["optimizer"])
-                files["drafter_optimizer.safetensors"] = tensors
-                extra["drafter"]["trainer"] = {"steps": state["steps"], "optimizer": meta}
-        return str(self.trainer.save(run_dir, extra, files))
+            drafter = DrafterSnapshot(version, weights, self.hub.trainer_state())
+        return str(save_run_checkpoint(run_dir, self.replica, step, drafter=drafter, extra=extra))
 
     def save_final(self, directory: str) -> str:
         """The policy as a Hugging Face model directory (replicas are identical: rank 0's copy)."""
-        return str(self.trainer.save_final(directory))
+        return str(save_final_model(self.replica.model, self.replica.tokenizer, directory))
 
     def resume(self, checkpoint: str) -> int:
-        self.trainer.resume(checkpoint)
-        return self.trainer.step
+        """Restore this replica from the checkpoint; returns its step."""
+        return resume_replica(self.replica, checkpoint)
 
     def restore_drafter(self, checkpoint: str) -> int:
         """Make the checkpoint's drafter (and its trainer state) the hub's current version again."""
-        import json
-        from pathlib import Path
-
-        from safetensors.torch import load_file
-
-        path = Path(checkpoint)
-        meta = json.loads((path / "state.json").read_text()).get("drafter")
-        if meta is None or not (path / "drafter.safetensors").exists():
+        snapshot = read_drafter(checkpoint)
+        if snapshot is None:
             return self.hub.latest_version()  # a checkpoint from a run without a drafter: keep the initial one
-        weights = load_file(str(path / "drafter.safetensors"))
-        trainer = None
-        if meta["trainer"] is not None:
-            optimizer = unflatten_optimizer(load_file(str(path / "drafter_optimizer.safetensors")),
-                                             meta["trainer"]["optimizer"])
-            trainer = {"optimizer": optimizer, "steps": meta["trainer"]["steps"]}
-        self.hub.restore(meta["version"], weights, trainer)
-        return meta["version"]
+        self.hub.restore(snapshot.version, snapshot.weights, snapshot.trainer_state)
+        return snapshot.version
 
     def parameter_digest(self) -> str:
         """SHA-256 of every policy parameter's bytes: equal digests = identical replicas."""
         digest = hashlib.sha256()
-        for name, tensor in sorted(self.trainer.model.state_dict().items()):
+        for name, tensor in sorted(self.replica.model.state_dict().items()):
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
@@ -317,10 +306,6 @@ class RolloutWorker:
 def _return_free_memory() -> None:
     """Hand the update's freed activations back to the OS. glibc keeps freed heap pages, so a worker would
     otherwise hold its peak (several GB for a 135M model's backward) while it waits for the next step."""
-    import ctypes
-    import gc
-    import sys
-
     gc.collect()
     if sys.platform.startswith("linux"):
         try:
@@ -342,7 +327,5 @@ def _report(tail: TailReport) -> dict:
 
 def _lean_rollout(rollout):
     """The rollout without prompt ids (the controller needs tokens, reasons, versions and the trace)."""
-    import dataclasses
-
     samples = [dataclasses.replace(s, prompt_ids=()) for s in rollout.samples]
     return dataclasses.replace(rollout, samples=samples)

@@ -22,6 +22,9 @@ from tlt.drafter.features import collect_features
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
 from tlt.errors import TltError
 from tlt.models.eagle import EagleDrafter
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.request import Request
+from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
 
 
@@ -49,10 +52,6 @@ def frequent_tokens(sequences: list[list[int]], count: int, vocab_size: int) -> 
 
 def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
            train_config: DrafterTrainConfig = DrafterTrainConfig(), log=print) -> dict:
-    from tlt.rollout.engine import RolloutEngine
-    from tlt.rollout.request import Request
-    from tlt.sampling import SamplingParams
-
     if config.prompts < 2:
         raise TltError(f"drafter warm-up needs at least 2 prompts (one is held out), got {config.prompts}")
     started = time.perf_counter()

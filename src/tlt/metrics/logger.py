@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+from tlt.metrics.wandb_logger import WandbLogger
+
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, sinks=()):
@@ -41,8 +43,6 @@ def open_metrics_logger(run_dir: Path, config, *, resuming: bool = False) -> Met
     names = logger_names(config.run)
     sinks = []
     if "wandb" in names:
-        from tlt.metrics.wandb_logger import WandbLogger
-
         sinks.append(WandbLogger.start(run_dir, config, resuming=resuming))
     return MetricsLogger(run_dir, tensorboard="tensorboard" in names, sinks=sinks)
 

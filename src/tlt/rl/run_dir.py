@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tlt.errors import TltError
 from tlt.rl.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
+from tlt.rl.config import TrainConfig
 
 # Everything tlt writes into a run directory; --overwrite deletes exactly these, nothing else.
 RUN_FILES = ("metrics.jsonl", "config.json", "wandb_id")
@@ -128,8 +129,6 @@ def _check_same_run(run_dir: Path, config_dict: dict) -> None:
 def _saved_value(saved: dict, section: str, key: str):
     """A field the saved config lacks was added to tlt after that run started: it ran with the default.
     (Fields the saved config has and this tlt lacks are ignored: they no longer mean anything.)"""
-    from tlt.rl.config import TrainConfig
-
     if key in saved.get(section, {}):
         return saved[section][key]
     return TrainConfig().to_dict()[section][key]

@@ -8,6 +8,7 @@ from tlt.tasks.arithmetic import ArithmeticTask, ArithmeticTaskConfig
 from tlt.tasks.chat import chat_prompt_ids
 from tlt.tasks.example import TaskExample
 from tlt.tasks.held_out import split_held_out
+from tlt.tasks.hf import load_hf_examples
 from tlt.tasks.loaders import DatasetError, DatasetTask, load_examples
 
 DATASET_TASKS = ("jsonl", "parquet", "hf")
@@ -46,8 +47,6 @@ def load_task_examples(config) -> list[TaskExample]:
     if not config.path:
         raise TltError(f"task.name={config.name} needs task.path")
     if config.name == "hf":
-        from tlt.tasks.hf import load_hf_examples
-
         return load_hf_examples(config.path, config.split, config.prompt_field, config.answer_field)
     return load_examples(config.path, config.prompt_field, config.answer_field)
 

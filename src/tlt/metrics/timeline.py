@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tlt.metrics.figures import draw_timeline
+
 KINDS = ("rollout", "rollout_sd", "logprobs", "spot_train", "idle", "update")
 OVERLAY_KINDS = ("tail_train",)
 
@@ -99,11 +101,8 @@ def save_timeline(run_dir: Path, timeline: dict, *, draw: bool = True) -> Path:
     path = directory / f"step_{timeline['step']:04d}.json"
     path.write_text(json.dumps(timeline))
     if draw:
-        from tlt.errors import TltError
-        from tlt.report import draw_timeline
-
         try:
             draw_timeline(timeline, path.with_suffix(".png"))
-        except (ImportError, TltError):  # matplotlib is an optional extra; the JSON is the record
+        except ImportError:  # MissingExtraError: matplotlib is an optional extra; the JSON is the record
             pass
     return path

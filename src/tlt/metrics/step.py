@@ -1,0 +1,85 @@
+"""One RL step's metrics, as the step line, metrics.jsonl and the loggers report them.
+
+Pure functions over what a step produced (its RolloutResult, rewards, the update's statistics, the engine's
+speculation policy, the workers' decode traces), so both drivers — GRPOTrainer in-process and the distributed
+controller — compute the same keys the same way. `tlt report` and `--resume` read these keys back from
+metrics.jsonl: renaming one breaks older run directories.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from tlt.rollout.request import TAIL_FRACTION
+
+
+def step_metrics(rollout, rewards, correct, update: dict, rollout_s: float, train_s: float,
+                 reward_failures: int) -> dict:
+    """What a step's metrics line and metrics.jsonl report: learning, lengths, time, the long tail, SD.
+    `rollout`: a RolloutResult; `rewards` [N] and `correct` [N]: tensors; `update`: the update's statistics."""
+    lengths = sorted(len(s.token_ids) for s in rollout.samples)
+    decode_batches = rollout.batch_size_trace()
+    return {
+        "reward_mean": float(rewards.mean()),
+        "accuracy": float(correct.float().mean()),
+        "response_len_mean": statistics.fmean(lengths),
+        "response_len_p50": _percentile(lengths, 50),
+        "response_len_p90": _percentile(lengths, 90),
+        "response_len_max": lengths[-1],
+        "truncated_fraction": sum(s.finish_reason == "length" for s in rollout.samples) / len(lengths),
+        "rollout_s": rollout_s,
+        "train_s": train_s,
+        "rollout_tok_s": rollout.generated_tokens / rollout_s if rollout_s > 0 else 0.0,
+        "decode_steps": len(decode_batches),
+        "tail_steps_fraction": (sum(b <= max(decode_batches) // 4 for b in decode_batches) / len(decode_batches)
+                                if decode_batches else 0.0),
+        "reward_failures": reward_failures,
+        **{f"sd/{k}": v for k, v in rollout.speculation_summary().items() if not isinstance(v, list)},
+        **{f"train/{k}": v for k, v in update.items()},
+    }
+
+
+def speculation_metrics(engine) -> dict:
+    """The gate the device's cost curve chose (run.gate=auto), and τ and tokens/s per arm of the engine's
+    speculation policy (cumulative over the run: the policy carries across steps)."""
+    metrics = {}
+    curve = engine.cost_curve
+    if curve is not None:
+        metrics["sd/gate"] = curve.gate()
+        metrics.update({f"sd/cost_ratio_b1/{arm}": curve.ratio(arm, curve.batches[0]) for arm in curve.step_s})
+    policy = engine.speculation
+    arms = policy.summary().get("arms", {}) if policy is not None else {}
+    return {**metrics, **{f"sd/arm/{name}/{key}": value for name, stats in arms.items()
+                          for key, value in stats.items()}}
+
+
+def tail_time_share(worker_traces: list[tuple[float, list]], fraction: float = TAIL_FRACTION) -> float:
+    """Share of the rollout's wall time (first start to last end, all workers) during which the rows still
+    decoding, summed over workers, are at most `fraction` of the peak: the long tail.
+    `worker_traces`: per worker, (wall-clock start of its rollout, its StepTraces)."""
+    events = []  # (wall time, worker, rows running from then on)
+    for worker, (start, steps) in enumerate(worker_traces):
+        events += [(start + s.start_s, worker, s.batch_size) for s in steps if s.kind == "decode"]
+        if steps:
+            last = steps[-1]
+            events.append((start + last.start_s + last.wall_s, worker, 0))
+    if not events:
+        return 0.0
+    events.sort()
+    running, peak, tail, previous = {}, 0, 0.0, events[0][0]
+    for when, worker, rows in events:
+        total = sum(running.values())
+        if running and total <= fraction * peak:
+            tail += when - previous
+        previous = when
+        running[worker] = rows
+        peak = max(peak, sum(running.values()))
+    span = events[-1][0] - events[0][0]
+    return tail / span if span > 0 else 0.0
+
+
+def _percentile(sorted_values: list[int], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return float(sorted_values[index])

@@ -1,0 +1,248 @@
+"""The phases of one GRPO step, as functions over explicit inputs: a PolicyReplica, the step, the data.
+
+  sample_prompts → rollout → score (rewards → group advantages → packed samples → the log-probs the update
+  needs) → [collect_features: an idle worker's drafter features, early] → update (PPO-clip over micro-batches)
+
+Both drivers call exactly these: GRPOTrainer (rl/trainer.py) in one process, and each RolloutWorker of the
+distributed controller (distributed/worker.py) on its shard; they only sequence them. With one optimizer update
+per step (the default) the old log-probs equal the update's own, so no separate old-log-prob forward runs: the
+ratio is exp(logp - logp.detach()) (value 1, the policy gradient), as in TRL. With several updates per step the
+old log-probs are recomputed by the actor (no grad) before the first one. Every random choice derives from
+(run seed, step), so a resumed run repeats exactly what an uninterrupted one would have done.
+
+Drafter features come from a forward the step runs anyway: the old-log-prob pass when there is one, else the
+update's own forward, or earlier a decoder-only pass of a worker idle in others' tail (`collect_features`). A
+batch scored with a FeatureBuffer carries it, with how many micro-batches are already in it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tlt.drafter.buffer import FeatureBuffer
+from tlt.rl.actor import PackedSamples, actor_hidden, token_logprobs
+from tlt.rl.config import TrainConfig
+from tlt.rl.grpo import group_advantages, policy_loss
+from tlt.rl.optim import advance_schedule, training_autocast
+from tlt.rl.replica import PolicyReplica
+from tlt.rollout.replay import length_matched, regroup
+from tlt.rollout.request import Request, RolloutResult
+from tlt.sampling import SamplingParams
+
+
+@dataclass
+class StepBatch:
+    """Everything one RL step learns from, flattened sample-major (prompt p's samples are rows p*n .. p*n+n-1)."""
+
+    step: int                    # the RL step it belongs to: its lr, and the step its drafter features are from
+    packed: PackedSamples
+    rewards: torch.Tensor        # [N]
+    correct: torch.Tensor        # [N] bool
+    reward_failures: int         # samples whose reward function raised (scored 0)
+    advantages: torch.Tensor     # [N]
+    old_logprobs: torch.Tensor | None  # [N, L - 1]; None: on-policy, the update's own log-probs (detached)
+    ref_logprobs: torch.Tensor | None
+    # Where this batch's drafter features go, and how many micro-batches (in update order) are in it already; the
+    # update's forward adds the rest. features_done None: nothing to collect (no buffer, or the old-log-prob pass
+    # did it).
+    features: FeatureBuffer | None = None
+    features_done: int | None = None
+
+
+def step_seed(config: TrainConfig, step: int) -> int:
+    return config.run.seed * 1_000_003 + step
+
+
+def sample_prompts(replica: PolicyReplica, step: int) -> list:
+    """The step's prompts, drawn from the run seed and the step (every replica would draw the same)."""
+    return replica.task.sample(replica.config.rollout.prompts_per_step, seed=step_seed(replica.config, step))
+
+
+def rollout(replica: PolicyReplica, examples: list, step: int, *, progress: bool = False, between_steps=None,
+            lengths: list[int] | None = None, collect_features=None) -> RolloutResult:
+    """`samples_per_prompt` samples of every example. `lengths` (one per sample, prompt-major): an equal-work
+    replay, every sample decodes exactly its length with stop tokens ignored (rollout/replay.py; benchmarks
+    only). `progress`, `between_steps` and `collect_features`: see `RolloutEngine.generate`."""
+    cfg = replica.config.rollout
+    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            max_new_tokens=cfg.max_new_tokens, seed=step_seed(replica.config, step))
+    requests = [Request(replica.task.prompt_ids(example), n=cfg.samples_per_prompt, params=params)
+                for example in examples]
+    replica.model.eval()
+    engine = replica.engine
+    if engine.speculation is not None:
+        engine.speculation.reset()  # the batch restarts large: the gate closes again
+    hooks = {"progress": progress, "between_steps": between_steps, "collect_features": collect_features}
+    if lengths is None:
+        return engine.generate(requests, **hooks)
+    return regroup(engine.generate(length_matched(requests, lengths), **hooks), requests)
+
+
+def score(replica: PolicyReplica, examples: list, rollout: RolloutResult, step: int,
+          features: FeatureBuffer | None = None) -> StepBatch:
+    """Rewards → group-normalized advantages → packed samples, and the log-probs the update needs besides its
+    own: the reference's (KL), and the sampling policy's with several updates per step. `features`: where the
+    drafter's features of this batch go (None: nowhere)."""
+    config, tokenizer = replica.config, replica.tokenizer
+    texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in rollout.samples]
+    scored = replica.reward.score(texts, [examples[s.request_index] for s in rollout.samples])
+    rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+    n = config.rollout.samples_per_prompt
+    advantages = group_advantages(rewards.view(-1, n), scale_rewards=config.grpo.scale_rewards).view(-1)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    packed = PackedSamples.build([list(s.prompt_ids) for s in rollout.samples],
+                                 [s.token_ids for s in rollout.samples], pad, replica.device)
+    # Several updates per step move the policy between them: the ratio then needs the log-probs of the policy
+    # that sampled. With one update they would equal the update's own, so that forward is skipped.
+    old = None
+    if config.grpo.updates_per_step > 1:
+        old = no_grad_logprobs(replica, replica.model, packed, step, features)
+    ref = no_grad_logprobs(replica, replica.reference, packed, step) if replica.reference is not None else None
+    pending = 0 if features is not None and old is None else None
+    return StepBatch(step, packed, rewards, torch.tensor(scored.correct), scored.failures,
+                     advantages.to(replica.device), old, ref, features=features, features_done=pending)
+
+
+def no_grad_logprobs(replica: PolicyReplica, model, packed: PackedSamples, step: int,
+                     features: FeatureBuffer | None = None) -> torch.Tensor:
+    """Log-probs of `model` (the policy or the reference) at every response position, without a graph; the
+    policy's pass also feeds `features` when given."""
+    out = torch.zeros(packed.input_ids.shape[0], packed.input_ids.shape[1] - 1, device=replica.device)
+    collect = features is not None and model is replica.model
+    with torch.no_grad(), training_autocast(replica.autocast_dtype, replica.device):
+        for chunk in micro_batches(replica.config, packed):
+            micro = packed.select(chunk)
+            actor = token_logprobs(model, micro, replica.config.rollout.temperature, want_hidden=collect)
+            out[chunk, :actor.logprobs.shape[1]] = actor.logprobs
+            if collect:
+                _add_features(features, micro, actor.hidden, step)
+    return out
+
+
+def collect_features(replica: PolicyReplica, batch: StepBatch, should_stop=lambda: False) -> int:
+    """Feed the batch's feature buffer now, micro-batch by micro-batch, with a forward of the decoder alone,
+    until `should_stop()`; the update's forward collects the rest. A worker idle in other workers' tail calls
+    it, so that spot training has this step's features at once. Returns the micro-batches collected."""
+    if batch.features_done is None:
+        return 0
+    chunks = micro_batches(replica.config, batch.packed)
+    replica.model.eval()
+    with torch.no_grad(), training_autocast(replica.autocast_dtype, replica.device):  # as the other feature passes
+        while batch.features_done < len(chunks) and not should_stop():
+            micro = batch.packed.select(chunks[batch.features_done])
+            _add_features(batch.features, micro, actor_hidden(replica.model, micro), batch.step)
+            batch.features_done += 1
+    return batch.features_done
+
+
+def micro_batches(config: TrainConfig, packed: PackedSamples) -> list[list[int]]:
+    """Row indices, `optim.micro_batch_size` at a time, longest rows first: rows of similar lengths share a
+    micro-batch, so less of each forward is padding. The loss is normalized by whole-step totals, so the
+    grouping does not change it (or the gradient) beyond float rounding."""
+    lengths = [p + r for p, r in zip(packed.prompt_lengths, packed.response_lengths)]
+    rows = sorted(range(len(lengths)), key=lambda row: -lengths[row])  # stable: ties keep their order
+    size = max(1, config.optim.micro_batch_size)
+    return [rows[start:start + size] for start in range(0, len(rows), size)]
+
+
+def loss_totals(config: TrainConfig, batch: StepBatch) -> dict:
+    """The loss normalizers of this batch; data-parallel workers sum theirs so every shard's loss is
+    normalized by the global batch (then summed gradients equal the single-worker gradient)."""
+    return {"tokens": float(batch.packed.response_mask.sum()), "sequences": float(batch.rewards.shape[0]),
+            "max_tokens": float(config.rollout.max_new_tokens)}
+
+
+def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None, reduce_gradients=None) -> dict:
+    """PPO-clip over micro-batches; each micro-batch's loss is weighted so the accumulated gradient equals
+    the full-batch loss's gradient (micro 1 x accumulation 8 == micro 8 x accumulation 1).
+    `totals`: the global batch's loss normalizers (default: this batch's). `reduce_gradients(parameters)`
+    (data parallel) sums the gradients across replicas before clipping."""
+    cfg, grpo, model = replica.config.optim, replica.config.grpo, replica.model
+    if batch.old_logprobs is None and grpo.updates_per_step > 1:
+        raise ValueError("a batch scored without old log-probs allows one update per step only")
+    totals = totals or loss_totals(replica.config, batch)
+    model.train()
+    stats: dict[str, list[float]] = {}
+    grad_norms = []
+    advance_schedule(replica.scheduler, batch.step)  # this step's lr (all its passes share it)
+    for _ in range(grpo.updates_per_step):
+        replica.optimizer.zero_grad(set_to_none=True)
+        for index, chunk in enumerate(micro_batches(replica.config, batch.packed)):
+            for key, value in _micro_batch_backward(replica, batch, index, chunk, totals).items():
+                stats.setdefault(key, []).append(float(value))
+        if reduce_gradients is not None:
+            reduce_gradients([p for p in model.parameters() if p.requires_grad])
+        if cfg.grad_clip > 0:
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+        replica.optimizer.step()
+        if batch.features_done is not None:  # every micro-batch's features are in now
+            batch.features_done = None
+    replica.optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    summary = {key: statistics.fmean(values) for key, values in stats.items()}
+    summary["loss"] = sum(stats.get("loss", [0.0]))
+    if grad_norms:
+        summary["grad_norm"] = statistics.fmean(grad_norms)
+    return summary
+
+
+def _micro_batch_backward(replica: PolicyReplica, batch: StepBatch, index: int, chunk: list[int],
+                          totals: dict) -> dict:
+    """One micro-batch's forward (feeding the drafter's features it still owes) and backward; its loss parts."""
+    grpo = replica.config.grpo
+    micro = batch.packed.select(chunk)
+    width = micro.response_mask.shape[1]
+    collect = batch.features_done is not None and index >= batch.features_done
+    with training_autocast(replica.autocast_dtype, replica.device):
+        actor = token_logprobs(replica.model, micro, replica.config.rollout.temperature, want_hidden=collect)
+    if collect:  # the skipped old-log-prob pass would have fed the buffer: this forward does
+        _add_features(batch.features, micro, actor.hidden, batch.step)
+    logprobs = actor.logprobs
+    old = batch.old_logprobs[chunk, :width] if batch.old_logprobs is not None else logprobs.detach()
+    ref = batch.ref_logprobs[chunk, :width] if batch.ref_logprobs is not None else None
+    loss, parts = policy_loss(grpo.loss, logprobs, old, batch.advantages[chunk], micro.response_mask, totals,
+                              clip_low=grpo.clip_low, clip_high=grpo.clip_high, ref_logprobs=ref,
+                              kl_coef=grpo.kl_coef)
+    loss.backward()
+    return parts
+
+
+def _add_features(features: FeatureBuffer, micro: PackedSamples, hidden: torch.Tensor, step: int) -> None:
+    starts, ends = micro.feature_spans()
+    features.add_samples(micro.input_ids, hidden.detach(), starts, ends, step)
+
+
+# -- held-out evaluation ------------------------------------------------------------------------------------------
+
+def evaluation_due(config: TrainConfig, step: int) -> bool:
+    """After step `step`: every task.eval_every steps and after the last one (with a held-out set)."""
+    return step % config.task.eval_every == 0 or step == config.run.steps
+
+
+def held_out_due(replica: PolicyReplica, step: int) -> bool:
+    """Whether this replica evaluates after step `step`: its task has a held-out set and one is due."""
+    return bool(getattr(replica.task, "eval_examples", None)) and evaluation_due(replica.config, step)
+
+
+def evaluate(replica: PolicyReplica) -> dict:
+    """Greedy accuracy and mean reward on the held-out examples (decoded like a rollout, without noise)."""
+    started = time.perf_counter()
+    examples = replica.task.eval_examples
+    params = SamplingParams(temperature=0, max_new_tokens=replica.config.rollout.max_new_tokens)
+    replica.model.eval()
+    engine = replica.engine
+    # Plain decoding: greedy SD emits the same tokens, but its observations would feed the bandit (whose
+    # τ estimates are for the rollout temperature) and its numerics would depend on the drafter version.
+    speculation, engine.speculation = engine.speculation, None
+    try:
+        result = engine.generate([Request(replica.task.prompt_ids(e), params=params) for e in examples])
+    finally:
+        engine.speculation = speculation
+    texts = [replica.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in result.samples]
+    scored = replica.reward.score(texts, [examples[s.request_index] for s in result.samples])
+    return {"eval_accuracy": sum(scored.correct) / len(examples),
+            "eval_reward_mean": sum(scored.rewards) / len(examples), "eval_s": time.perf_counter() - started}

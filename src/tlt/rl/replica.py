@@ -1,0 +1,133 @@
+"""PolicyReplica: one copy of the policy and everything a step's phases use with it.
+
+The model, its rollout engine (which reads the model's own parameter tensors, so an update is seen by the next
+rollout without a copy), the optimizer and lr schedule, the frozen KL reference, the task and the reward. The
+in-process driver (GRPOTrainer) holds one; every distributed worker holds its own. The phases (rl/phases.py)
+take it as their explicit input; no phase keeps state on it beyond what training changes (weights, optimizer,
+schedule, the speculation policy's experience).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tlt.models.eagle import EagleDrafter
+from tlt.models.loading import LoadedModel, load_model
+from tlt.rl.config import TrainConfig, check_speculation
+from tlt.rl.optim import autocast_dtype, build_optimizer, build_scheduler, enable_grad_checkpointing
+from tlt.rl.rewards import build_reward
+from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate, FixedSpeculation
+from tlt.speculative.strategy import SpecStrategy
+from tlt.tasks import build_task
+
+
+@dataclass(eq=False)
+class PolicyReplica:
+    config: TrainConfig
+    loaded: LoadedModel
+    device: torch.device
+    engine: RolloutEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # one step per RL step; checkpointed
+    autocast_dtype: torch.dtype | None  # of the training and log-prob forwards (None: full precision)
+    reference: torch.nn.Module | None   # the initial policy, frozen (only with grpo.kl_coef > 0)
+    task: object
+    reward: object
+
+    @classmethod
+    def build(cls, config: TrainConfig, *, loaded: LoadedModel | None = None, task=None, reward=None):
+        """Load (or take) the model and build the rest from the config. Seeded first: an untrained drafter's
+        initialization draws from torch's generator, so equal seeds give equal replicas."""
+        torch.manual_seed(config.run.seed)
+        loaded = loaded or load_model(config.model.path, device=config.model.device)
+        model = loaded.model
+        device = next(model.parameters()).device
+        engine = build_engine(loaded, config)
+        optimizer = build_optimizer(model, config.optim)
+        scheduler = build_scheduler(optimizer, config)
+        if config.optim.grad_checkpointing:
+            enable_grad_checkpointing(model)
+        reference = _frozen_copy(model) if config.grpo.kl_coef > 0 else None
+        return cls(config, loaded, device, engine, optimizer, scheduler,
+                   autocast_dtype(config.optim.autocast, device), reference,
+                   task if task is not None else build_task(config.task, loaded.tokenizer),
+                   reward if reward is not None else build_reward(config.task))
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.loaded.model
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the last update used (the schedule's value for its step)."""
+        return self.optimizer.param_groups[0]["lr"]
+
+
+def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
+    """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair."""
+    run, batch = config.run, config.rollout.max_batch_size
+    check_speculation(run)  # load_config checked it already; a config built in code may not have been
+    # cuda_graphs=None: the engine captures graphs when its model is on CUDA (false: never)
+    precision = {"dtype": config.rollout.dtype, "cuda_graphs": None if config.rollout.cuda_graphs else False}
+    if run.speculative == "off":
+        return RolloutEngine(loaded, max_batch_size=batch, **precision)
+    if run.drafter:
+        drafter = EagleDrafter.load(run.drafter, loaded.model)
+    else:  # untrained: spot training teaches it
+        drafter = EagleDrafter(loaded.model.config).attach(loaded.model)
+    strategy = SpecStrategy.parse(run.strategy)
+    if run.speculative == "static":
+        arms = [strategy]
+    else:
+        # Both acceptance rules compete: q-sampling wins where the drafter's q is close to p (1 - TV(p, q) per
+        # token), target-only where its trees are cheaper to verify (N = 8 or 16 instead of K + (S - 1) K^2).
+        arms = list(dict.fromkeys([SpecStrategy.chain(3), strategy, SpecStrategy(5, 3, 16),
+                                   SpecStrategy.chain(4, "q"), SpecStrategy(3, 2, rule="q")]))
+    engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter,
+                           max_tree_size=max(a.tree_size for a in arms), **precision)
+    gate, arms = _gate_and_arms(engine, run, arms)
+    if gate == 0:
+        return engine  # speculation cannot pay on this device: plain decoding (the drafter is kept for metrics)
+    if run.speculative == "static":
+        engine.speculation = FixedSpeculation(strategy, gate)
+    else:
+        engine.speculation = AdaptiveSpeculation(arms, BatchSizeGate(threshold=gate))
+    return engine
+
+
+def _gate_and_arms(engine: RolloutEngine, run, arms: list) -> tuple[int, list]:
+    """The configured gate, or with `run.gate=auto` the one the device's measured cost curve gives (cached per
+    device, model and arms; see rollout/cost_curve.py), with the arms that can pay there."""
+    if run.gate != "auto":
+        return int(run.gate), arms
+    curve = curve_for(engine, arms)
+    engine.cost_curve = curve
+    kept = [a for a in arms if a.name in curve.arms()]
+    gate = curve.gate() if kept else 0
+    log = logging.getLogger(__name__)
+    if gate == 0:
+        log.warning("run.gate=auto: on %s no speculation arm is expected to pay (a step of the cheapest costs "
+                    "%.2fx a plain step at batch 1, expected tau %.1f): decoding without speculation; set run.gate "
+                    "to a batch size to speculate anyway", curve.device,
+                    min(curve.ratio(a.name, curve.batches[0]) for a in arms), EXPECTED_TAU)
+    else:
+        log.info("run.gate=auto: speculate at batch <= %d on %s with %s", gate, curve.device,
+                 ", ".join(a.name for a in kept))
+    return gate, kept
+
+
+def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    reference = copy.deepcopy(model).eval()
+    for param in reference.parameters():
+        param.requires_grad_(False)
+    return reference

@@ -1,0 +1,73 @@
+"""A run's checkpoint: the one writer both drivers call, and the readers `--resume` uses.
+
+One directory per checkpoint (rl/checkpoint.py writes it atomically): the policy, its optimizer (unless
+run.save_optimizer=false), the lr schedule, RNG states and the step; in state.json also the run's config and the
+speculation policy's state (the bandit's experience carries across steps); with a drafter, its latest version
+(drafter.safetensors) and its trainer's optimizer state (drafter_optimizer.safetensors), so spot training goes on
+where it stopped. The layout is the one runs have always written: older checkpoints resume.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
+from tlt.rl.checkpoint import load_checkpoint, save_checkpoint
+from tlt.rl.replica import PolicyReplica
+
+DRAFTER_FILE = "drafter.safetensors"
+DRAFTER_OPTIMIZER_FILE = "drafter_optimizer.safetensors"
+
+
+@dataclass
+class DrafterSnapshot:
+    """The drafter a run serves: its version number, its own layers' weights, and its trainer's state
+    ({"optimizer": state dict, "steps": optimizer steps}; None before any training)."""
+
+    version: int
+    weights: dict[str, torch.Tensor]
+    trainer_state: dict | None = None
+
+
+def save_run_checkpoint(run_dir: Path, replica: PolicyReplica, step: int, *, drafter: DrafterSnapshot | None = None,
+                        extra: dict | None = None) -> Path:
+    """Write RUN_DIR/step-NNNNNN after `step` completed steps. `extra`: more state.json entries (the driver's)."""
+    state, files = dict(extra or {}), {}
+    if drafter is not None:
+        files[DRAFTER_FILE] = drafter.weights
+        state["drafter"] = {"version": drafter.version, "trainer": None}
+        if drafter.trainer_state is not None:
+            tensors, meta = flatten_optimizer(drafter.trainer_state["optimizer"])
+            files[DRAFTER_OPTIMIZER_FILE] = tensors
+            state["drafter"]["trainer"] = {"steps": drafter.trainer_state["steps"], "optimizer": meta}
+    state["config"] = replica.config.to_dict()
+    if replica.engine.speculation is not None:
+        state["speculation"] = replica.engine.speculation.state_dict()
+    optimizer = replica.optimizer if replica.config.run.save_optimizer else None
+    return save_checkpoint(run_dir, step, replica.model, optimizer, state, files=files, scheduler=replica.scheduler)
+
+
+def resume_replica(replica: PolicyReplica, checkpoint: Path) -> int:
+    """Restore the policy, optimizer, lr schedule, RNG and speculation policy in place; returns the step."""
+    state = load_checkpoint(checkpoint, replica.model, replica.optimizer, replica.scheduler)
+    if "speculation" in state and replica.engine.speculation is not None:
+        replica.engine.speculation.load_state_dict(state["speculation"])
+    return state["step"]
+
+
+def read_drafter(checkpoint: Path) -> DrafterSnapshot | None:
+    """The checkpoint's drafter, or None when its run had none."""
+    path = Path(checkpoint)
+    meta = json.loads((path / "state.json").read_text()).get("drafter")
+    if meta is None or not (path / DRAFTER_FILE).exists():
+        return None
+    trainer = None
+    if meta["trainer"] is not None:
+        optimizer = unflatten_optimizer(load_file(str(path / DRAFTER_OPTIMIZER_FILE)), meta["trainer"]["optimizer"])
+        trainer = {"optimizer": optimizer, "steps": meta["trainer"]["steps"]}
+    return DrafterSnapshot(meta["version"], load_file(str(path / DRAFTER_FILE)), trainer)
