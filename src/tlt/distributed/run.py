@@ -21,7 +21,8 @@ METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  l
                 "{response_len_p50:.0f}/{response_len_p90:.0f}/{response_len_max}  rollout {rollout_s:.1f}s  "
                 "train {train_s:.1f}s  {rollout_tok_s:.0f} tok/s")
 EVAL_LINE = "      held-out acc {eval_accuracy:.3f}  reward {eval_reward_mean:.3f}  (greedy, {eval_s:.1f}s)"
-WORKERS_LINE = "      idle {idle_fraction:.0%}  spot-train {spot_train_share:.0%} ({spot_train_steps} steps)  drafter v{v}"
+WORKERS_LINE = ("      idle {idle_fraction:.0%}  spot-train {spot_train_share:.0%}  tail-train {tail_train_share:.0%} "
+                "({spot_train_steps} steps)  drafter v{v}")
 
 
 def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False, console: Console | None = None,

@@ -85,7 +85,8 @@ class RolloutWorker:
         self.drafter = self.engine.drafter  # in the policy's dtype; the engine serves a copy in its rollout dtype
         self._spot = None  # (training drafter, DrafterTrainer, local buffer, next feature sequence) once used
         self.tail = None   # a TailTrainer when this lone worker trains the drafter beside its own tail
-        if self.drafter is not None and tail_training_active(config.run, world_size, self.engine.device.type):
+        speculates = self.drafter is not None and self.engine.speculation is not None  # (a gate of 0: never)
+        if speculates and tail_training_active(config.run, world_size, self.engine.device.type):
             self.tail = self._tail_trainer()
         # The features the step's forwards yield, handed to the hub as they come. None when nothing trains on
         # them (no drafter) or when tail training takes the rollout's own instead.
