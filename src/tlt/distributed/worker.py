@@ -320,9 +320,9 @@ def _cpu_state(module) -> dict:
 
 
 def _report(tail: TailReport) -> dict:
-    """What the controller's metrics need of a tail-training report (None fields: it did not run)."""
+    """A tail-training report in the shape of a spot-training result (the controller counts both alike; the
+    timeline overlay gives its time)."""
     return {"trained_steps": tail.trained_steps, "published": tail.published, "error": tail.error,
-            "seconds": (tail.ended_s - tail.started_s) if tail.started_s is not None else 0.0,
             "loss": tail.loss, "top1": tail.top1}
 
 
