@@ -13,7 +13,8 @@ class RequestError(TltError):
     """A rollout request or sampling setting that cannot be served."""
 
 
-def first_line(error: Exception) -> str:
-    """The first line of an exception's message (or its type's name): what a one-line error quotes."""
+def first_line(error: Exception, limit: int = 300) -> str:
+    """The first line of an exception's message (or its type's name), at most `limit` characters: what a
+    one-line error quotes."""
     lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+    return lines[0][:limit] if lines else type(error).__name__

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tlt.errors import TltError
+from tlt.rollout.request import TAIL_FRACTION
 
 DEMO_PROMPTS = [
     "What is 7 times 8? Answer with the number only.",
@@ -61,7 +62,7 @@ def _print_trace(console, result) -> None:
     console.print(f"[bold]{result.generated_tokens}[/] tokens in {result.wall_s:.1f}s "
                   f"= [bold]{result.tokens_per_s:.1f} tok/s[/] over {len(decode)} decode steps")
     if batches:
-        tail = sum(1 for b in batches if b <= max(1, max(batches) // 4))
+        tail = sum(1 for b in batches if b <= max(1, int(TAIL_FRACTION * max(batches))))
         console.print(f"running batch: {batches[0]} at the start → {batches[-1]} at the end; "
                       f"{tail} of {len(batches)} steps ({100 * tail / len(batches):.0f}%) ran at ≤ 1/4 of the peak "
                       f"batch — the long tail that speculative decoding targets")

@@ -20,7 +20,7 @@ import torch
 
 from tlt.distributed.backends import WorkerError, make_backend
 from tlt.distributed.placement import resolve_and_log
-from tlt.errors import TltError
+from tlt.errors import TltError, first_line
 from tlt.metrics.step import step_metrics, tail_time_share
 from tlt.metrics.timeline import merge_step, time_shares
 from tlt.rl.checkpoint import latest_checkpoint
@@ -29,10 +29,14 @@ from tlt.rollout.request import RolloutResult
 
 
 class DistributedGRPO:
-    def __init__(self, config, *, backend=None, **backend_kwargs):
-        loaded = backend_kwargs.get("loaded")
-        config, self.placement = resolve_and_log(
-            config, device=next(loaded.model.parameters()).device.type if loaded is not None else None)
+    def __init__(self, config, *, placement=None, backend=None, **backend_kwargs):
+        """placement: the config's Placement when the caller resolved it already (then `config` is the resolved
+        one, as `tlt train` does to print its notes first); otherwise it is resolved here."""
+        if placement is None:
+            loaded = backend_kwargs.get("loaded")
+            config, placement = resolve_and_log(
+                config, device=next(loaded.model.parameters()).device.type if loaded is not None else None)
+        self.placement = placement
         if config.rollout.prompts_per_step < config.run.workers:
             raise TltError(f"rollout.prompts_per_step={config.rollout.prompts_per_step} is fewer than "
                            f"run.workers={config.run.workers}: every worker needs at least one prompt")
@@ -134,7 +138,7 @@ class DistributedGRPO:
         except Exception as error:  # noqa: BLE001 - any worker failure ends the step with one clear message
             raise WorkerError(
                 f"worker {rank} failed during {phase} of RL step {self.step + 1} "
-                f"({type(error).__name__}: {_first_line(error)}); nothing of this step was saved{self._next_move()}"
+                f"({type(error).__name__}: {first_line(error)}); nothing of this step was saved{self._next_move()}"
             ) from error
 
     def _next_move(self) -> str:
@@ -222,8 +226,3 @@ def _sum_totals(parts: list[dict]) -> dict:
 
 def _tail_rank(rollouts: dict) -> int:
     return max(rollouts, key=lambda r: rollouts[r]["end"])
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else ""

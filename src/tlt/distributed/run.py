@@ -41,7 +41,7 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     run_dir = Path(config.run.out_dir)
     checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite)
     with console.status(f"loading the policy ({placement.describe() if owned else 'given trainer'})"):
-        trainer = trainer or DistributedGRPO(placed)  # config.json keeps the config as given (e.g. workers=auto)
+        trainer = trainer or DistributedGRPO(placed, placement=placement)  # config.json keeps the config as given (e.g. workers=auto)
         trainer.progress = console.is_terminal
     try:
         history = _loop(config, trainer, run_dir, checkpoint, console)

@@ -62,7 +62,7 @@ class TailTrainer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._report = TailReport()
-        self._step = 0
+        self._stream = None  # the side CUDA stream, made on first use
 
     # -- the decode loop's side (main thread) -------------------------------------------------------------
 
@@ -141,7 +141,9 @@ class TailTrainer:
             yield
             return
         torch.cuda.set_device(self.device)
-        stream = torch.cuda.Stream(self.device)
+        if self._stream is None:  # one stream for the run's every tail
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
         with torch.cuda.stream(stream):
             try:
                 yield

@@ -31,8 +31,8 @@ def step_metrics(rollout, rewards, correct, update: dict, rollout_s: float, trai
         "train_s": train_s,
         "rollout_tok_s": rollout.generated_tokens / rollout_s if rollout_s > 0 else 0.0,
         "decode_steps": len(decode_batches),
-        "tail_steps_fraction": (sum(b <= max(decode_batches) // 4 for b in decode_batches) / len(decode_batches)
-                                if decode_batches else 0.0),
+        "tail_steps_fraction": (sum(b <= int(TAIL_FRACTION * max(decode_batches)) for b in decode_batches)
+                                / len(decode_batches) if decode_batches else 0.0),
         "reward_failures": reward_failures,
         **{f"sd/{k}": v for k, v in rollout.speculation_summary().items() if not isinstance(v, list)},
         **{f"train/{k}": v for k, v in update.items()},

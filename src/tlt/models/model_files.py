@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tlt.errors import ModelLoadError
+from tlt.errors import ModelLoadError, first_line
 from tlt.models.spec import check_supported
 
 
@@ -72,7 +72,7 @@ def read_hf_config(path: Path):
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, OSError) as error:  # bad JSON, unknown model_type, unreadable file
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {_first_line(error)}") from None
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {first_line(error)}") from None
     check_supported(config)
     return config
 
@@ -88,7 +88,7 @@ def load_hf_dir(path: Path):
         model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True,
                                                      use_safetensors=True, dtype=torch.float32)
     except Exception as error:
-        raise ModelLoadError(f"cannot load the weights in {path}: {_first_line(error)}") from None
+        raise ModelLoadError(f"cannot load the weights in {path}: {first_line(error)}") from None
     return model, tokenizer
 
 
@@ -100,12 +100,7 @@ def _load_tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as error:
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_first_line(error)}") from None
-
-
-def _first_line(error: Exception) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {first_line(error)}") from None
 
 
 def read_gguf_config(path: Path):
@@ -114,7 +109,7 @@ def read_gguf_config(path: Path):
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     except Exception as error:
-        raise ModelLoadError(f"cannot read GGUF {path}: {_first_line(error)}") from None
+        raise ModelLoadError(f"cannot read GGUF {path}: {first_line(error)}") from None
     check_supported(config)
     return config
 
@@ -130,7 +125,7 @@ def load_gguf(path: Path):
         model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
     except Exception as error:
-        raise ModelLoadError(f"cannot read GGUF {path}: {_first_line(error)}") from None
+        raise ModelLoadError(f"cannot read GGUF {path}: {first_line(error)}") from None
     return model, tokenizer
 
 
@@ -153,8 +148,6 @@ def save_model_dir(model, tokenizer, out: Path) -> None:
     save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-
-
 
 
 def _has_tokenizer(path: Path) -> bool:
