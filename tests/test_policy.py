@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from conftest import tiny_model
+from conftest import random_prompts, tiny_model
 
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.policy import (
@@ -154,3 +154,78 @@ def test_engine_takes_a_strategy_or_a_policy_and_refuses_anything_else():
     assert engine.speculation is adaptive
     with pytest.raises(PolicyError, match="FixedSpeculation"):
         RolloutEngine(model, speculation=lambda batch_size: None)
+
+
+# -- steps whose wall time includes one-off work (a graph capture, a drafter rebuilt) -------------------------
+
+
+def test_untimed_steps_count_tokens_but_not_step_time():
+    """A step that captured a graph (50-300 ms on CUDA vs a few ms per replay) must not be the arm's step time:
+    its tokens still count toward τ and the totals, but it is neither timed nor a trial."""
+    bandit = StrategyBandit([OFF, "chain4"], BanditConfig(min_trials=1, seed=0))
+    bandit.observe(2, "chain4", emitted_tokens=6, wall_s=0.3, timed=False)  # captured: 100x a replay
+    bucket = bandit.bucket(2)
+    assert not bandit._step_time[bucket, "chain4"] and bandit._trials[bucket, "chain4"] == 0
+    assert bandit.estimate(2, "chain4") == 0.0
+    assert bandit.stats["chain4"].emitted == 6 and bandit.stats["chain4"].tau == 3.0
+    bandit.observe(2, "chain4", emitted_tokens=6, wall_s=0.003)
+    assert list(bandit._step_time[bucket, "chain4"]) == [0.003] and bandit._trials[bucket, "chain4"] == 1
+    assert bandit.stats["chain4"].emitted == 12 and bandit.estimate(2, "chain4") == pytest.approx(2 * 3.0 / 0.003)
+
+
+class RecordingPolicy(FixedSpeculation):
+    """SD on every step but a few plain ones; records per step whether the graph runner built a graph during
+    it and whether the engine timed it, and feeds a bandit what the engine reports."""
+
+    def __init__(self, engine, strategy, plain_steps):
+        super().__init__(strategy)
+        self.engine, self.plain_steps, self.steps, self._built = engine, plain_steps, [], None
+        self.bandit = StrategyBandit([OFF, strategy], BanditConfig(min_trials=1, seed=0))
+
+    def choose(self, batch_size):
+        self._built = self.engine.runner.new_graphs
+        return OFF if len(self.steps) in self.plain_steps else self.strategy
+
+    def observe(self, batch_size, arm, emitted_tokens, wall_s, verify_steps, *, timed=True):
+        built = self.engine.runner.new_graphs > self._built
+        self.steps.append({"arm": arm, "built": built, "timed": timed, "tokens": emitted_tokens})
+        self.bandit.observe(batch_size, arm, emitted_tokens, wall_s, verify_steps, timed=timed)
+
+
+def test_engine_does_not_time_steps_that_build_a_graph_or_rebuild_the_drafter():
+    """Through a non-capturing graph runner (the bodies a CUDA graph captures, run eagerly on the CPU): every step
+    that built a new graph, the first SD step of the rollout (the drafter is fed every row's whole context) and
+    the first SD step after a hot swap are observed untimed; the others are timed; every step's tokens count."""
+    from tlt.models.eagle import EagleDrafter
+    from tlt.rollout.graph_runner import GraphRunner
+    from tlt.rollout.request import Request
+    from tlt.sampling import SamplingParams
+
+    model = tiny_model("llama")
+    engine = RolloutEngine(model, max_batch_size=4, max_tree_size=16)
+    engine.runner = GraphRunner(engine.forward, capture=False)
+    engine.set_drafter(EagleDrafter(model.config))
+    # plain steps: before SD starts (its first SD step rebuilds every row) and one in between (the next SD
+    # step catches up a few pairs only: timed)
+    policy = engine.speculation = RecordingPolicy(engine, SpecStrategy.chain(3), plain_steps=(0, 1, 7))
+    swap_at, decode_steps = 14, []
+
+    def between_steps(e):
+        decode_steps.append(None)
+        if len(decode_steps) == swap_at:
+            e.set_drafter(EagleDrafter(model.config), version=2)
+
+    requests = [Request(p, n=1, params=SamplingParams(temperature=0, max_new_tokens=40))
+                for p in random_prompts([5, 9, 3])]
+    result = engine.generate(requests, between_steps=between_steps)
+    steps = policy.steps
+    assert len(steps) == len(decode_steps) > swap_at
+    first_sd, first_sd_after_swap = 2, swap_at - 1  # between_steps runs before step swap_at - 1 (0-based)
+    for index, step in enumerate(steps):
+        expected = not (step["built"] or index in (first_sd, first_sd_after_swap))
+        assert step["timed"] == expected, (index, step)
+    assert any(s["built"] for s in steps) and sum(s["timed"] for s in steps) > len(steps) // 2
+    bandit = policy.bandit
+    assert sum(len(v) for v in bandit._step_time.values()) == sum(s["timed"] for s in steps)
+    assert sum(a.emitted for a in bandit.stats.values()) == sum(s["tokens"] for s in steps)
+    assert sum(s["tokens"] for s in steps) + len(requests) == result.generated_tokens  # + each prefill's token

@@ -195,6 +195,7 @@ class RolloutEngine:
     def _decode(self, running: list[Sequence], steps: list[StepTrace]) -> None:
         """One decode step of every running row, speculative when the policy picks an arm."""
         started = time.perf_counter()
+        warmups = self.model_runner.warmups
         arm = self._choose(len(running))
         strategy = None if arm in (None, "off") else arm
         if strategy is not None and self.spec_decoder is not None:
@@ -208,8 +209,11 @@ class RolloutEngine:
         trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started, start_s=started - self._generate_start)
         steps.append(trace)
         if self.speculation is not None:
+            # A step that captured a graph or rebuilt a drafter state timed one-off work, not its arm: its tokens
+            # count, its wall time does not.
             self.speculation.observe(trace.batch_size, arm if arm is not None else "off", trace.new_tokens,
-                                     trace.wall_s, verify_steps=trace.batch_size)
+                                     trace.wall_s, verify_steps=trace.batch_size,
+                                     timed=self.model_runner.warmups == warmups)
 
     def _choose(self, batch_size: int):
         if self.speculation is None or self.spec_decoder is None:

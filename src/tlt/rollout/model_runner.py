@@ -38,6 +38,15 @@ class ModelRunner:
         self.max_tree_size = max_tree_size
         self.cache: KVCache | None = None
         self.spec_decoder: SpeculativeDecoder | None = None
+        self._rebuilds = 0  # speculative steps that rebuilt some row's drafter state from nothing
+
+    @property
+    def warmups(self) -> int:
+        """One-off work the steps have done so far: graphs built (captured) and drafter states rebuilt from
+        nothing (a hot-swapped drafter, rows admitted since the last SD step, the first SD step of a rollout).
+        A step during which it grows took longer than the arm it ran costs per step: the engine does not time it
+        for the speculation policy."""
+        return self._rebuilds + (self.graphs.new_graphs if self.graphs is not None else 0)
 
     @property
     def device(self) -> torch.device:
@@ -137,6 +146,9 @@ class ModelRunner:
         none past its stop token or budget. Its trace has no wall time yet (the caller measures the step)."""
         self._check(strategy)
         rows = self.cache.rows(0, len(running))
+        seen = self.spec_decoder.draft_rows(rows).lengths  # host: what each row's drafter has been fed
+        if bool(((seen == 0) & (rows.lengths > 0)).any()):
+            self._rebuilds += 1  # this step feeds that row's drafter its whole context first
         pending = torch.tensor([s.tokens[-1] for s in running])
         settings = RowSampling.from_params([s.request.params for s in running], "cpu")
         uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row)

@@ -36,8 +36,11 @@ class SpeculationPolicy(Protocol):
     def choose(self, batch_size: int) -> SpecStrategy | str | None:
         """The strategy for this step's batch, or None / OFF for a plain step."""
 
-    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps: int) -> None:
-        """What the step did: tokens emitted over all rows, its wall time, rows x steps verified."""
+    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps: int, *,
+                timed: bool = True) -> None:
+        """What the step did: tokens emitted over all rows, its wall time, rows x steps verified. timed=False:
+        the wall time includes one-off work (a CUDA graph captured, a drafter state rebuilt from nothing) and
+        says nothing about what the arm costs per step; its tokens still count."""
 
     def reset(self) -> None:
         """A new rollout begins (its batch restarts large)."""
@@ -60,7 +63,8 @@ class FixedSpeculation:
     def choose(self, batch_size: int) -> SpecStrategy | None:
         return self.strategy if self.gate is None or batch_size <= self.gate else None
 
-    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps: int) -> None:
+    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps: int, *,
+                timed: bool = True) -> None:
         pass
 
     def reset(self) -> None:
@@ -187,12 +191,16 @@ class StrategyBandit:
         return arm
 
     def observe(self, batch_size: int, arm: Hashable, emitted_tokens: int, wall_s: float,
-                verify_steps: int | None = None) -> None:
-        """Record one decode step: `emitted_tokens` over all rows; `verify_steps` = rows x steps (= batch size)."""
+                verify_steps: int | None = None, *, timed: bool = True) -> None:
+        """Record one decode step: `emitted_tokens` over all rows; `verify_steps` = rows x steps (= batch size).
+        timed=False (the step also captured a graph or rebuilt a drafter state): its tokens count toward τ and
+        the totals, but its wall time stays out of the step-time window and it is not a trial of the arm (a
+        first try that captures would otherwise make the arm look 10-100x slower than it is)."""
         rows = verify_steps if verify_steps is not None else batch_size
         bucket = self.bucket(batch_size)
-        self._trials[bucket, arm] += 1
-        self._step_time[bucket, arm].append(wall_s)
+        if timed:
+            self._trials[bucket, arm] += 1
+            self._step_time[bucket, arm].append(wall_s)
         if arm != OFF and rows > 0:
             self._tau[arm].append(emitted_tokens / rows)
         totals = self.stats[arm]
@@ -275,10 +283,10 @@ class AdaptiveSpeculation:
             return OFF
         return self.bandit.choose(batch_size)
 
-    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps: int | None = None
-                ) -> None:
+    def observe(self, batch_size: int, arm, emitted_tokens: int, wall_s: float, verify_steps: int | None = None,
+                *, timed: bool = True) -> None:
         if batch_size <= self.gate.threshold:  # steps the gate kept plain say nothing about small-batch arms
-            self.bandit.observe(batch_size, arm, emitted_tokens, wall_s, verify_steps)
+            self.bandit.observe(batch_size, arm, emitted_tokens, wall_s, verify_steps, timed=timed)
 
     def reset(self) -> None:
         """Call between rollouts: the batch restarts large."""
