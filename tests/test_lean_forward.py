@@ -113,3 +113,33 @@ def test_logits_at_index_picks_positions():
     full = forward(torch.tensor(prompts), rows, logits_at="all").logits
     picked = forward(torch.tensor(prompts), rows, logits_at=torch.tensor([2, 5])).logits
     assert torch.allclose(picked[0, 0], full[0, 2]) and torch.allclose(picked[1, 0], full[1, 5])
+
+
+def test_attention_spans_rounded_to_16_within_the_capacity_change_nothing_but_the_last_bits():
+    """On CUDA the span is rounded up to a multiple of 16 (SDPA's efficient kernel pads a copy of an unaligned
+    mask every call), never past the cache; the extra slots are masked, so the logits are the same."""
+    from tlt.models.lean_forward import aligned_span, attention_mask
+
+    assert [aligned_span(n, 64) for n in (1, 16, 17, 50, 63, 64)] == [16, 16, 32, 64, 64, 64]
+    assert aligned_span(50, 56) == 56 and aligned_span(70, 64) == 70 and aligned_span(17, None) == 17
+    assert attention_mask(torch.tensor([3, 9]), 2, None, "cpu", capacity=40).shape[-1] == 16
+    model = tiny_model("qwen2")
+    forward = LeanForward(model)
+    cache = KVCache(forward.spec, 2, 40)
+    rows = cache.rows(0, 2)
+    ids = torch.tensor(random_prompts([9, 9]))
+    exact = forward.run(ids, rows, torch.zeros(2, dtype=torch.long), logits_at="all")
+    padded = forward.run(ids, rows, torch.zeros(2, dtype=torch.long), logits_at="all", kv_len=aligned_span(9, 40))
+    assert torch.allclose(exact.logits, padded.logits, atol=1e-5)
+
+
+def test_rollout_cache_capacity_is_on_the_span_grid():
+    """Graphs clamp their 256-slot spans to the cache: a capacity of whole blocks keeps them on the grid."""
+    from tlt.rollout.graph_runner import GraphRunner, cache_capacity
+    from tlt.rollout.model_runner import ModelRunner
+
+    assert cache_capacity(300, graphs=True) == 512 and cache_capacity(300, graphs=False) == 304
+    runner = ModelRunner(LeanForward(tiny_model("llama")))
+    assert runner.allocate(3, 100).max_len == 112
+    runner.graphs = GraphRunner(runner.forward, capture=False)
+    assert runner.allocate(3, 100).max_len == 256

@@ -18,7 +18,7 @@ from torch import nn
 
 from tlt.errors import TltError
 from tlt.models.kv_cache import CacheRows, KVCache
-from tlt.models.lean_forward import LeanForward, attention_mask, grouped_attention_bias
+from tlt.models.lean_forward import LeanForward, attention_mask, grouped_attention_bias, mask_capacity
 from tlt.models.spec import ModelSpec, check_supported
 
 CONFIG_FILE = "drafter_config.json"
@@ -147,7 +147,7 @@ class EagleDrafter(nn.Module):
         num_new = tokens.shape[1]
         lengths = cache.lengths if lengths is None else lengths
         slots = lengths.to(x.device)[:, None] + torch.arange(num_new, device=x.device)[None, :]
-        mask = attention_mask(lengths, num_new, new_token_mask, x.device, kv_len)
+        mask = attention_mask(lengths, num_new, new_token_mask, x.device, kv_len, capacity=mask_capacity(cache))
         bias = grouped_attention_bias(mask, lean.spec.num_heads // lean.spec.num_kv_heads, x.dtype)
         cos, sin = lean.rope(x, positions.to(x.device))
         return lean.layer(self.layer, 0, x, x, cos, sin, cache, slots, bias)

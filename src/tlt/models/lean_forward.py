@@ -57,16 +57,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin  # cos/sin: [B, 1, T, D] broadcast over heads
 
 
+ATTENTION_ALIGN = 16  # SDPA's memory-efficient kernel pads (copies) a mask whose last dim is not a multiple of 16
+
+
+def aligned_span(kv_len: int, capacity: int | None) -> int:
+    """kv_len rounded up to a multiple of ATTENTION_ALIGN, but not past the cache's `capacity` slots (None:
+    kv_len as is). The extra slots are masked out (exact zeros in the softmax), yet a longer reduction may sum
+    in another order: the result can differ in the last bit, so only CUDA, where SDPA would pad, asks for it."""
+    if capacity is None:
+        return kv_len
+    return min(-(-kv_len // ATTENTION_ALIGN) * ATTENTION_ALIGN, max(capacity, kv_len))
+
+
+def mask_capacity(cache: CacheRows) -> int | None:
+    """The capacity `attention_mask` may round a span up to: the cache's, on CUDA (None elsewhere: CPU results
+    stay bit-identical to exact spans, and CPU SDPA does not pad)."""
+    return cache.cache.max_len if cache.cache.device.type == "cuda" else None
+
+
 def attention_mask(lengths: torch.Tensor, num_new: int, new_token_mask: torch.Tensor | None,
-                   device, kv_len: int | None = None) -> torch.Tensor:
+                   device, kv_len: int | None = None, capacity: int | None = None) -> torch.Tensor:
     """Boolean [B, 1, T, S] mask: every committed slot of the row, plus the new tokens it may see.
 
     new_token_mask [B, T, T] says which new tokens each new token attends to (a tree mask for verification);
     None means causal. New token t of row b sits at slot lengths[b] + t. kv_len (S) defaults to the longest
-    row + T, read from host lengths; a CUDA graph passes a fixed S and device lengths (no host sync).
+    row + T, read from host lengths; a CUDA graph passes a fixed S and device lengths (no host sync). With the
+    cache's capacity given, S is rounded up to a multiple of ATTENTION_ALIGN within it (`aligned_span`).
     """
     if kv_len is None:
         kv_len = int(lengths.max()) + num_new
+    kv_len = aligned_span(kv_len, capacity)
     lengths = lengths.to(device)
     rel = torch.arange(kv_len, device=device)[None, :] - lengths[:, None]          # [B, S]
     committed = (rel < 0)[:, None, :]                                                 # [B, 1, S]
@@ -160,7 +180,7 @@ class LeanForward:
         slots = lengths.to(device)[:, None] + torch.arange(num_new, device=device)[None, :]
         if positions is None:
             positions = slots
-        mask = attention_mask(lengths, num_new, new_token_mask, device, kv_len)
+        mask = attention_mask(lengths, num_new, new_token_mask, device, kv_len, capacity=mask_capacity(cache))
         bias = grouped_attention_bias(mask, self.spec.num_heads // self.spec.num_kv_heads, self.dtype)
         x = self.embed(input_ids.to(device))
         cos, sin = self.rope(x, positions.to(device))

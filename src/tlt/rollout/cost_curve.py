@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from tlt.models.kv_cache import KVCache
-from tlt.rollout.graph_runner import batch_bucket
+from tlt.rollout.graph_runner import batch_bucket, cache_capacity
 from tlt.sampling import RowSampling, SamplingParams, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
@@ -191,7 +191,8 @@ class _Scratch:
     def __init__(self, engine, batch: int, tree: int):
         self.engine, self.batch = engine, batch
         rows = batch if engine.runner is None else batch_bucket(batch, 1 << 30) or batch
-        self.cache = KVCache(engine.spec, rows, CONTEXT + tree + 2, device=engine.device, dtype=engine.forward.dtype)
+        length = cache_capacity(CONTEXT + tree + 2, graphs=engine.runner is not None)  # as the rollout's cache
+        self.cache = KVCache(engine.spec, rows, length, device=engine.device, dtype=engine.forward.dtype)
         self.cache.add_slot_data("tokens", dtype=torch.long)
         self.cache.add_slot_data("features", (engine.spec.hidden_size,), dtype=engine.forward.dtype)
         self.decoder = SpeculativeDecoder(engine.forward, engine.spec_decoder.drafter)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt.models.kv_cache import CacheRows, KVCache
-from tlt.models.lean_forward import ForwardOutput, LeanForward
+from tlt.models.lean_forward import ATTENTION_ALIGN, ForwardOutput, LeanForward
 from tlt.sampling import RowSampling, sample_next
 from tlt.speculative.decoder import (
     SpecOutcome,
@@ -53,6 +53,14 @@ def batch_bucket(batch: int, max_rows: int) -> int | None:
 
 def kv_bucket(longest: int, num_new: int, max_len: int) -> int:
     return min(max_len, -(-(longest + num_new) // KV_BLOCK) * KV_BLOCK)
+
+
+def cache_capacity(length: int, graphs: bool) -> int:
+    """Cache slots for `length`: with graphs whole KV blocks, so that a span `kv_bucket` clamps to the capacity
+    stays on the block grid; eagerly a multiple of 16. Either way every attention span can be a multiple of 16,
+    which SDPA's memory-efficient kernel wants of a mask's last dim (it pads a copy every call otherwise)."""
+    multiple = KV_BLOCK if graphs else ATTENTION_ALIGN
+    return -(-length // multiple) * multiple
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from tlt.errors import RequestError
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
-from tlt.rollout.graph_runner import GraphRunner, batch_bucket
+from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity
 from tlt.rollout.request import StepTrace
 from tlt.rollout.sequence import Sequence
 from tlt.sampling import RowSampling, draw_uniforms, sample_next
@@ -74,6 +74,7 @@ class ModelRunner:
             rows = batch_bucket(rows, 1 << 30) or rows
         if self.spec_decoder is not None:
             length += self.max_tree_size + 1  # a verified tree sits past the committed tokens
+        length = cache_capacity(length, graphs=self.graphs is not None)  # attention spans on a grid of 16
         cache = self.cache
         if cache is None or cache.max_rows < rows or cache.max_len < length:
             self.cache = None  # free the old buffers before allocating the new ones
