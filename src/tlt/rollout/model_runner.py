@@ -117,8 +117,8 @@ class ModelRunner:
             ids[row, :len(prompt)] = torch.tensor(prompt)
         rows = self.cache.rows(first_row, len(prompts))
         rows.lengths.zero_()
-        ids = ids.to(self.device)
-        out = self.forward(ids, rows, logits_at=(lengths - 1).to(self.device))
+        ids = ids.to(self.device, non_blocking=True)  # pageable host sources: see _store_slot_data
+        out = self.forward(ids, rows, logits_at=(lengths - 1).to(self.device, non_blocking=True))
         self._store_slot_data(rows, ids, out.hidden)
         rows.advance(lengths)
         if self.spec_decoder is not None:  # rows past the running ones start with an empty drafter state
@@ -190,8 +190,13 @@ class ModelRunner:
         """Keep token ids and target features of the tokens just written: the drafter is built from them."""
         if self.spec_decoder is None:
             return
-        slots = rows.lengths.to(self.device)[:, None] + torch.arange(ids.shape[1], device=self.device)[None, :]
-        rows.write_slots("tokens", slots, ids.to(self.device))
+        # non_blocking: a blocking host-to-device copy waits for the stream (the graph just replayed) to drain.
+        # The sources are pageable, so CUDA stages them before the copy call returns (the documented behaviour
+        # of cudaMemcpyAsync from pageable memory, and what GraphRunner._fill relies on): advancing the host
+        # lengths right after is safe.
+        lengths = rows.lengths.to(self.device, non_blocking=True)
+        slots = lengths[:, None] + torch.arange(ids.shape[1], device=self.device)[None, :]
+        rows.write_slots("tokens", slots, ids.to(self.device, non_blocking=True))
         rows.write_slots("features", slots, hidden)
 
     # -- the rows' state, for the scheduler -------------------------------------------------------------------
