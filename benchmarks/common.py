@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -87,9 +88,16 @@ def unique_parameter_bytes(model) -> int:
     return total
 
 
-def write_json(path: str | None, payload: dict) -> None:
+def write_json(path: str | None, payload: dict, *, echo: bool = True) -> None:
+    """Write payload to path (and print it unless echo=False). Atomic: a benchmark killed at its time limit
+    leaves the last complete write, never half a file; benchmarks write partial results as they go, marked
+    `"complete": false` until the last write."""
     text = json.dumps(payload, indent=2)
-    print(text)
+    if echo:
+        print(text)
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n")
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = target.with_name(f".{target.name}.partial")
+        scratch.write_text(text + "\n")
+        os.replace(scratch, target)

@@ -113,9 +113,15 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     result = {"environment": environment(), "equal_work": args.replay, "steps": args.steps,
               "max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "samples": args.samples,
-              "temperature": 1.0, "device": args.device, "workers": args.workers, "seeds": args.seeds, "runs": {}}
+              "temperature": 1.0, "device": args.device, "workers": args.workers, "seeds": args.seeds, "runs": {},
+              "complete": False}  # until the last write: a run killed at its time limit keeps its finished steps
     for seed in args.seeds:
-        history = interleaved_runs(tlt_modes(args, seed), args.steps, replay_from="reference" if args.replay else None)
+        def partial(history: dict, key=f"seed{seed}") -> None:
+            result["runs"][key] = {name: curves(runs) for name, runs in history.items() if runs}
+            write_json(args.json, summarized(result), echo=False)
+
+        history = interleaved_runs(tlt_modes(args, seed), args.steps, replay_from="reference" if args.replay else None,
+                                   on_step=partial)
         result["runs"][f"seed{seed}"] = {name: curves(runs) for name, runs in history.items()}
     try:
         import ray
@@ -127,8 +133,18 @@ def main(argv=None) -> dict:
         trl = run_trl(args, args.seeds[0], args.steps)
         result["runs"][f"seed{args.seeds[0]}"]["trl"] = trl_curves(trl, args.prompts * args.samples)
     summarize(result)
+    result["complete"] = True
     write_json(args.json, result)
     print({k: v for k, v in result.items() if k not in ("runs", "environment", "by_mode")})
+    return result
+
+
+def summarized(result: dict) -> dict:
+    """The partial result with what can be summarized so far (a mode without steps yet has no medians)."""
+    try:
+        summarize(result)
+    except (TypeError, ZeroDivisionError, statistics.StatisticsError):
+        pass
     return result
 
 

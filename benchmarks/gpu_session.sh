@@ -1,50 +1,124 @@
 #!/usr/bin/env bash
 # The measurements that wait for a GPU, as phases of one script: a GPU session (../shared/gpu/README.md: ~30 device
 # minutes, 10 per call) runs `. .gpu/env.sh && bash benchmarks/gpu_session.sh PHASE...` per call. Each phase is
-# bounded by `timeout` and writes its JSON and log under $OUT (the device tool brings $OUT back).
+# bounded by `timeout`, all of a call's phases together by BUDGET, and writes its JSON and log under $OUT (the device
+# tool brings $OUT back: at most 8 files of 16 MiB, so one or two phases per call). The benchmarks write their JSON
+# as they go, with "complete": false until their last write: a phase killed at its limit still returns what it
+# measured.
 #
-#   tests      pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training)
-#   drafter    warm a drafter on the GPU (needs the default model), kept in /root/drafter-smollm2
-#   spec       benchmarks/speculative.py, greedy and T=1, batches 1,4,16       -> speculative_h100.json (#13, #14)
-#   throughput benchmarks/rollout_throughput.py, batches 1,16,64               -> rollout_throughput_h100.json (#13)
-#   tail       spot_training.py --lone-worker: overlap slowdown, tau vs frozen -> spot_training_h100.json (#15)
-#   e2e        e2e.py --replay (equal work) then natural runs over 3 seeds     -> e2e_replay_h100.json, e2e_h100.json (#15)
+#   tests       pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training)
+#               -> tests.log, tests.xml (JUnit: every test's outcome and time)
+#   drafter     warm a drafter on the GPU (needs the default model) into $DRAFTER, sent back in $OUT/drafter/
+#   spec        benchmarks/speculative.py, greedy and T=1, batches 1,4,16       -> speculative_h100.json (#13, #14)
+#   throughput  benchmarks/rollout_throughput.py, batches 1,16,64               -> rollout_throughput_h100.json (#13)
+#   tail        spot_training.py --lone-worker, overhead (greedy, 2 steps)      -> spot_training_h100.json (#15)
+#   tail-tau    spot_training.py --lone-worker, tau vs frozen (TAU_STEPS steps) -> spot_training_tau_h100.json (#15)
+#   e2e         e2e.py --replay (equal work), seed 0                            -> e2e_replay_h100.json (#15)
+#   e2e-natural e2e.py natural runs over SEEDS (one seed fits a call)           -> e2e_h100_seed<SEEDS>.json (#15)
+#
+# The drafter. The machine is given back 30 s after a call, and $DRAFTER with it. Phases that need one (spec, tail,
+# tail-tau, e2e, e2e-natural) take $DRAFTER if this machine still has it, else a copy carried in at $CARRIED, else
+# warm one first within the same call (bounded; the phase then gets what is left of BUDGET). A drafter warmed in a
+# call comes back in $OUT/drafter/: drafter_config.json and the weights in parts of 15 MiB (a file over 16 MiB does
+# not come back; the SmolLM2 drafter is 16.8 MB in fp32). To reuse it in a later call, copy those files into
+# .gpu/drafter/ here and add ".gpu/drafter" to the call's carry: the parts are joined there.
 set -u
 OUT=${OUT:-/tmp/out}
-DRAFTER=${DRAFTER:-/root/drafter-smollm2}
+DRAFTER=${DRAFTER:-/root/drafter-smollm2}  # this machine's drafter (lost when the machine is given back)
+CARRIED=${CARRIED:-.gpu/drafter}           # a drafter an earlier call sent back, carried in (whole or in parts)
+BUDGET=${BUDGET:-540}                      # seconds for all phases of this call (a call may run 600 in all)
+SEEDS=${SEEDS:-0}                          # e2e-natural: the seeds of this call, e.g. SEEDS=1
+TAU_STEPS=${TAU_STEPS:-6}                  # tail-tau: RL steps per mode
 mkdir -p "$OUT"
+deadline=$((SECONDS + BUDGET))
 
-run() {  # run NAME SECONDS CMD...: bounded, logged to $OUT/NAME.log, status line on stdout
+run() {  # run NAME SECONDS CMD...: bounded by SECONDS and by what is left of BUDGET, logged to $OUT/NAME.log
   local name=$1 limit=$2
   shift 2
+  local left=$((deadline - SECONDS))
+  if [ "$limit" -gt "$left" ]; then limit=$left; fi
+  if [ "$limit" -lt 30 ]; then
+    echo "== $name skipped: ${left}s left of BUDGET=${BUDGET}s"
+    return 124
+  fi
   local started=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  echo "== $name rc=$rc $((SECONDS - started))s"
+  echo "== $name rc=$rc $((SECONDS - started))s (limit ${limit}s)"
   tail -n 15 "$OUT/$name.log"
+  return $rc
+}
+
+have_drafter() { [ -s "$DRAFTER/drafter.safetensors" ] && [ -s "$DRAFTER/drafter_config.json" ]; }
+
+send_drafter() {  # $OUT/drafter/: the config, and the weights whole or (over 16 MiB) in 15 MiB parts
+  have_drafter || return 1
+  rm -rf "$OUT/drafter"
+  mkdir -p "$OUT/drafter"
+  cp "$DRAFTER/drafter_config.json" "$OUT/drafter/"
+  if [ "$(stat -c %s "$DRAFTER/drafter.safetensors")" -gt $((16 * 1024 * 1024)) ]; then
+    split -b 15M -a 1 "$DRAFTER/drafter.safetensors" "$OUT/drafter/drafter.safetensors.part-"
+  else
+    cp "$DRAFTER/drafter.safetensors" "$OUT/drafter/"
+  fi
+  echo "== drafter sent back: $(cd "$OUT/drafter" && ls | tr '\n' ' ')"
+}
+
+warm_drafter() {  # warm_drafter SECONDS: train a drafter into $DRAFTER and send it back
+  run drafter "$1" python3 -m tlt.cli drafter warmup --out "$DRAFTER" --prompts 64 --steps 300 && send_drafter
+}
+
+ensure_drafter() {  # this machine's drafter, else the carried copy, else one warmed now
+  have_drafter && return 0
+  if [ -s "$CARRIED/drafter_config.json" ]; then
+    mkdir -p "$DRAFTER"
+    if [ -s "$CARRIED/drafter.safetensors" ]; then
+      cp "$CARRIED/drafter.safetensors" "$DRAFTER/"
+    else
+      cat "$CARRIED"/drafter.safetensors.part-* >"$DRAFTER/drafter.safetensors" 2>/dev/null
+    fi
+    cp "$CARRIED/drafter_config.json" "$DRAFTER/"
+    if have_drafter; then
+      echo "== drafter: the copy carried in at $CARRIED"
+      return 0
+    fi
+  fi
+  echo "== drafter: none on this machine nor carried in; warming one first"
+  warm_drafter 300
 }
 
 for phase in "$@"; do
   case $phase in
-    tests) run tests 540 python3 -m pytest -m gpu tests/test_gpu.py -x -q ;;
-    drafter) run drafter 540 python3 -m tlt.cli drafter warmup --out "$DRAFTER" --prompts 64 --steps 300 ;;
+    spec|tail|tail-tau|e2e|e2e-natural)
+      if ! ensure_drafter; then echo "== $phase skipped: no drafter"; continue; fi ;;
+  esac
+  case $phase in
+    tests)
+      run tests 540 python3 -m pytest -m gpu tests/test_gpu.py -q -rfE --durations=15 -o faulthandler_timeout=120 \
+        --junitxml="$OUT/tests.xml" ;;
+    drafter) warm_drafter 540 ;;
     spec)
-      run spec_greedy 270 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
-        --batches 1,4,16 --json "$OUT/speculative_h100_greedy.json"
-      run spec_t1 270 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
-        --batches 1,4,16 --json "$OUT/speculative_h100.json" ;;
+      run spec_greedy 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
+        --batches 1,4,16 --json "$OUT/speculative_h100_greedy.json" --png /tmp/speculative_h100_greedy.png
+      run spec_t1 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
+        --batches 1,4,16 --json "$OUT/speculative_h100.json" --png /tmp/speculative_h100.png ;;
     throughput)
       run throughput 540 python3 benchmarks/rollout_throughput.py --device cuda --batches 1,16,64 \
         --max-new-tokens 128 --json "$OUT/rollout_throughput_h100.json" ;;
     tail)
-      run tail 570 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
-        --max-new-tokens 1024 --steps 2 --tau-steps 10 --json "$OUT/spot_training_h100.json" ;;
+      run tail 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
+        --max-new-tokens 1024 --phases overhead --steps 2 --json "$OUT/spot_training_h100.json" ;;
+    tail-tau)
+      run tail_tau 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
+        --max-new-tokens 1024 --phases tau --tau-steps "$TAU_STEPS" --json "$OUT/spot_training_tau_h100.json" ;;
     e2e)
-      run e2e_replay 570 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --replay --max-new-tokens 1024 \
+      run e2e_replay 540 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --replay --max-new-tokens 1024 \
         --prompts 4 --samples 4 --steps 3 --seeds 0 --json "$OUT/e2e_replay_h100.json" ;;
     e2e-natural)
-      run e2e_natural 570 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --skip-trl --max-new-tokens 1024 \
-        --prompts 4 --samples 4 --steps 3 --seeds 0 1 2 --json "$OUT/e2e_h100.json" ;;
-    *) echo "unknown phase $phase (tests drafter spec throughput tail e2e e2e-natural)"; exit 2 ;;
+      # shellcheck disable=SC2086  # SEEDS is a list of seeds
+      run e2e_natural 540 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --skip-trl \
+        --max-new-tokens 1024 --prompts 4 --samples 4 --steps 3 --seeds $SEEDS \
+        --json "$OUT/e2e_h100_seed$(echo $SEEDS | tr ' ' '-').json" ;;
+    *) echo "unknown phase $phase (tests drafter spec throughput tail tail-tau e2e e2e-natural)"; exit 2 ;;
   esac
 done

@@ -16,10 +16,11 @@ from tlt.distributed.placement import resolve
 from tlt.rl.config import load_config
 
 
-def interleaved_runs(modes: dict[str, list[str]], steps: int, *, log=print,
-                     replay_from: str | None = None) -> dict[str, list[dict]]:
+def interleaved_runs(modes: dict[str, list[str]], steps: int, *, log=print, replay_from: str | None = None,
+                     on_step=None) -> dict[str, list[dict]]:
     """modes: name -> `section.key=value` overrides. Returns name -> per-step metrics (with the timeline and
-    each sample's response length).
+    each sample's response length). on_step(history), if given, is called after every mode's step with the
+    history so far (e.g. to write partial results that survive a kill).
 
     replay_from: equal work. That mode runs first in every step, naturally, and its samples' lengths are
     recorded; every other mode replays them (each sample decodes exactly its recorded length, stop tokens
@@ -48,6 +49,8 @@ def interleaved_runs(modes: dict[str, list[str]], steps: int, *, log=print,
                     raise AssertionError(f"{name} step {step + 1} decoded other lengths than {replay_from}: "
                                          f"{metrics['response_lengths']} vs {recorded}")
                 history[name].append(metrics)
+                if on_step is not None:
+                    on_step(history)
                 log(f"{name} step {step + 1}: {metrics['step_s']:.1f}s (rollout {metrics['rollout_s']:.1f}s, "
                     f"{sum(metrics['response_lengths'])} tokens) tau {metrics.get('sd/tau', 0):.2f} "
                     f"spot {metrics['spot_train_steps']} reward {metrics['reward_mean']:.3f}")

@@ -99,7 +99,9 @@ def main(argv=None) -> dict:
     loaded = load_model()
     model, tokenizer = loaded.model, loaded.tokenizer
     eos = set(loaded.eos_token_ids)
-    results = {"engine_tok_s": {}, "hf_generate_tok_s": {}, "speedup_vs_hf": {}, "tokens": {}}
+    results = {"engine_tok_s": {}, "hf_generate_tok_s": {}, "speedup_vs_hf": {}, "tokens": {},
+               "max_new_tokens": max_new, "temperature": args.temperature, "environment": environment(),
+               "complete": False}  # until the last write: a run killed at its time limit keeps its finished batches
     batch1_steps: list[float] = []
     for batch in [int(b) for b in args.batches.split(",")]:
         # batch 1 uses a long-answer prompt: the steady-state decode step is what is being measured
@@ -118,6 +120,7 @@ def main(argv=None) -> dict:
         print(f"batch {batch:3d}: engine {results['engine_tok_s'][key]:8.1f} tok/s  generate "
               f"{results['hf_generate_tok_s'][key]:8.1f} tok/s  x{results['speedup_vs_hf'][key]:.2f}",
               file=sys.stderr)
+        write_json(args.json, results, echo=False)
 
     bandwidth = memory_bandwidth()
     weight_bytes = unique_parameter_bytes(model)
@@ -127,9 +130,7 @@ def main(argv=None) -> dict:
         "batch1_read_floor_ms": weight_bytes / (bandwidth["read_gbs"] * 1e9) * 1000,
         "weight_bytes": weight_bytes,
         "bandwidth": bandwidth,
-        "max_new_tokens": max_new,
-        "temperature": args.temperature,
-        "environment": environment(),
+        "complete": True,
     })
     write_json(args.json, results)
     return results
@@ -142,7 +143,9 @@ def main_cuda(args, max_new: int) -> dict:
     eos = set(loaded.eos_token_ids)
     hf_model = copy.deepcopy(model).to(torch.bfloat16)
     results = {"engine_tok_s": {}, "engine_eager_tok_s": {}, "hf_static_tok_s": {}, "speedup_vs_hf_static": {},
-               "speedup_vs_eager": {}, "tokens": {}, "step_ms": {}, "graphs_captured": {}}
+               "speedup_vs_eager": {}, "tokens": {}, "step_ms": {}, "graphs_captured": {}, "dtype": "bfloat16",
+               "max_new_tokens": max_new, "temperature": args.temperature, "environment": environment(),
+               "complete": False}  # until the last write: a run killed at its time limit keeps its finished batches
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = chat_prompts(tokenizer, batch) if batch > 1 else chat_prompts(tokenizer, 2)[1:]
         key = str(batch)
@@ -168,6 +171,7 @@ def main_cuda(args, max_new: int) -> dict:
               f"{results['engine_eager_tok_s'][key]:8.1f}  hf static bf16 {results['hf_static_tok_s'][key]:8.1f}"
               f"  x{results['speedup_vs_hf_static'][key]:.2f}  step {results['step_ms'][key]:.3f} ms",
               file=sys.stderr, flush=True)
+        write_json(args.json, results, echo=False)
     bandwidth = memory_bandwidth(device=args.device)
     rollout_copy = RolloutEngine(loaded, max_batch_size=1).rollout_copy
     # bytes a decode step must stream: every weight but the embedding table (one row is gathered per token)
@@ -177,9 +181,7 @@ def main_cuda(args, max_new: int) -> dict:
     results.update({
         "batch1_step_ms": results["step_ms"].get("1"),
         "batch1_read_floor_ms": weight_bytes / (bandwidth["read_gbs"] * 1e9) * 1000,
-        "weight_bytes": weight_bytes, "bandwidth": bandwidth, "refresh_ms": refresh_ms,
-        "dtype": "bfloat16", "max_new_tokens": max_new, "temperature": args.temperature,
-        "environment": environment(),
+        "weight_bytes": weight_bytes, "bandwidth": bandwidth, "refresh_ms": refresh_ms, "complete": True,
     })
     write_json(args.json, results)
     return results

@@ -70,7 +70,8 @@ def main(argv=None) -> dict:
     results = {"plain_tok_s": {}, "sd_tok_s": {}, "speedup": {}, "tau": {}, "strategy": {}, "by_strategy": {},
                "best_by_rule": {"target": {}, "q": {}},
                "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new,
-               "temperature": args.temperature}
+               "temperature": args.temperature, "environment": environment(),
+               "complete": False}  # until the last write: a run killed at its time limit keeps its finished runs
     for batch in batches:
         prompts = [task.prompt_ids(e) for e in task.sample(batch, seed=100 + batch)]
         plain, _ = run(loaded, None, prompts, batch, None, max_new, batch, args.temperature)
@@ -87,11 +88,13 @@ def main(argv=None) -> dict:
             if key not in by_rule or tok_s > by_rule[key]["tok_s"]:
                 by_rule[key] = {"strategy": strategy.name, "tok_s": tok_s, "tau": summary["tau"],
                                 "speedup": tok_s / plain}
+            write_json(args.json, results, echo=False)
         results["sd_tok_s"][key], results["tau"][key], results["strategy"][key] = best
         results["speedup"][key] = best[0] / plain
         print(f"batch {batch:2d}: plain {plain:6.1f} tok/s  best SD {best[0]:6.1f} tok/s ({best[2]}, "
               f"tau {best[1]:.2f})  x{results['speedup'][key]:.2f}", file=sys.stderr)
-    results["environment"] = environment()
+        write_json(args.json, results, echo=False)
+    results["complete"] = True
     write_json(args.json, results)
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if png:

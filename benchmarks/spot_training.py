@@ -69,8 +69,8 @@ def summarize(history: dict) -> dict:
         "drafter_version": [m["drafter_version"] for m in spot],
         "samples_hot_swapped": [m["samples_hot_swapped"] for m in spot],
         "step_ratio_per_step": [round(r, 4) for r in ratios],
-        "overhead_ratio_median": round(statistics.median(ratios), 4),
-        "median_step_s": {name: round(median(runs, "step_s"), 2) for name, runs in history.items()},
+        "overhead_ratio_median": round(statistics.median(ratios), 4) if ratios else None,
+        "median_step_s": {name: round(median(runs, "step_s"), 2) for name, runs in history.items() if runs},
         "timelines_spot": [m["timeline"] for m in spot],
         "tail_train_share": [round(m.get("tail_train_share", 0.0), 4) for m in spot],
         "rollout_ratio_per_step": [round(s["rollout_s"] / f["rollout_s"], 4) for s, f in zip(spot, frozen)],
@@ -96,9 +96,18 @@ def main() -> None:
                    "max_new_tokens": args.max_new_tokens,
                    **({"workers": 1, "tail_training": True} if args.lone_worker else
                       {"workers": 2, "threads_per_worker": 1})})
+    result["complete"] = False  # until the last write: a run killed at its time limit keeps what it measured
+    write_json(args.json, result, echo=False)
+
+    def partial(phase: str):
+        def write(history: dict) -> None:
+            result[phase] = summarize(history)
+            write_json(args.json, result, echo=False)
+        return write
+
     if "overhead" in args.phases:
         print("== overhead (greedy: identical work in both modes)")
-        history = interleaved_runs(modes(args, 0.0, 0), args.steps)
+        history = interleaved_runs(modes(args, 0.0, 0), args.steps, on_step=partial("overhead"))
         result["overhead"] = summarize(history)
         result["spot_overhead_ratio"] = result["overhead"]["overhead_ratio_median"]
         if args.lone_worker:
@@ -107,11 +116,12 @@ def main() -> None:
             result["overlap_slowdown_median"] = statistics.median(slowdowns) if slowdowns else None
     if "tau" in args.phases:
         print("== tau over RL steps (T=1)")
-        result["tau"] = summarize(interleaved_runs(modes(args, 1.0, 0), args.tau_steps))
+        result["tau"] = summarize(interleaved_runs(modes(args, 1.0, 0), args.tau_steps, on_step=partial("tau")))
         taus = result["tau"]["tau"]
         last = max(1, len(taus["spot"]) // 2)  # the second half of the run: the drafters have drifted apart
         spot, frozen = statistics.median(taus["spot"][-last:]), statistics.median(taus["frozen"][-last:])
         result["tau_gain_late"] = round(spot / frozen - 1, 4) if frozen else None
+    result["complete"] = True
     write_json(args.json, result)
     print(f"overhead ratio (median of per-step spot/frozen): {result.get('spot_overhead_ratio')}")
     if "tau" in result:
