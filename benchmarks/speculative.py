@@ -55,6 +55,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 and CUDA graphs there)")
+    parser.add_argument("--rounds", type=int, default=1, help="prompts per batch slot: batch x rounds distinct "
+                        "prompts decoded at that batch size (more tokens behind τ at small batch)")
     args = parser.parse_args(argv)
     batches = [1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32]
     strategies = [s for s in STRATEGIES if s.name in QUICK] if args.quick else STRATEGIES
@@ -70,10 +72,10 @@ def main(argv=None) -> dict:
     results = {"plain_tok_s": {}, "sd_tok_s": {}, "speedup": {}, "tau": {}, "strategy": {}, "by_strategy": {},
                "best_by_rule": {"target": {}, "q": {}},
                "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new,
-               "temperature": args.temperature, "environment": environment(),
+               "temperature": args.temperature, "rounds": args.rounds, "environment": environment(),
                "complete": False}  # until the last write: a run killed at its time limit keeps its finished runs
     for batch in batches:
-        prompts = [task.prompt_ids(e) for e in task.sample(batch, seed=100 + batch)]
+        prompts = [task.prompt_ids(e) for e in task.sample(batch * args.rounds, seed=100 + batch)]
         plain, _ = run(loaded, None, prompts, batch, None, max_new, batch, args.temperature)
         key = str(batch)
         results["plain_tok_s"][key] = plain
