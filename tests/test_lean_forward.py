@@ -1,10 +1,15 @@
 """The lean forward must match the transformers forward (fp32, 1e-4) and share the module's parameters."""
 
+import copy
+import gc
+
 import pytest
 import torch
-
+import torch.nn.functional as F
 from conftest import random_prompts, tiny_model
+
 from tlt.models import KVCache, LeanForward
+from tlt.models.lean_forward import PackedOneDNNLinear, pick_linear
 
 TOL = 1e-4
 
@@ -143,3 +148,42 @@ def test_rollout_cache_capacity_is_on_the_span_grid():
     assert runner.allocate(3, 100).max_len == 112
     runner.graphs = GraphRunner(runner.forward, capture=False)
     assert runner.allocate(3, 100).max_len == 256
+
+
+packed_only = pytest.mark.skipif(not isinstance(pick_linear(torch.device("cpu"), torch.float32), PackedOneDNNLinear),
+                                 reason="oneDNN is not available in this torch build")
+
+
+@packed_only
+@pytest.mark.parametrize("shape", [(5,), (3, 5), (2, 4, 5)])
+def test_packed_linear_equals_f_linear_and_sees_weight_changes(shape):
+    linear = PackedOneDNNLinear()
+    weight, bias, x = torch.randn(7, 5), torch.randn(7), torch.randn(*shape)
+    with torch.no_grad():
+        assert torch.allclose(linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-5)
+        weight.mul_(-2)  # in place: the version counter moves, the pack is rebuilt
+        assert torch.allclose(linear(x, weight, None), F.linear(x, weight), atol=1e-5)
+        replaced = torch.randn(7, 5)  # a new tensor (maybe at a freed one's address) is packed afresh
+        assert torch.allclose(linear(x, replaced, None), F.linear(x, replaced), atol=1e-5)
+
+
+@packed_only
+def test_packed_linear_drops_the_packs_of_freed_weights_and_copies_empty():
+    linear = PackedOneDNNLinear()
+    with torch.no_grad():
+        weights = [torch.randn(4, 3) for _ in range(3)]
+        for weight in weights:
+            linear(torch.randn(2, 3), weight, None)
+        assert len(linear._packs) == 3
+        copied = copy.deepcopy(linear)
+        del weights[:2]
+        gc.collect()
+        assert len(linear._packs) == 1 and len(copied._packs) == 0
+
+
+@packed_only
+def test_packed_linear_leaves_autograd_to_the_plain_weight():
+    linear = PackedOneDNNLinear()
+    weight = torch.randn(4, 3, requires_grad=True)
+    linear(torch.randn(2, 3), weight, None).sum().backward()  # grad enabled: no packed (autograd-free) weight
+    assert weight.grad is not None and not linear._packs

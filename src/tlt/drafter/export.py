@@ -62,7 +62,8 @@ def import_eagle(directory: str | Path, target_model) -> EagleDrafter:
     drafter = EagleDrafter(config).attach(target_model)
     layer = {k[len("layers.0."):]: v for k, v in tensors.items() if k.startswith("layers.0.")}
     layer.pop("input_layernorm.weight", None)  # identity in EAGLE's first layer
-    drafter.fc.weight.data.copy_(tensors["fc.weight"])
+    with torch.no_grad():  # in place and seen by version-keyed caches (a .data write would not be)
+        drafter.fc.weight.copy_(tensors["fc.weight"])
     missing, unexpected = drafter.layer.load_state_dict(layer, strict=False)
     if missing or unexpected:
         raise ExportError(f"{directory}: layer weights do not fit (missing {missing[:3]}, unexpected "
