@@ -139,11 +139,17 @@ def default_cache_dir() -> Path:
 def curve_key(engine, strategies: list[SpecStrategy], batches) -> str:
     spec = engine.spec
     parts = [device_name(engine.device), spec.model_type, spec.num_layers, spec.hidden_size, spec.vocab_size,
-             str(engine.forward.dtype), engine.runner is not None, torch.__version__,
+             str(engine.forward.dtype), engine.runner is not None, torch.__version__, linear_kind(engine.forward),
              sorted(s.name for s in strategies), list(batches), CONTEXT]
     digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
     slug = "".join(c if c.isalnum() else "-" for c in device_name(engine.device)).strip("-").lower()
     return f"{slug}-{digest}"
+
+
+def linear_kind(forward) -> str:
+    """Which linear the forward runs (e.g. packed oneDNN on CPU): a new kind changes the costs, so the key too."""
+    linear = forward.linear
+    return getattr(linear, "__name__", type(linear).__name__)
 
 
 @torch.no_grad()
