@@ -37,7 +37,7 @@ class WarmupConfig:
     temperature: float = 1.0        # the RL rollout temperature: the drafter learns what it will face
     steps: int = 300                # optimizer steps
     draft_vocab: int = 8192         # 0 = full vocabulary
-    eval_strategy: SpecStrategy = SpecStrategy(5, 2, 10)
+    eval_strategy: SpecStrategy = SpecStrategy(4, 2, rule="q")  # the measured τ under the rule that pays at T=1
     seed: int = 0
 
 
