@@ -33,11 +33,11 @@ def rollout_table(data: dict) -> str:
 
 def speculative_table(data: dict) -> str:
     names = list(data["by_strategy"])
-    rows = ["| batch | plain tok/s | " + " | ".join(f"{n} tok/s (τ)" for n in names) + " | best speedup |",
+    rows = ["| batch | plain tok/s | " + " | ".join(f"{n} tok/s (τ, speedup)" for n in names) + " | best speedup |",
             "|---:|---:|" + "---:|" * len(names) + "---:|"]
     for batch in data["plain_tok_s"]:
-        cells = [f"{data['by_strategy'][n][batch]['tok_s']:.1f} ({data['by_strategy'][n][batch]['tau']:.2f})"
-                 for n in names]
+        cells = [f"{arm['tok_s']:.1f} ({arm['tau']:.2f}, {arm['speedup']:.2f}x)"
+                 for arm in (data["by_strategy"][n][batch] for n in names)]
         rows.append(f"| {batch} | {data['plain_tok_s'][batch]:.1f} | " + " | ".join(cells)
                     + f" | {data['speedup'][batch]:.2f}x |")
     return "\n".join(rows)

@@ -11,6 +11,7 @@ row per verify step) and the speedup of the best strategy at each batch size, ov
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -55,6 +56,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 and CUDA graphs there)")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of every arm, each followed "
+                        "by a plain run; medians over rounds (the machines are noisy)")
     parser.add_argument("--rounds", type=int, default=1, help="prompts per batch slot: batch x rounds distinct "
                         "prompts decoded at that batch size (more tokens behind τ at small batch)")
     args = parser.parse_args(argv)
@@ -72,27 +75,43 @@ def main(argv=None) -> dict:
     results = {"plain_tok_s": {}, "sd_tok_s": {}, "speedup": {}, "tau": {}, "strategy": {}, "by_strategy": {},
                "best_by_rule": {"target": {}, "q": {}},
                "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new,
-               "temperature": args.temperature, "rounds": args.rounds, "environment": environment(),
+               "temperature": args.temperature, "rounds": args.rounds, "repeats": args.repeats,
+               "environment": environment(),
                "complete": False}  # until the last write: a run killed at its time limit keeps its finished runs
     for batch in batches:
         prompts = [task.prompt_ids(e) for e in task.sample(batch * args.rounds, seed=100 + batch)]
-        plain, _ = run(loaded, None, prompts, batch, None, max_new, batch, args.temperature)
         key = str(batch)
+        # Rounds of plain, then every arm; plain once more at the end. Each arm's speedup is the median of its
+        # ratios to the plain runs either side of it (paired: load that drifts on the machine cancels), and its
+        # tok/s and τ the medians over rounds.
+        plain_runs = [run(loaded, None, prompts, batch, None, max_new, batch, args.temperature)[0]]
+        runs = {strategy: [] for strategy in strategies}
+        for _ in range(args.repeats):
+            for strategy in strategies:
+                runs[strategy].append(run(loaded, drafter, prompts, batch, strategy, max_new, batch, args.temperature))
+            plain_runs.append(run(loaded, None, prompts, batch, None, max_new, batch, args.temperature)[0])
+        plain = statistics.median(plain_runs)
         results["plain_tok_s"][key] = plain
+        results.setdefault("plain_runs_tok_s", {})[key] = plain_runs
+        measured = {}
+        for strategy, outcomes in runs.items():
+            ratios = [tok_s / plain_runs[i] for i, (tok_s, _) in enumerate(outcomes)]
+            ratios += [tok_s / plain_runs[i + 1] for i, (tok_s, _) in enumerate(outcomes)]
+            tok_s = statistics.median(t for t, _ in outcomes)
+            tau = statistics.median(summary["tau"] for _, summary in outcomes)
+            measured[strategy] = (tok_s, {"tau": tau}, statistics.median(ratios))
+            results["by_strategy"].setdefault(strategy.name, {})[key] = {
+                "tok_s": tok_s, "tau": tau, "speedup": statistics.median(ratios),
+                "runs_tok_s": [t for t, _ in outcomes]}
+        write_json(args.json, results, echo=False)
         best = None
-        for strategy in strategies:
-            tok_s, summary = run(loaded, drafter, prompts, batch, strategy, max_new, batch, args.temperature)
-            results["by_strategy"].setdefault(strategy.name, {})[key] = {"tok_s": tok_s, "tau": summary["tau"],
-                                                                         "speedup": tok_s / plain}
-            if best is None or tok_s > best[0]:
-                best = (tok_s, summary["tau"], strategy.name)
+        for strategy, (tok_s, summary, speedup) in measured.items():
+            if best is None or speedup > best[3]:
+                best = (tok_s, summary["tau"], strategy.name, speedup)
             by_rule = results["best_by_rule"][strategy.rule]
-            if key not in by_rule or tok_s > by_rule[key]["tok_s"]:
-                by_rule[key] = {"strategy": strategy.name, "tok_s": tok_s, "tau": summary["tau"],
-                                "speedup": tok_s / plain}
-            write_json(args.json, results, echo=False)
-        results["sd_tok_s"][key], results["tau"][key], results["strategy"][key] = best
-        results["speedup"][key] = best[0] / plain
+            if key not in by_rule or speedup > by_rule[key]["speedup"]:
+                by_rule[key] = {"strategy": strategy.name, "tok_s": tok_s, "tau": summary["tau"], "speedup": speedup}
+        results["sd_tok_s"][key], results["tau"][key], results["strategy"][key], results["speedup"][key] = best
         print(f"batch {batch:2d}: plain {plain:6.1f} tok/s  best SD {best[0]:6.1f} tok/s ({best[2]}, "
               f"tau {best[1]:.2f})  x{results['speedup'][key]:.2f}", file=sys.stderr)
         write_json(args.json, results, echo=False)
