@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+from acceptance_bound import position_stats  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 from tlt.drafter.buffer import FeatureBuffer  # noqa: E402
 from tlt.drafter.features import collect_features  # noqa: E402
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer  # noqa: E402
 from tlt.drafter.warmup import frequent_tokens  # noqa: E402
-from tlt.models import KVCache, load_model  # noqa: E402
+from tlt.models import load_model  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
 from tlt.rollout.engine import RolloutEngine  # noqa: E402
 from tlt.rollout.request import Request  # noqa: E402
@@ -73,29 +74,13 @@ def responses(loaded, task, prompts: int, cache: Path | None) -> tuple[list, lis
     return prompt_ids, response_ids
 
 
-@torch.no_grad()
 def held_out_acceptance(forward, drafter, prompts, responses_) -> dict:
-    """Teacher-forced depth-1 terms over every held-out response position, p over the full vocabulary."""
-    sums = {"sum_min_pq": 0.0, "p_argmax_q": 0.0, "outside_draft_vocab": 0.0}
-    positions = 0
-    ids = drafter.draft_to_target
-    for prompt, response in zip(prompts, responses_):
-        sequence = list(prompt) + list(response)
-        out = forward(torch.tensor([sequence]), KVCache(forward.spec, 1, len(sequence)).rows(0, 1), logits_at="all")
-        first = len(prompt) - 1
-        p = torch.softmax(out.logits[0, first:-1], -1)          # the target at the positions the drafter drafts
-        pairs = torch.arange(len(sequence) - 1)
-        causal = torch.ones(len(pairs), len(pairs), dtype=torch.bool).tril()
-        hidden = drafter(torch.tensor(sequence)[1:][None], out.hidden[:, :-1], pairs[None], causal[None])
-        q = torch.zeros_like(p)
-        q[:, ids if ids is not None else slice(None)] = torch.softmax(drafter.draft_logits(hidden[0, first - 1:-1]), -1)
-        inside = torch.zeros(p.shape[-1], dtype=torch.bool)
-        inside[ids if ids is not None else slice(None)] = True
-        sums["sum_min_pq"] += float(torch.minimum(p, q).sum())
-        sums["p_argmax_q"] += float(p.gather(1, q.argmax(-1, keepdim=True)).sum())
-        sums["outside_draft_vocab"] += float(p[:, ~inside].sum())
-        positions += p.shape[0]
-    return {key: value / positions for key, value in sums.items()} | {"positions": positions}
+    """Teacher-forced depth-1 terms over every held-out response position, p over the full vocabulary (the same
+    per-position statistics as benchmarks/acceptance_bound.py)."""
+    stats = [position_stats(forward, drafter, p, r, temperature=1.0) for p, r in zip(prompts, responses_)]
+    merged = {key: torch.cat([s[key] for s in stats]) for key in ("sum_min_pq", "p_argmax_q", "outside")}
+    return {"sum_min_pq": float(merged["sum_min_pq"].mean()), "p_argmax_q": float(merged["p_argmax_q"].mean()),
+            "outside_draft_vocab": float(merged["outside"].mean()), "positions": int(merged["outside"].shape[0])}
 
 
 def parse_variant(text: str) -> dict:

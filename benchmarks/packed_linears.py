@@ -26,15 +26,14 @@ from tlt.rollout.request import Request  # noqa: E402
 from tlt.sampling import SamplingParams  # noqa: E402
 from tlt.speculative.strategy import SpecStrategy  # noqa: E402
 
-LINEARS = {"unpacked": _onednn_linear, "packed": PackedOneDNNLinear}
+LINEARS = {"unpacked": lambda: _onednn_linear, "packed": PackedOneDNNLinear}  # a fresh linear per engine
 
 
 def tokens_per_s(loaded, prompts, batch: int, linear: str, params: SamplingParams, drafter=None,
                  strategy: SpecStrategy | None = None) -> float:
     engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy,
                            max_tree_size=strategy.tree_size if strategy else 0)
-    engine.forward.linear = _onednn_linear if linear == "unpacked" else PackedOneDNNLinear()  # the drafter's too:
-    # on the CPU it is attached to this very forward
+    engine.forward.linear = LINEARS[linear]()  # the drafter's too: on the CPU it is attached to this very forward
     engine.generate([Request(prompts[0], params=SamplingParams(max_new_tokens=2))])  # packs, warms up
     return engine.generate([Request(p, params=params) for p in prompts]).tokens_per_s
 

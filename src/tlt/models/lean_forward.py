@@ -26,6 +26,7 @@ class ForwardOutput:
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear; `weight` plain (re-laid out on every call) or packed by PackedOneDNNLinear."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -50,7 +51,7 @@ class PackedOneDNNLinear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.is_grad_enabled():
             return F.linear(x, weight, bias)  # oneDNN's pointwise linear has no gradient for the weight
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight), bias, "none", [], "")
+        return _onednn_linear(x, self._packed(weight), bias)
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         key = id(weight)
