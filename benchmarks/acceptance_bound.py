@@ -27,7 +27,7 @@ from common import environment, write_json  # noqa: E402
 from tlt.models import KVCache, load_model  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
 from tlt.rollout.engine import RolloutEngine  # noqa: E402
-from tlt.rollout.request import Request  # noqa: E402
+from tlt.rollout.request import Request, RolloutResult  # noqa: E402
 from tlt.sampling import SamplingParams  # noqa: E402
 from tlt.speculative.strategy import SpecStrategy  # noqa: E402
 from tlt.tasks import ArithmeticTask, ChatTask  # noqa: E402
@@ -73,7 +73,10 @@ def main(argv=None) -> dict:
         results["depth1_acceptance"] = {
             "target_only_top1": results["teacher_forced_depth1"]["target_only_top1"],
             "target_only_chain_measured": depth1["S5K1N5"],
+            "target_only_chain_teacher_forced_at_round_starts":
+                arms["S5K1N5"]["teacher_forced_depth1_at_round_starts"],
             "q_sampling_chain": depth1["S5K1q"],
+            "q_sampling_chain_teacher_forced_at_round_starts": arms["S5K1q"]["teacher_forced_depth1_at_round_starts"],
             "target_only_tree_best": max(v for k, v in depth1.items() if not k.endswith("q") and "K1" not in k),
             "q_sampling_tree_best": max(v for k, v in depth1.items() if k.endswith("q") and "K1" not in k)}
         for name, arm in arms.items():
@@ -112,11 +115,34 @@ def position_stats(forward, drafter, prompt_ids, token_ids, temperature: float) 
 
 
 def measured_arm(loaded, drafter, prompts, strategy: SpecStrategy, params: SamplingParams) -> dict:
+    """tau and acceptance by depth of real SD steps at batch 1; for a chain, also its depth-1 acceptance
+    teacher-forced at the positions where its rounds started (the engine's own responses): equal to the measured
+    one when the engine is exact, and below the all-positions figure because a round starts right after a
+    rejected draft, at a token the drafter failed to predict, more often than a random position does."""
     engine = RolloutEngine(loaded, max_batch_size=1, drafter=drafter, speculation=strategy,
                            max_tree_size=strategy.tree_size)
-    summary = engine.generate([Request(p, params=params) for p in prompts]).speculation_summary()
-    return {"tau": summary["tau"], "acceptance_by_depth": summary["acceptance_by_depth"],
-            "tree_size": strategy.tree_size}
+    runs = [engine.generate([Request(p, params=params)]) for p in prompts]  # one row each: its rounds in order
+    steps = [step for run in runs for step in run.steps]
+    summary = RolloutResult([s for run in runs for s in run.samples], steps, 0.0).speculation_summary()
+    arm = {"tau": summary["tau"], "acceptance_by_depth": summary["acceptance_by_depth"],
+           "tree_size": strategy.tree_size}
+    if strategy.branching == 1:
+        key = "sum_min_pq" if strategy.rule == "q" else "p_argmax_q"
+        at_starts = [position_stats(engine.forward, drafter, run.samples[0].prompt_ids, run.samples[0].token_ids,
+                                    params.temperature)[key][round_starts(run)] for run in runs]
+        arm["teacher_forced_depth1_at_round_starts"] = float(torch.cat(at_starts).mean())
+    return arm
+
+
+def round_starts(run) -> list[int]:
+    """Response positions whose token a batch-1 run's SD rounds drafted first (the tokens emitted before)."""
+    emitted, starts = 0, []
+    length = len(run.samples[0].token_ids)
+    for step in run.steps:
+        if step.mode == "sd" and emitted < length:
+            starts.append(emitted)
+        emitted += step.new_tokens
+    return starts
 
 
 if __name__ == "__main__":

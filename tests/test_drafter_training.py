@@ -253,3 +253,46 @@ def test_warmup_holds_out_whole_prompts_and_names_its_numbers(tmp_path, monkeypa
                   "predicted τ of a greedy depth-3 chain, target-only rule, T=1.0",
                   "measured τ of SD in the engine (S3K1N3, target-only rule, T=1.0, batch 1"):
         assert label in text, label
+
+
+def _markov_loaded():
+    from tlt.models import LoadedModel, ModelSpec
+    from tlt.tasks.synthetic import IdTokenizer
+
+    model, _ = markov_model(16, sharpness=2.0, context=0.05, seed=1)
+    return LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "markov")
+
+
+def test_warmup_goes_on_from_an_earlier_drafter_with_its_optimizer(tmp_path):
+    import json
+
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.tasks.synthetic import TargetTokenTask
+
+    loaded, task = _markov_loaded(), TargetTokenTask(vocab_size=16)
+    small = dict(prompts=6, samples_per_prompt=1, eval_prompts=1, max_new_tokens=8, draft_vocab=12,
+                 eval_strategy=SpecStrategy.chain(2))
+    first = warmup(loaded, task, tmp_path / "a", WarmupConfig(steps=4, **small), log=lambda line: None)
+    before = EagleDrafter.load(tmp_path / "a", loaded.model)
+    second = warmup(loaded, task, tmp_path / "b", WarmupConfig(steps=3, seed=1, init=str(tmp_path / "a"),
+                                                               lr_schedule="cosine", **small), log=lambda line: None)
+    after = EagleDrafter.load(tmp_path / "b", loaded.model)
+    assert torch.equal(before.draft_to_target, after.draft_to_target)  # the vocabulary is the earlier drafter's
+    assert not torch.equal(before.fc.weight, after.fc.weight)          # and training went on from its weights
+    assert json.loads((tmp_path / "b" / "drafter_trainer.json").read_text())["steps"] == 7  # optimizer carried on
+    assert (first["init"], second["init"], second["lr_schedule"]) == (None, str(tmp_path / "a"), "cosine")
+
+
+def test_warmup_refuses_an_init_drafter_of_another_vocabulary_before_sampling(tmp_path, monkeypatch):
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.errors import TltError
+    from tlt.tasks.synthetic import TargetTokenTask
+
+    loaded = _markov_loaded()
+    EagleDrafter(loaded.model.config, torch.arange(10)).attach(loaded.model).save(tmp_path / "a")
+    monkeypatch.setattr(RolloutEngine, "generate", lambda *a, **k: pytest.fail("sampled before checking --init"))
+    with pytest.raises(TltError, match=r"draft vocabulary of 10 tokens, not the 12 asked for: pass --draft-vocab 10"):
+        warmup(loaded, TargetTokenTask(vocab_size=16), tmp_path / "b",
+               WarmupConfig(prompts=4, draft_vocab=12, init=str(tmp_path / "a")), log=lambda line: None)
+    with pytest.raises(TltError, match="lr_schedule must be 'constant' or 'cosine', got 'linear'"):
+        WarmupConfig(lr_schedule="linear")

@@ -136,6 +136,12 @@ def _add_warmup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ce-weight", type=float, default=0.1, help="weight of the soft cross-entropy to the "
                         "target's token distribution (beside the feature loss of weight 1)")
+    parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                        help="cosine: decay to 10%% of --lr over --steps")
+    parser.add_argument("--init", default=None, metavar="DIR", help="go on training this drafter (its weights, "
+                        "draft vocabulary and optimizer state) instead of a new one")
+    parser.add_argument("--seed", type=int, default=0, help="which prompts are drawn (go on from --init with "
+                        "another seed for new prompts)")
 
 
 def _run_warmup(args) -> int:
@@ -147,7 +153,7 @@ def _run_warmup(args) -> int:
     loaded = load_model(args.model)
     source = ArithmeticTask() if args.data == "arithmetic" else DatasetTask(load_examples(args.data))
     config = WarmupConfig(prompts=args.prompts, steps=args.steps, max_new_tokens=args.max_new_tokens,
-                          draft_vocab=args.draft_vocab)
+                          draft_vocab=args.draft_vocab, seed=args.seed, init=args.init, lr_schedule=args.lr_schedule)
     warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config,
            DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature))
     return 0

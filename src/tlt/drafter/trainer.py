@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pairs
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
+OPTIMIZER_FILE = "drafter_optimizer.safetensors"
+
 
 @dataclass(frozen=True)
 class DrafterTrainConfig:
@@ -145,7 +147,7 @@ class DrafterTrainer:
         directory = Path(directory)
         self.drafter.save(directory)
         tensors, meta = flatten_optimizer(self.optimizer.state_dict())
-        save_file(tensors, str(directory / "drafter_optimizer.safetensors"))
+        save_file(tensors, str(directory / OPTIMIZER_FILE))
         (directory / "drafter_trainer.json").write_text(json.dumps({"steps": self.steps, "optimizer": meta}))
 
     def load_optimizer(self, directory: str | Path) -> None:
@@ -154,7 +156,7 @@ class DrafterTrainer:
 
         directory = Path(directory)
         state = json.loads((directory / "drafter_trainer.json").read_text())
-        self.optimizer.load_state_dict(unflatten_optimizer(load_file(str(directory / "drafter_optimizer.safetensors")),
+        self.optimizer.load_state_dict(unflatten_optimizer(load_file(str(directory / OPTIMIZER_FILE)),
                                                             state["optimizer"]))
         self.steps = state["steps"]
 

@@ -19,9 +19,10 @@ from tqdm.auto import tqdm
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.drafter.chain import chain_acceptance
 from tlt.drafter.features import collect_features
-from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+from tlt.drafter.trainer import OPTIMIZER_FILE, DrafterTrainConfig, DrafterTrainer
 from tlt.errors import TltError
 from tlt.models.eagle import EagleDrafter
+from tlt.rl.optim import lr_factor
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
 from tlt.sampling import SamplingParams
@@ -38,7 +39,13 @@ class WarmupConfig:
     steps: int = 300                # optimizer steps
     draft_vocab: int = 8192         # 0 = full vocabulary
     eval_strategy: SpecStrategy = SpecStrategy(4, 2, rule="q")  # the measured τ under the rule that pays at T=1
-    seed: int = 0
+    seed: int = 0                   # the prompts drawn and the sampling: another seed, other prompts
+    init: str | None = None         # continue from this drafter (weights, draft vocabulary, optimizer state)
+    lr_schedule: str = "constant"   # "constant" or "cosine" (to 10% of the lr over `steps`)
+
+    def __post_init__(self):
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise TltError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
 
 
 def frequent_tokens(sequences: list[list[int]], count: int, vocab_size: int) -> torch.Tensor:
@@ -58,6 +65,7 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     examples = task.sample(config.prompts + config.eval_prompts, seed=config.seed)
     train_examples, eval_examples = examples[:config.prompts], examples[config.prompts:]
     engine = RolloutEngine(loaded, max_batch_size=64)
+    initial = initial_drafter(loaded, engine.policy_forward, config)
     params = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens, seed=config.seed)
     requests = [Request(task.prompt_ids(e), n=config.samples_per_prompt, params=params) for e in train_examples]
     rollout = engine.generate(requests, progress=True)
@@ -74,13 +82,14 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     held_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=config.seed)
     pairs = collect_features(engine.policy_forward, prompts[:held_from], responses[:held_from], buffer, step=0)
     collect_features(engine.policy_forward, prompts[held_from:], responses[held_from:], held_buffer, step=0)
-    vocab = loaded.spec.vocab_size
-    draft_vocab = frequent_tokens(responses, config.draft_vocab, vocab) if 0 < config.draft_vocab < vocab else None
-    drafter = EagleDrafter(loaded.model.config, draft_vocab).attach(engine.policy_forward)
-    trainer = DrafterTrainer(drafter, buffer, train_config)
+    trainer = new_trainer(loaded, initial, engine.policy_forward, responses, buffer, config, train_config)
+    drafter = trainer.drafter
     held = list(held_buffer.entries)
     with tqdm(total=config.steps, desc="drafter warm-up", unit="step") as bar:
-        for _ in range(config.steps):
+        for step in range(config.steps):
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = train_config.lr * lr_factor(step, schedule=config.lr_schedule, warmup_steps=0,
+                                                          horizon=config.steps, min_lr_ratio=0.1)
             stats = trainer.train_steps(1)[-1]
             bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.2f}")
             bar.update(1)
@@ -102,12 +111,39 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
               "train_s": trained_s, "steps": config.steps, "held_out_prompts": held_prompts,
               "held_out_responses": len(prompts) - held_from, "held_out": held_out, "held_out_chain": chain.to_dict(),
               "measured_tau": measured["tau"], "acceptance_by_depth": measured["acceptance_by_depth"],
-              "eval_strategy": config.eval_strategy.name, "draft_vocab": config.draft_vocab,
+              "eval_strategy": config.eval_strategy.name, "draft_vocab": drafter.draft_vocab_size,
+              "init": config.init, "lr_schedule": config.lr_schedule, "seed": config.seed,
               "total_s": time.perf_counter() - started}
     (Path(out) / "warmup_report.json").write_text(__import__("json").dumps(report, indent=1))
     for line in summary_lines(report, config):
         log(line)
     return report
+
+
+def initial_drafter(loaded, forward, config: WarmupConfig) -> EagleDrafter | None:
+    """The drafter of config.init (checked before any sampling), or None for a fresh one."""
+    if config.init is None:
+        return None
+    drafter = EagleDrafter.load(config.init, forward)
+    wanted = config.draft_vocab if 0 < config.draft_vocab < loaded.spec.vocab_size else loaded.spec.vocab_size
+    if drafter.draft_vocab_size != wanted:
+        raise TltError(f"--init {config.init} has a draft vocabulary of {drafter.draft_vocab_size} tokens, not the "
+                       f"{wanted} asked for: pass --draft-vocab {drafter.draft_vocab_size} (a drafter keeps its own)")
+    return drafter
+
+
+def new_trainer(loaded, drafter: EagleDrafter | None, forward, responses, buffer, config: WarmupConfig,
+                train_config: DrafterTrainConfig) -> DrafterTrainer:
+    """A trainer of the --init drafter with its optimizer moments (a warm-up going on from where another
+    stopped, on new prompts), or of a fresh drafter over the responses' most frequent tokens."""
+    if drafter is not None:
+        trainer = DrafterTrainer(drafter, buffer, train_config)
+        if (Path(config.init) / OPTIMIZER_FILE).exists():
+            trainer.load_optimizer(config.init)
+        return trainer
+    vocab = loaded.spec.vocab_size
+    draft_vocab = frequent_tokens(responses, config.draft_vocab, vocab) if 0 < config.draft_vocab < vocab else None
+    return DrafterTrainer(EagleDrafter(loaded.model.config, draft_vocab).attach(forward), buffer, train_config)
 
 
 def summary_lines(report: dict, config: WarmupConfig) -> list[str]:

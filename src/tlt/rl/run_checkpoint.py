@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tlt.drafter.trainer import OPTIMIZER_FILE as DRAFTER_OPTIMIZER_FILE
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 from tlt.rl.checkpoint import load_checkpoint, save_checkpoint
 from tlt.rl.replica import PolicyReplica
 
 DRAFTER_FILE = "drafter.safetensors"
-DRAFTER_OPTIMIZER_FILE = "drafter_optimizer.safetensors"
 
 
 @dataclass
