@@ -8,7 +8,7 @@
 #
 #   tests       pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training)
 #               -> tests.log, tests.xml (JUnit: every test's outcome and time)
-#   drafter     warm a drafter on the GPU (needs the default model) into $DRAFTER, sent back in $OUT/drafter/
+#   drafter     warm a drafter on the GPU (WARM_PROMPTS 256, WARM_STEPS 1000) into $DRAFTER, sent back in $OUT/drafter/
 #   spec        benchmarks/speculative.py, greedy and T=1, batches 1,4,16       -> speculative_h100.json (#13, #14)
 #   throughput  benchmarks/rollout_throughput.py, batches 1,16,64               -> rollout_throughput_h100.json (#13)
 #   tail        spot_training.py --lone-worker, overhead (greedy, 2 steps)      -> spot_training_h100.json (#15)
@@ -64,8 +64,9 @@ send_drafter() {  # $OUT/drafter/: the config, and the weights whole or (over 16
   echo "== drafter sent back: $(cd "$OUT/drafter" && ls | tr '\n' ' ')"
 }
 
-warm_drafter() {  # warm_drafter SECONDS: train a drafter into $DRAFTER and send it back
-  run drafter "$1" python3 -m tlt.cli drafter warmup --out "$DRAFTER" --prompts 64 --steps 300 && send_drafter
+warm_drafter() {  # warm_drafter SECONDS PROMPTS STEPS: train a drafter into $DRAFTER and send it back
+  run drafter "$1" python3 -m tlt.cli drafter warmup --out "$DRAFTER" --overwrite --prompts "$2" --steps "$3" \
+    --lr-schedule cosine && send_drafter
 }
 
 ensure_drafter() {  # this machine's drafter, else the carried copy, else one warmed now
@@ -84,7 +85,7 @@ ensure_drafter() {  # this machine's drafter, else the carried copy, else one wa
     fi
   fi
   echo "== drafter: none on this machine nor carried in; warming one first"
-  warm_drafter 300
+  warm_drafter 300 64 300  # a small one: the phase that asked for it gets the rest of BUDGET
 }
 
 for phase in "$@"; do
@@ -96,7 +97,7 @@ for phase in "$@"; do
     tests)
       run tests 540 python3 -m pytest -m gpu tests/test_gpu.py -q -rfE --durations=15 -o faulthandler_timeout=120 \
         --junitxml="$OUT/tests.xml" ;;
-    drafter) warm_drafter 540 ;;
+    drafter) warm_drafter 540 "${WARM_PROMPTS:-256}" "${WARM_STEPS:-1000}" ;;
     spec)
       run spec_greedy 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
         --batches 1,4,16 --json "$OUT/speculative_h100_greedy.json" --png /tmp/speculative_h100_greedy.png

@@ -296,3 +296,15 @@ def test_warmup_refuses_an_init_drafter_of_another_vocabulary_before_sampling(tm
                WarmupConfig(prompts=4, draft_vocab=12, init=str(tmp_path / "a")), log=lambda line: None)
     with pytest.raises(TltError, match="lr_schedule must be 'constant' or 'cosine', got 'linear'"):
         WarmupConfig(lr_schedule="linear")
+
+
+def test_warmup_refuses_an_out_directory_holding_a_drafter_before_sampling(tmp_path, monkeypatch):
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.errors import TltError
+    from tlt.tasks.synthetic import TargetTokenTask
+
+    loaded = _markov_loaded()
+    EagleDrafter(loaded.model.config).attach(loaded.model).save(tmp_path / "a")
+    monkeypatch.setattr(RolloutEngine, "generate", lambda *a, **k: pytest.fail("sampled before checking --out"))
+    with pytest.raises(TltError, match=r"already holds a drafter: pass --overwrite to replace it, --init .* to go on"):
+        warmup(loaded, TargetTokenTask(vocab_size=16), tmp_path / "a", WarmupConfig(prompts=4), log=lambda line: None)

@@ -142,6 +142,7 @@ def _add_warmup(parser: argparse.ArgumentParser) -> None:
                         "draft vocabulary and optimizer state) instead of a new one")
     parser.add_argument("--seed", type=int, default=0, help="which prompts are drawn (go on from --init with "
                         "another seed for new prompts)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a drafter already in --out")
 
 
 def _run_warmup(args) -> int:
@@ -155,7 +156,8 @@ def _run_warmup(args) -> int:
     config = WarmupConfig(prompts=args.prompts, steps=args.steps, max_new_tokens=args.max_new_tokens,
                           draft_vocab=args.draft_vocab, seed=args.seed, init=args.init, lr_schedule=args.lr_schedule)
     warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config,
-           DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature))
+           DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature),
+           overwrite=args.overwrite)
     return 0
 
 

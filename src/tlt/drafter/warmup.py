@@ -21,7 +21,7 @@ from tlt.drafter.chain import chain_acceptance
 from tlt.drafter.features import collect_features
 from tlt.drafter.trainer import OPTIMIZER_FILE, DrafterTrainConfig, DrafterTrainer
 from tlt.errors import TltError
-from tlt.models.eagle import EagleDrafter
+from tlt.models.eagle import CONFIG_FILE as DRAFTER_CONFIG_FILE, EagleDrafter
 from tlt.rl.optim import lr_factor
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
@@ -58,9 +58,12 @@ def frequent_tokens(sequences: list[list[int]], count: int, vocab_size: int) -> 
 
 
 def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
-           train_config: DrafterTrainConfig = DrafterTrainConfig(), log=print) -> dict:
+           train_config: DrafterTrainConfig = DrafterTrainConfig(), log=print, overwrite: bool = False) -> dict:
+    """Sample, train, save to `out`, measure. `out` may hold a drafter only when it is `config.init` (going on
+    in place) or `overwrite` is set: checked, like the --init drafter, before any sampling."""
     if config.prompts < 2:
         raise TltError(f"drafter warm-up needs at least 2 prompts (one is held out), got {config.prompts}")
+    check_out(Path(out), config.init, overwrite)
     started = time.perf_counter()
     examples = task.sample(config.prompts + config.eval_prompts, seed=config.seed)
     train_examples, eval_examples = examples[:config.prompts], examples[config.prompts:]
@@ -118,6 +121,13 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     for line in summary_lines(report, config):
         log(line)
     return report
+
+
+def check_out(out: Path, init: str | None, overwrite: bool) -> None:
+    same_as_init = init is not None and Path(init).resolve() == out.resolve()
+    if (out / DRAFTER_CONFIG_FILE).exists() and not (overwrite or same_as_init):
+        raise TltError(f"{out} already holds a drafter: pass --overwrite to replace it, --init {out} to go on "
+                       f"training it, or another --out")
 
 
 def initial_drafter(loaded, forward, config: WarmupConfig) -> EagleDrafter | None:
