@@ -8,7 +8,7 @@
 #
 #   tests       pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training)
 #               -> tests.log, tests.xml (JUnit: every test's outcome and time)
-#   drafter     warm a drafter on the GPU (WARM_PROMPTS 256, WARM_STEPS 1000) into $DRAFTER, sent back in $OUT/drafter/
+#   drafter     warm a drafter on the GPU (WARM_PROMPTS 1024, WARM_STEPS 2000: data-bound) into $DRAFTER, sent back
 #   spec        benchmarks/speculative.py, greedy and T=1, batches 1,4,16       -> speculative_h100.json (#13, #14)
 #   throughput  benchmarks/rollout_throughput.py, batches 1,16,64               -> rollout_throughput_h100.json (#13)
 #   tail        spot_training.py --lone-worker, overhead (greedy, 2 steps)      -> spot_training_h100.json (#15)
@@ -97,7 +97,7 @@ for phase in "$@"; do
     tests)
       run tests 540 python3 -m pytest -m gpu tests/test_gpu.py -q -rfE --durations=15 -o faulthandler_timeout=120 \
         --junitxml="$OUT/tests.xml" ;;
-    drafter) warm_drafter 540 "${WARM_PROMPTS:-256}" "${WARM_STEPS:-1000}" ;;
+    drafter) warm_drafter 540 "${WARM_PROMPTS:-1024}" "${WARM_STEPS:-2000}" ;;
     spec)
       run spec_greedy 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
         --batches 1,4,16 --json "$OUT/speculative_h100_greedy.json" --png /tmp/speculative_h100_greedy.png
