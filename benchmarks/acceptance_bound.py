@@ -8,7 +8,8 @@ sum_x min(p(x), q(x)) = 1 - TV(p, q), which a good drafter can push past the tar
 Teacher-forced on the sampled responses (every position, the drafter fed the target's own features, as at
 depth 1): the target's top-K mass, p(argmax q), p of the drafter's top-2, sum min(p, q), and the target's mass
 outside the draft vocabulary (never acceptable by any rule). Measured in the engine at batch 1 (real SD steps,
-depth > 1 uses the drafter's own features): acceptance by depth and tau for chain and tree arms of both rules.
+depth > 1 uses the drafter's own features): acceptance by depth and tau for chain and tree arms of both rules;
+for the chain arms also the teacher-forced depth-1 acceptance at the positions where their rounds started.
 
     python benchmarks/acceptance_bound.py --drafter DIR --json benchmarks/results/acceptance_bound.json
 """
