@@ -93,24 +93,23 @@ def main(argv=None) -> dict:
         plain = statistics.median(plain_runs)
         results["plain_tok_s"][key] = plain
         results.setdefault("plain_runs_tok_s", {})[key] = plain_runs
-        measured = {}
         for strategy, outcomes in runs.items():
             ratios = [tok_s / plain_runs[i] for i, (tok_s, _) in enumerate(outcomes)]
             ratios += [tok_s / plain_runs[i + 1] for i, (tok_s, _) in enumerate(outcomes)]
-            tok_s = statistics.median(t for t, _ in outcomes)
-            tau = statistics.median(summary["tau"] for _, summary in outcomes)
-            measured[strategy] = (tok_s, {"tau": tau}, statistics.median(ratios))
             results["by_strategy"].setdefault(strategy.name, {})[key] = {
-                "tok_s": tok_s, "tau": tau, "speedup": statistics.median(ratios),
-                "runs_tok_s": [t for t, _ in outcomes]}
+                "tok_s": statistics.median(t for t, _ in outcomes),
+                "tau": statistics.median(summary["tau"] for _, summary in outcomes),
+                "speedup": statistics.median(ratios), "runs_tok_s": [t for t, _ in outcomes]}
         write_json(args.json, results, echo=False)
         best = None
-        for strategy, (tok_s, summary, speedup) in measured.items():
-            if best is None or speedup > best[3]:
-                best = (tok_s, summary["tau"], strategy.name, speedup)
+        for strategy in strategies:
+            arm = results["by_strategy"][strategy.name][key]
+            if best is None or arm["speedup"] > best[3]:
+                best = (arm["tok_s"], arm["tau"], strategy.name, arm["speedup"])
             by_rule = results["best_by_rule"][strategy.rule]
-            if key not in by_rule or speedup > by_rule[key]["speedup"]:
-                by_rule[key] = {"strategy": strategy.name, "tok_s": tok_s, "tau": summary["tau"], "speedup": speedup}
+            if key not in by_rule or arm["speedup"] > by_rule[key]["speedup"]:
+                by_rule[key] = {"strategy": strategy.name, "tok_s": arm["tok_s"], "tau": arm["tau"],
+                                "speedup": arm["speedup"]}
         results["sd_tok_s"][key], results["tau"][key], results["strategy"][key], results["speedup"][key] = best
         print(f"batch {batch:2d}: plain {plain:6.1f} tok/s  best SD {best[0]:6.1f} tok/s ({best[2]}, "
               f"tau {best[1]:.2f})  x{results['speedup'][key]:.2f}", file=sys.stderr)

@@ -221,14 +221,20 @@ def test_batched_chain_scoring_matches_one_chain_at_a_time(monkeypatch, temperat
         assert torch.allclose(got, expected, atol=1e-5)
 
 
+def _markov_loaded():
+    from tlt.models import LoadedModel, ModelSpec
+    from tlt.tasks.synthetic import IdTokenizer
+
+    model, _ = markov_model(16, sharpness=2.0, context=0.05, seed=1)
+    return LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "markov")
+
+
 def test_warmup_holds_out_whole_prompts_and_names_its_numbers(tmp_path, monkeypatch):
     import tlt.drafter.warmup as warmup_module
     from tlt.drafter.warmup import WarmupConfig, warmup
-    from tlt.models import LoadedModel, ModelSpec
-    from tlt.tasks.synthetic import IdTokenizer, TargetTokenTask
+    from tlt.tasks.synthetic import TargetTokenTask
 
-    model, _ = markov_model(16, sharpness=2.0, context=0.05, seed=1)
-    loaded = LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "markov")
+    loaded = _markov_loaded()
     calls = {"features": [], "chain": []}
     collect, chain = warmup_module.collect_features, warmup_module.chain_acceptance
     monkeypatch.setattr(warmup_module, "collect_features", lambda target, prompts, responses, *a, **k: (
@@ -253,14 +259,6 @@ def test_warmup_holds_out_whole_prompts_and_names_its_numbers(tmp_path, monkeypa
                   "predicted τ of a greedy depth-3 chain, target-only rule, T=1.0",
                   "measured τ of SD in the engine (S3K1N3, target-only rule, T=1.0, batch 1"):
         assert label in text, label
-
-
-def _markov_loaded():
-    from tlt.models import LoadedModel, ModelSpec
-    from tlt.tasks.synthetic import IdTokenizer
-
-    model, _ = markov_model(16, sharpness=2.0, context=0.05, seed=1)
-    return LoadedModel(model, IdTokenizer(), ModelSpec.from_config(model.config), "markov")
 
 
 def test_warmup_goes_on_from_an_earlier_drafter_with_its_optimizer(tmp_path):

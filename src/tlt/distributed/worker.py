@@ -21,7 +21,6 @@ import logging
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
@@ -220,7 +219,7 @@ class RolloutWorker:
         (a fresh Adam would take full-size steps on an already trained drafter and undo part of its warm-up)."""
         state = None
         source = self.config.run.drafter
-        if source and (Path(source) / "drafter_trainer.json").exists():
+        if source and DrafterTrainer.has_saved_state(source):
             trainer = self._spot_objects()[1]
             trainer.load_optimizer(source)
             state = {"optimizer": trainer.optimizer.state_dict(), "steps": trainer.steps}

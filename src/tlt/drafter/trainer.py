@@ -20,6 +20,7 @@ from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pa
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
 OPTIMIZER_FILE = "drafter_optimizer.safetensors"
+TRAINER_FILE = "drafter_trainer.json"  # optimizer steps and the optimizer state's layout
 
 
 @dataclass(frozen=True)
@@ -148,14 +149,19 @@ class DrafterTrainer:
         self.drafter.save(directory)
         tensors, meta = flatten_optimizer(self.optimizer.state_dict())
         save_file(tensors, str(directory / OPTIMIZER_FILE))
-        (directory / "drafter_trainer.json").write_text(json.dumps({"steps": self.steps, "optimizer": meta}))
+        (directory / TRAINER_FILE).write_text(json.dumps({"steps": self.steps, "optimizer": meta}))
+
+    @staticmethod
+    def has_saved_state(directory: str | Path) -> bool:
+        """Whether `directory` holds a trainer's state as `save` writes it (both files)."""
+        return (Path(directory) / OPTIMIZER_FILE).exists() and (Path(directory) / TRAINER_FILE).exists()
 
     def load_optimizer(self, directory: str | Path) -> None:
         from safetensors.torch import load_file
         import json
 
         directory = Path(directory)
-        state = json.loads((directory / "drafter_trainer.json").read_text())
+        state = json.loads((directory / TRAINER_FILE).read_text())
         self.optimizer.load_state_dict(unflatten_optimizer(load_file(str(directory / OPTIMIZER_FILE)),
                                                             state["optimizer"]))
         self.steps = state["steps"]

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.drafter.chain import chain_acceptance
 from tlt.drafter.features import collect_features
-from tlt.drafter.trainer import OPTIMIZER_FILE, DrafterTrainConfig, DrafterTrainer
+from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
 from tlt.errors import TltError
 from tlt.models.eagle import CONFIG_FILE as DRAFTER_CONFIG_FILE, EagleDrafter
 from tlt.rl.optim import lr_factor
@@ -123,6 +123,11 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     return report
 
 
+def limits_vocab(draft_vocab: int, vocab_size: int) -> bool:
+    """Whether a --draft-vocab of `draft_vocab` restricts the drafter (0 or >= the vocabulary: the full one)."""
+    return 0 < draft_vocab < vocab_size
+
+
 def check_out(out: Path, init: str | None, overwrite: bool) -> None:
     same_as_init = init is not None and Path(init).resolve() == out.resolve()
     if (out / DRAFTER_CONFIG_FILE).exists() and not (overwrite or same_as_init):
@@ -135,7 +140,8 @@ def initial_drafter(loaded, forward, config: WarmupConfig) -> EagleDrafter | Non
     if config.init is None:
         return None
     drafter = EagleDrafter.load(config.init, forward)
-    wanted = config.draft_vocab if 0 < config.draft_vocab < loaded.spec.vocab_size else loaded.spec.vocab_size
+    vocab = loaded.spec.vocab_size
+    wanted = config.draft_vocab if limits_vocab(config.draft_vocab, vocab) else vocab
     if drafter.draft_vocab_size != wanted:
         raise TltError(f"--init {config.init} has a draft vocabulary of {drafter.draft_vocab_size} tokens, not the "
                        f"{wanted} asked for: pass --draft-vocab {drafter.draft_vocab_size} (a drafter keeps its own)")
@@ -148,11 +154,12 @@ def new_trainer(loaded, drafter: EagleDrafter | None, forward, responses, buffer
     stopped, on new prompts), or of a fresh drafter over the responses' most frequent tokens."""
     if drafter is not None:
         trainer = DrafterTrainer(drafter, buffer, train_config)
-        if (Path(config.init) / OPTIMIZER_FILE).exists():
+        if DrafterTrainer.has_saved_state(config.init):
             trainer.load_optimizer(config.init)
         return trainer
     vocab = loaded.spec.vocab_size
-    draft_vocab = frequent_tokens(responses, config.draft_vocab, vocab) if 0 < config.draft_vocab < vocab else None
+    limited = limits_vocab(config.draft_vocab, vocab)
+    draft_vocab = frequent_tokens(responses, config.draft_vocab, vocab) if limited else None
     return DrafterTrainer(EagleDrafter(loaded.model.config, draft_vocab).attach(forward), buffer, train_config)
 
 
