@@ -218,3 +218,34 @@ def test_a_run_that_died_in_its_first_step_does_not_block_a_retry(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
     (tmp_path / "metrics.jsonl").write_text("")
     assert prepare_run_dir(tmp_path, TrainConfig().to_dict(), resume=False, overwrite=False) is None
+
+
+@pytest.mark.parametrize("damage", ["state.json", "policy.safetensors", "rng.safetensors"])
+def test_resume_from_a_damaged_checkpoint_names_the_file_and_the_way_out(tmp_path, damage):
+    """A checkpoint file cut short or missing (a disk filled up, a bad copy) is one CheckpointError naming the file
+    and pointing at the checkpoint before it, never a JSON traceback or `--resume continues from` that same one."""
+    from tlt.rl.checkpoint import CheckpointError
+
+    run(tmp_path, steps=2)
+    file = tmp_path / "step-000002" / damage
+    if damage == "rng.safetensors":
+        file.unlink()
+    else:
+        file.write_bytes(file.read_bytes()[:len(file.read_bytes()) // 2])
+    with pytest.raises(CheckpointError, match=f"{file}.*delete {tmp_path / 'step-000002'} to resume from step-000001"):
+        run(tmp_path, steps=3, resume=True)
+
+
+def test_a_checkpoints_damaged_drafter_is_a_checkpoint_error(tmp_path):
+    """The distributed driver restores the drafter from the checkpoint: a damaged file there names itself too
+    (a worker's SafetensorError would read as a crash and send the user to --resume the same checkpoint)."""
+    from tlt.rl.checkpoint import CheckpointError
+    from tlt.rl.run_checkpoint import DRAFTER_FILE, read_drafter
+
+    checkpoint = tmp_path / "step-000001"
+    checkpoint.mkdir()
+    (checkpoint / "state.json").write_text(json.dumps({"step": 1, "python_rng": [], "drafter": {"version": 3,
+                                                                                              "trainer": None}}))
+    (checkpoint / DRAFTER_FILE).write_bytes(b"\x08")
+    with pytest.raises(CheckpointError, match=f"{checkpoint / DRAFTER_FILE}.*--overwrite"):
+        read_drafter(checkpoint)

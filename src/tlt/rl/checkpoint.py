@@ -81,7 +81,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints (keep <= 0: keep all); returns the deleted ones."""
     if keep <= 0:
         return []
-    found = sorted(p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if (p / "state.json").exists())
+    found = _complete_checkpoints(run_dir)
     doomed = found[:-keep]
     for path in doomed:
         shutil.rmtree(path)
@@ -89,8 +89,12 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted(p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if (p / "state.json").exists())
+    found = _complete_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def _complete_checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if (p / "state.json").exists())
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler=None) -> dict:
@@ -99,7 +103,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler=None) -> dict:
     path = Path(path)
     if not (path / "state.json").exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no state.json)")
-    weights = _read(path / "policy.safetensors")
+    state = read_state(path)
+    weights = read_tensors(path / "policy.safetensors")
     own = model.state_dict()
     missing = [name for name in own if name not in weights and not _saved_under_another_name(own, weights, name)]
     if missing or any(weights[n].shape != own[n].shape for n in weights if n in own):
@@ -108,24 +113,44 @@ def load_checkpoint(path: Path, model, optimizer, scheduler=None) -> dict:
         for name, tensor in weights.items():
             if name in own:
                 own[name].copy_(tensor)
-    state = json.loads((path / "state.json").read_text())
     if state.get("optimizer") is None:
         log.warning("%s holds no optimizer state (run.save_optimizer=false): the optimizer starts fresh", path)
     else:
-        optimizer.load_state_dict(unflatten_optimizer(_read(path / "optimizer.safetensors"),
+        optimizer.load_state_dict(unflatten_optimizer(read_tensors(path / "optimizer.safetensors"),
                                                        state["optimizer"]))
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(_read(path / "rng.safetensors")["torch_rng"])
+    torch.set_rng_state(read_tensors(path / "rng.safetensors")["torch_rng"])
     random.setstate(_as_python_rng_state(state["python_rng"]))
     return state
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
+def read_state(checkpoint: Path) -> dict:
+    """A checkpoint's state.json; a damaged one (cut short, not JSON, no step) is a CheckpointError naming it."""
+    file = Path(checkpoint) / "state.json"
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as error:  # ValueError: bad JSON or bytes that are not UTF-8
+        raise _damaged(file, first_line(error)) from None
+    if not isinstance(state, dict) or not {"step", "python_rng"} <= set(state):
+        raise _damaged(file, "not a tlt checkpoint state (no step or RNG state)")
+    return state
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as error:  # noqa: BLE001 - safetensors raises several types for missing/corrupt files
-        raise CheckpointError(f"cannot read checkpoint file {path}: {first_line(error)}") from None
+        raise _damaged(path, first_line(error)) from None
+
+
+def _damaged(file: Path, detail: str) -> CheckpointError:
+    """The error for an unreadable file of a checkpoint, saying what to do: resuming again would meet it again."""
+    checkpoint = file.parent
+    earlier = [p for p in _complete_checkpoints(checkpoint.parent) if p.name < checkpoint.name]
+    move = (f"delete {checkpoint} to resume from {earlier[-1].name}" if earlier else
+            "start over with --overwrite, or set another run.out_dir")
+    return CheckpointError(f"cannot read checkpoint file {file}: {detail}; {move}")
 
 
 

@@ -9,16 +9,14 @@ where it stopped. The layout is the one runs have always written: older checkpoi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from tlt.drafter.trainer import OPTIMIZER_FILE as DRAFTER_OPTIMIZER_FILE
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
-from tlt.rl.checkpoint import load_checkpoint, save_checkpoint
+from tlt.rl.checkpoint import load_checkpoint, read_state, read_tensors, save_checkpoint
 from tlt.rl.replica import PolicyReplica
 
 DRAFTER_FILE = "drafter.safetensors"
@@ -63,11 +61,11 @@ def resume_replica(replica: PolicyReplica, checkpoint: Path) -> int:
 def read_drafter(checkpoint: Path) -> DrafterSnapshot | None:
     """The checkpoint's drafter, or None when its run had none."""
     path = Path(checkpoint)
-    meta = json.loads((path / "state.json").read_text()).get("drafter")
+    meta = read_state(path).get("drafter")
     if meta is None or not (path / DRAFTER_FILE).exists():
         return None
     trainer = None
     if meta["trainer"] is not None:
-        optimizer = unflatten_optimizer(load_file(str(path / DRAFTER_OPTIMIZER_FILE)), meta["trainer"]["optimizer"])
+        optimizer = unflatten_optimizer(read_tensors(path / DRAFTER_OPTIMIZER_FILE), meta["trainer"]["optimizer"])
         trainer = {"optimizer": optimizer, "steps": meta["trainer"]["steps"]}
-    return DrafterSnapshot(meta["version"], load_file(str(path / DRAFTER_FILE)), trainer)
+    return DrafterSnapshot(meta["version"], read_tensors(path / DRAFTER_FILE), trainer)
