@@ -107,3 +107,21 @@ def test_without_wandb_installed_the_error_names_the_extra_before_any_model_load
     monkeypatch.setattr("tlt.models.loading.load_model", lambda *a, **k: pytest.fail("loaded a model"))
     assert main(["train", f"run.out_dir={tmp_path / 'run'}", "run.logger=jsonl,wandb"]) == 2
     assert capsys.readouterr().err.strip() == f"tlt: error: {hint}"
+
+
+def test_a_line_cut_short_is_dropped_and_a_bad_line_is_named(tmp_path):
+    """A run killed while writing its step line leaves it cut short: `tlt report` and `--resume` (truncate_after)
+    read the steps before it instead of failing with a JSON traceback; a damaged line elsewhere is named."""
+    from tlt.errors import TltError
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward_mean": 0.1}\n\n{"step": 2, "reward_mean": 0.2}\n{"step": 3, "rew')
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.truncate_after(2)
+    logger.log(3, {"reward_mean": 0.3})
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]
+    path.write_text('{"step": 1}\n[2]\n{"step": 3}\n')
+    with pytest.raises(TltError, match=r"metrics.jsonl, line 2: not a step record"):
+        read_metrics(tmp_path)
+    assert main(["report", str(tmp_path)]) == 2

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from tlt.errors import TltError
 from tlt.metrics.wandb_logger import WandbLogger
 
 
@@ -30,7 +31,7 @@ class MetricsLogger:
         """Drop lines past `step` (a resumed run rewrites the steps its crash lost, never duplicates them)."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = [line for line, record in _records(self.path) if record["step"] <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def close(self) -> None:
@@ -60,7 +61,29 @@ def scalar_metrics(metrics: dict) -> dict[str, float]:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return [record for _, record in _records(path)] if path.exists() else []
+
+
+def _records(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) of each step in metrics.jsonl. A last line cut short (a run killed while writing it, or
+    one being written now) is left out: its step never reached a checkpoint. Any other line that is not a step
+    record is a TltError naming it."""
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            if number == len(lines) and not text.endswith("\n"):
+                break  # cut short: every line is written whole with its newline
+            raise TltError(f"{path}, line {number}: not a step record (a JSON object with an integer step)")
+        records.append((line, record))
+    return records
 
 
 class _TensorBoard:
