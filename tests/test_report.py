@@ -96,3 +96,13 @@ def test_held_out_accuracy_column_and_curve(run_dir, monkeypatch):
     steps = re.search(r"<h2>Steps</h2>(.*?)</table>", page).group(1)
     assert "held-out acc" in steps and "0.438" in steps and "0.562" in steps
     assert plotted["held-out accuracy (greedy)"] == ([2, 3], [0.4375, 0.5625])
+
+
+def test_unreadable_config_and_timeline_files_are_noted_not_fatal(run_dir):
+    """config.json and timeline/step_N.json are written in place: a run killed while writing one leaves it cut
+    short. The report says so where the table or chart would be, instead of failing with a JSON traceback."""
+    (run_dir / "config.json").write_text('{"model": {"path"')
+    (run_dir / "timeline" / "step_0003.json").write_text("[1]")
+    page = write_report(run_dir).read_text()
+    assert "config.json is not a JSON object" in page and "step_0003.json is not readable" in page
+    assert "<h2>Steps</h2>" in page

@@ -62,14 +62,28 @@ def _timeline_section(run_dir: Path, out: Path) -> str:
     latest = files[-1]
     image = out / f"timeline_{latest.stem}.png"
     drawn = latest.with_suffix(".png")
+    timeline = None if drawn.exists() else _json_object(latest)
     if drawn.exists():
         shutil.copyfile(drawn, image)
+        figure = _img(image.name, f"timeline, {latest.stem}")
+    elif timeline is not None:
+        draw_timeline(timeline, image)
+        figure = _img(image.name, f"timeline, {latest.stem}")
     else:
-        draw_timeline(json.loads(latest.read_text()), image)
+        figure = f"<p>{_e(str(latest))} is not readable (cut short?): no chart</p>"
     links = [f"<a href='{_e(_relative(f.with_suffix('.png') if f.with_suffix('.png').exists() else f, out))}'>"
              f"{_e(f.stem)}</a>" for f in files[:-1]]
     other = f"<p>Other steps: {', '.join(links)}</p>" if links else ""
-    return f"<h2>Worker timeline</h2>{_img(image.name, f'timeline, {latest.stem}')}{other}"
+    return f"<h2>Worker timeline</h2>{figure}{other}"
+
+
+def _json_object(path: Path) -> dict | None:
+    """A JSON object file tlt wrote, or None when it is not one (a run killed while writing it)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 # -- HTML -------------------------------------------------------------------------------------------------------
@@ -80,7 +94,9 @@ def _config_section(run_dir: Path) -> str:
     path = run_dir / "config.json"
     if not path.exists():
         return "<h2>Config</h2><p>no config.json</p>"
-    config = json.loads(path.read_text())
+    config = _json_object(path)
+    if config is None:
+        return f"<h2>Config</h2><p>{_e(str(path))} is not a JSON object (cut short?)</p>"
     parts = ["<h2>Config</h2>"]
     for section, values in config.items():
         rows = values.items() if isinstance(values, dict) else [(section, values)]
