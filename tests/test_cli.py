@@ -102,3 +102,39 @@ def test_bad_train_arguments_are_one_line(capsys, argv, message):
     assert main(["train", "--print-config", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.err.strip() == f"tlt: error: {message}" and captured.out == ""
+
+
+@pytest.mark.parametrize("text,message", [
+    ("run: [1\n", "not valid YAML (expected ',' or ']', but got '<stream end>' at line 2, column 1)"),
+    (b"\xff\xfe\x00", "not a YAML config file (not UTF-8 text)"),
+    ("run:\n  steps: 2\nrun:\n  seed: 5\n", "'run' is given twice in one mapping"),  # YAML keeps the last silently
+    ("run:\n  steps: 2\n  steps: 5\n", "'steps' is given twice"),
+    (None, "is a directory, not a YAML config file"),
+])
+def test_unreadable_config_files_are_one_line(tmp_path, capsys, text, message):
+    """A config file YAML cannot read, or one whose key is given twice (the first would be dropped without a
+    word), is one line naming the file, not a yaml/Unicode/IsADirectory traceback."""
+    path = tmp_path / "run.yaml"
+    if text is None:
+        path.mkdir()
+    else:
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert main(["train", "--print-config", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"tlt: error: {path}") and message in captured.err, captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and captured.out == ""
+
+
+def test_an_override_yaml_cannot_read_is_one_line(capsys):
+    assert main(["train", "--print-config", "rollout.max_new_tokens=[1"]) == 2
+    assert capsys.readouterr().err.startswith("tlt: error: rollout.max_new_tokens=[1: not a value YAML can read")
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  <<: {lr: 0.002, warmup_steps: 1}\n  lr: 0.003\n")
+    assert main(["train", "--print-config", str(path)]) == 0
+    optim = yaml.safe_load(capsys.readouterr().out)["optim"]
+    assert (optim["lr"], optim["warmup_steps"]) == (0.003, 1)

@@ -152,7 +152,10 @@ class TrainConfig:
         name = _check_key(name, list(fields), f"key in [{section_name}]", prefix=f"{section_name}.")
         annotation = typing.get_type_hints(type(section))[name]
         if text:
-            value = _parse_text(value, annotation)
+            try:
+                value = _parse_text(value, annotation)
+            except yaml.YAMLError as error:
+                raise ConfigError(f"{key}={value}: not a value YAML can read ({_yaml_problem(error)})") from None
         coerced = _coerce(key, value, annotation)
         return dataclasses.replace(self, **{section_name: dataclasses.replace(section, **{name: coerced})})
 
@@ -279,7 +282,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        if path.is_dir():
+            raise ConfigError(f"{path} is a directory, not a YAML config file")
+        try:
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a YAML config file (not UTF-8 text)") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(error)})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
         for section, values in data.items():
@@ -293,6 +303,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
             raise ConfigError(f"override {item!r} must look like section.key=value")
         config = config.override(key.strip(), raw.strip(), text=True)
     return validate(config)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error: YAML keeps the last silently, so a
+    second `run:` section would drop every key of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` (its keys may be overridden: that is what it is for)
+            key = self.construct_object(key_node, deep=deep)
+            with contextlib.suppress(TypeError):  # an unhashable key fails in the constructor, as in safe_load
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key!r} is given twice in one mapping (YAML would keep only the last)",
+                        key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (line and column, 1-based)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def config_yaml(config: TrainConfig) -> str:
