@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -176,6 +177,12 @@ LOGGERS = ("jsonl", "tensorboard", "wandb")
 def validate(config: TrainConfig) -> TrainConfig:
     """Every choice and range, checked before anything loads; raises ConfigError naming the first bad key."""
     task, rollout, grpo, optim, run = config.task, config.rollout, config.grpo, config.optim, config.run
+    for section in dataclasses.fields(config):  # nan passes every range check below (all comparisons are false)
+        for item in dataclasses.fields(getattr(config, section.name)):
+            value = getattr(getattr(config, section.name), item.name)
+            _check(not isinstance(value, float) or math.isfinite(value),
+                   f"{section.name}.{item.name} must be a finite number, got {value}")
+    _check(bool(run.out_dir.strip()), "run.out_dir must not be empty (it would be the current directory)")
     check_choice("task.name", task.name, TASK_NAMES)
     _check(task.name == "arithmetic" or bool(task.path), f"task.name={task.name} needs task.path (a dataset file)")
     _check(task.reward in BUILTIN_REWARDS or ":" in task.reward,
