@@ -35,3 +35,25 @@ def test_round_trip_and_layout(tmp_path, target, architecture):
 def test_non_llama_drafters_are_refused(tmp_path):
     with pytest.raises(ExportError, match="Llama"):
         export_eagle(EagleDrafter(tiny_model("qwen3").config), tmp_path)
+
+
+def test_export_refuses_to_replace_a_model_directory_unless_told(tmp_path, capsys):
+    """`--out` pointing at a model directory (the target's own, say) replaced its config.json and weights with
+    the one-layer draft's without a word: the model was lost. Checked before the model loads."""
+    from test_bad_input import model_dir
+    from tlt.cli import main
+
+    model = model_dir(tmp_path)
+    weights = (model / "model.safetensors").read_bytes()
+    drafter = tmp_path / "drafter"
+    EagleDrafter(tiny_model("llama", vocab_size=257).config).save(drafter)
+    assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds config.json and model.safetensors" in err and "--overwrite" in err, err
+    assert (model / "model.safetensors").read_bytes() == weights
+    out = tmp_path / "eagle"
+    for flags in ([], ["--overwrite"]):  # an earlier export is replaced when asked
+        assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(out), *flags]) == 0
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ExportError, match="is a file"):
+        export_eagle(EagleDrafter(tiny_model("llama").config), tmp_path / "file")

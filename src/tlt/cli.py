@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     export.add_argument("--target", choices=["vllm", "sglang"], default="vllm")
     export.add_argument("--model", default=None, help="the target model the drafter was trained for")
     export.add_argument("--out", required=True)
+    export.add_argument("--overwrite", action="store_true", help="replace the config.json and model.safetensors "
+                        "already in --out")
     report = commands.add_parser("report", help="an HTML page with curves, tables and timelines for a run")
     report.add_argument("run_dir", help="a `tlt train` run directory (holds metrics.jsonl)")
     report.add_argument("--out", default=None, help="directory for index.html and its PNGs (default RUN_DIR/report)")
@@ -162,12 +164,13 @@ def _run_warmup(args) -> int:
 
 
 def _run_export(args) -> int:
-    from tlt.drafter.export import export_eagle
+    from tlt.drafter.export import check_export_out, export_eagle
     from tlt.models import load_model
     from tlt.models.eagle import EagleDrafter
 
+    check_export_out(args.out, args.overwrite)  # before the model loads
     loaded = load_model(args.model)
-    out = export_eagle(EagleDrafter.load(args.directory, loaded.model), args.out, args.target)
+    out = export_eagle(EagleDrafter.load(args.directory, loaded.model), args.out, args.target, args.overwrite)
     print(f"wrote {out} ({args.target}); embed_tokens and lm_head stay with the target")
     return 0
 

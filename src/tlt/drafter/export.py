@@ -27,9 +27,25 @@ class ExportError(TltError):
     """A drafter that cannot be written in the requested format."""
 
 
-def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm") -> Path:
+EXPORT_FILES = ("config.json", "model.safetensors")
+
+
+def check_export_out(out: str | Path, overwrite: bool = False) -> None:
+    """An --out the export may write: not a file, and (unless overwrite) holding none of the files it writes,
+    e.g. a model directory, whose config and weights would be replaced by the one-layer draft's."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file, not a directory")
+    held = [name for name in EXPORT_FILES if (out / name).exists()]
+    if held and not overwrite:
+        raise ExportError(f"{out} already holds {' and '.join(held)} (a model or an earlier export): pass "
+                          f"--overwrite to replace them, or another --out")
+
+
+def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", overwrite: bool = False) -> Path:
     from safetensors.torch import save_file
 
+    check_export_out(out, overwrite)
     if target not in ARCHITECTURES:
         raise ExportError(f"unknown export target {target!r}: one of {', '.join(ARCHITECTURES)}")
     if drafter.config.model_type != "llama":
