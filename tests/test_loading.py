@@ -61,3 +61,27 @@ def test_sliding_window_is_refused():
     model = tiny_model("qwen2", use_sliding_window=True, sliding_window=16)
     with pytest.raises(ModelLoadError, match="sliding"):
         load_model(model)
+
+
+def test_a_directory_missing_a_weight_is_refused_not_filled_at_random(tmp_path):
+    """transformers fills a weight the files lack with random values and only prints a report: a partial copy
+    (or the config of another model's files, e.g. a drafter export written over it) trained a half-random model.
+    A tied pair may be stored under either name."""
+    from safetensors.torch import load_file, save_file
+
+    untied = tmp_path / "untied"
+    save_model_dir(tiny_model("llama"), None, untied)
+    weights = load_file(str(untied / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, str(untied / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"lack 1 of the \d+ weights .*\(lm_head.weight\)"):
+        load_model(untied)
+    model, tied = tiny_model("llama", tie_word_embeddings=True), tmp_path / "tied"
+    save_model_dir(model, None, tied)
+    weights = load_file(str(tied / "model.safetensors"))
+    head = weights.pop("model.embed_tokens.weight", None)
+    weights["lm_head.weight"] = model.lm_head.weight.detach().clone() if head is None else head
+    save_file(weights, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    prompt = torch.tensor([random_prompts([6])[0]])
+    with torch.no_grad():
+        assert torch.allclose(load_model(tied, device="cpu").model(prompt).logits, model(prompt).logits, atol=1e-6)

@@ -18,12 +18,20 @@ from tlt.models.spec import check_supported
 def check_weights(path: Path, config) -> None:
     """Header-only checks of a directory's .safetensors files: a truncated file (an interrupted copy) or weights
     saved for another config fail in a second, not deep inside from_pretrained (in every worker)."""
-    expected = _expected_shapes(config)
+    expected, tied = _expected_shapes(config)
+    stored = set()
     for file in sorted(path.glob("*.safetensors")):
         for name, shape in _stored_shapes(file).items():
             if name in expected and expected[name] != shape:
                 raise ModelLoadError(f"cannot load the weights in {file}: {name} has shape {list(shape)}, but "
                                      f"{path / 'config.json'} needs {list(expected[name])} (another model's?)")
+            stored.add(name)
+    # transformers fills a weight missing from the files with random values (a report on stderr, no error)
+    missing = [name for name in expected if name not in stored and not tied.get(name, set()) & stored]
+    if missing:
+        named = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ModelLoadError(f"the .safetensors files in {path} lack {len(missing)} of the {len(expected)} weights "
+                             f"{path / 'config.json'} needs ({named}): an incomplete copy, or another model's?")
 
 
 def _stored_shapes(file: Path) -> dict[str, tuple]:
@@ -52,16 +60,21 @@ def _stored_shapes(file: Path) -> dict[str, tuple]:
     return shapes
 
 
-def _expected_shapes(config) -> dict[str, tuple]:
-    """Parameter shapes of the model `config` describes, from a model on the meta device (no memory)."""
+def _expected_shapes(config) -> tuple[dict[str, tuple], dict[str, set[str]]]:
+    """Parameter shapes of the model `config` describes, from a model on the meta device (no memory), and its
+    tied weights: name -> the names it shares a tensor with (a file may hold either name of a tied pair)."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception:
-        return {}
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        return {}, {}
+    tied = {}
+    for name, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        tied.setdefault(name, set()).add(source)
+        tied.setdefault(source, set()).add(name)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}, tied
 
 
 def read_hf_config(path: Path):
