@@ -116,6 +116,9 @@ def bad_inputs(root):
     from tlt.models.eagle import EagleDrafter
     other = tiny_model("llama", vocab_size=97)
     EagleDrafter(other.config).save(root / "foreign-drafter")
+    from tlt.drafter.trainer import DrafterTrainer
+    DrafterTrainer(EagleDrafter(other.config), None).save(root / "damaged-drafter")
+    (root / "damaged-drafter" / "drafter_optimizer.safetensors").write_bytes(b"\x08")  # cut short
     reshaped = model_dir(root, "reshaped")
     config = json.loads((reshaped / "config.json").read_text())
     (reshaped / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
@@ -134,6 +137,9 @@ def bad_inputs(root):
         ("foreign drafter", [f"model.path={good}", "run.speculative=static",
                              f"run.drafter={root / 'foreign-drafter'}"], "made for another model"),
         ("not a drafter", [f"model.path={good}", "run.speculative=static", f"run.drafter={root}"], "not a tlt drafter"),
+        ("damaged drafter optimizer state", [f"model.path={good}", "run.speculative=static",
+                                             f"run.drafter={root / 'damaged-drafter'}"],
+         "cannot read the drafter's optimizer state"),
         ("truncated weights", [f"model.path={truncated_model(root)}"], "cannot load the weights"),
         ("weights of another shape", [f"model.path={reshaped}"], "needs [64, 96]"),
         ("budget fills the context", [f"model.path={good}", "rollout.max_new_tokens=512"], "leaves no room"),

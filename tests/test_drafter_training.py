@@ -306,3 +306,30 @@ def test_warmup_refuses_an_out_directory_holding_a_drafter_before_sampling(tmp_p
     monkeypatch.setattr(RolloutEngine, "generate", lambda *a, **k: pytest.fail("sampled before checking --out"))
     with pytest.raises(TltError, match=r"already holds a drafter: pass --overwrite to replace it, --init .* to go on"):
         warmup(loaded, TargetTokenTask(vocab_size=16), tmp_path / "a", WarmupConfig(prompts=4), log=lambda line: None)
+
+
+@pytest.mark.parametrize("settings,train,message", [
+    ({"steps": -1}, {}, "--steps must be >= 1"), ({"draft_vocab": -5}, {}, "--draft-vocab must be >= 0"),
+    ({}, {"lr": 0.0}, "--lr must be a finite number > 0"), ({}, {"ce_weight": -1.0}, "--ce-weight must be"),
+    ({}, {}, "is a file, not a directory"), ({"init": "damaged"}, {}, "cannot read the drafter's optimizer state")])
+def test_warmup_refuses_bad_settings_and_outs_before_sampling(tmp_path, monkeypatch, settings, train, message):
+    """These trained nothing (steps -1, lr 0), the wrong thing (a negative ce weight maximizes the cross-entropy)
+    or the full vocabulary (draft_vocab -5) without a word; an --out that is a file, or an --init whose optimizer
+    state is cut short, failed with a traceback only after the minutes of sampling."""
+    from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.errors import TltError
+    from tlt.tasks.synthetic import TargetTokenTask
+
+    loaded = _markov_loaded()
+    out = tmp_path / "out"
+    if message.endswith("not a directory"):
+        out.write_text("x")
+    if "init" in settings:
+        DrafterTrainer(EagleDrafter(loaded.model.config).attach(loaded.model), None).save(tmp_path / "damaged")
+        (tmp_path / "damaged" / "drafter_optimizer.safetensors").write_bytes(b"\x08")
+        settings = {"init": str(tmp_path / "damaged"), "draft_vocab": 0}
+    monkeypatch.setattr(RolloutEngine, "generate", lambda *a, **k: pytest.fail("sampled before checking"))
+    with pytest.raises(TltError, match=message):
+        warmup(loaded, TargetTokenTask(vocab_size=16), out, WarmupConfig(prompts=4, **settings),
+               DrafterTrainConfig(**train), log=lambda line: None)

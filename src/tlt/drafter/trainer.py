@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pairs
+from tlt.errors import first_line
+from tlt.models.eagle import DrafterError
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
 OPTIMIZER_FILE = "drafter_optimizer.safetensors"
@@ -157,14 +159,30 @@ class DrafterTrainer:
         return (Path(directory) / OPTIMIZER_FILE).exists() and (Path(directory) / TRAINER_FILE).exists()
 
     def load_optimizer(self, directory: str | Path) -> None:
-        from safetensors.torch import load_file
+        state = self.saved_state(directory)
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as error:
+            raise DrafterError(f"{directory}: its optimizer state does not fit the drafter "
+                               f"({first_line(error)})") from None
+        self.steps = state["steps"]
+
+    @staticmethod
+    def saved_state(directory: str | Path) -> dict:
+        """{"optimizer": state dict, "steps": optimizer steps} as `save` wrote them; a damaged file (cut short,
+        not JSON) is a DrafterError naming it."""
         import json
 
+        from safetensors.torch import load_file
+
         directory = Path(directory)
-        state = json.loads((directory / TRAINER_FILE).read_text())
-        self.optimizer.load_state_dict(unflatten_optimizer(load_file(str(directory / OPTIMIZER_FILE)),
-                                                            state["optimizer"]))
-        self.steps = state["steps"]
+        try:
+            state = json.loads((directory / TRAINER_FILE).read_text())
+            optimizer = unflatten_optimizer(load_file(str(directory / OPTIMIZER_FILE)), state["optimizer"])
+            return {"optimizer": optimizer, "steps": state["steps"]}
+        except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, a safetensors file cut short
+            raise DrafterError(f"{directory}: cannot read the drafter's optimizer state ({OPTIMIZER_FILE}, "
+                               f"{TRAINER_FILE}): {type(error).__name__}: {first_line(error)}") from None
 
 
 def _row_chunks(batch: PackedPairs, size: int):

@@ -8,6 +8,7 @@ the target-only rule at the rollout temperature (tlt.drafter.chain): agreement a
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     in place) or `overwrite` is set: checked, like the --init drafter, before any sampling."""
     if config.prompts < 2:
         raise TltError(f"drafter warm-up needs at least 2 prompts (one is held out), got {config.prompts}")
+    check_settings(config, train_config)
     check_out(Path(out), config.init, overwrite)
     started = time.perf_counter()
     examples = task.sample(config.prompts + config.eval_prompts, seed=config.seed)
@@ -128,7 +130,24 @@ def limits_vocab(draft_vocab: int, vocab_size: int) -> bool:
     return 0 < draft_vocab < vocab_size
 
 
+def check_settings(config: WarmupConfig, train_config: DrafterTrainConfig) -> None:
+    """Values that would train nothing, or the wrong thing, without a word: refused before any sampling."""
+    if config.steps < 1:
+        raise TltError(f"--steps must be >= 1 (optimizer steps), got {config.steps}")
+    if config.draft_vocab < 0:
+        raise TltError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {config.draft_vocab}")
+    if not 0 < train_config.lr < math.inf:
+        raise TltError(f"--lr must be a finite number > 0, got {train_config.lr}")
+    if not 0 <= train_config.ce_weight < math.inf:
+        raise TltError(f"--ce-weight must be a finite number >= 0, got {train_config.ce_weight}")
+
+
 def check_out(out: Path, init: str | None, overwrite: bool) -> None:
+    for parent in (out, *out.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise TltError(f"--out {out}: {parent} is a file, not a directory")
+            break
     same_as_init = init is not None and Path(init).resolve() == out.resolve()
     if (out / DRAFTER_CONFIG_FILE).exists() and not (overwrite or same_as_init):
         raise TltError(f"{out} already holds a drafter: pass --overwrite to replace it, --init {out} to go on "
@@ -140,6 +159,8 @@ def initial_drafter(loaded, forward, config: WarmupConfig) -> EagleDrafter | Non
     if config.init is None:
         return None
     drafter = EagleDrafter.load(config.init, forward)
+    if DrafterTrainer.has_saved_state(config.init):
+        DrafterTrainer.saved_state(config.init)  # readable: a damaged file fails now, not after the sampling
     vocab = loaded.spec.vocab_size
     wanted = config.draft_vocab if limits_vocab(config.draft_vocab, vocab) else vocab
     if drafter.draft_vocab_size != wanted:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tlt.drafter.trainer import DrafterTrainer
 from tlt.errors import RequestError
 from tlt.metrics.logger import logger_names
 from tlt.metrics.wandb_logger import check_wandb_installed
@@ -54,6 +55,8 @@ def _check_drafter(directory: Path, model_path: Path | None) -> None:
     if not (directory / CONFIG_FILE).exists() or not (directory / WEIGHTS_FILE).exists():
         raise DrafterError(f"run.drafter={directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE}; "
                            f"make one with `tlt drafter warmup`)")
+    if DrafterTrainer.has_saved_state(directory):
+        DrafterTrainer.saved_state(directory)  # its optimizer state seeds spot training: damaged fails here
     if model_path is None or model_path.is_file():
         return  # the default model or a GGUF: its shapes are checked when the drafter attaches
     try:
