@@ -122,3 +122,17 @@ def test_verify_covers_q_sampling_and_its_negative_control():
     assert report.passed and report.tau > 1.3, report.to_dict()
     control = verify(model, drafter, **settings, accept_rule=over_accepting_q_rule, check_greedy=False)
     assert not control.sampled_passed, control.to_dict()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--alpha", "2"], "alpha (the KS p-value below which the check fails) must be in (0, 1), got 2.0"),
+    (["--json", "{tmp}"], "is a directory; give a file name"),
+    (["--json", "{tmp}/file/out.json"], "is a file, not a directory")])
+def test_cli_verify_refuses_a_bad_alpha_or_json_path_before_loading(tmp_path, capsys, args, message):
+    """--alpha 2 printed 'FAIL: speculative decoding is NOT lossless' (every p-value is below 2); a --json path
+    that cannot be written raised a traceback after the whole check, its results lost. Both fail before the
+    model loads (model points nowhere: a later check would complain about it instead)."""
+    (tmp_path / "file").write_text("x")
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    assert main(["verify", "--model", str(tmp_path / "nope"), *args]) == 2
+    assert message in capsys.readouterr().err

@@ -215,9 +215,12 @@ def _run_verify(args) -> int:
     from tlt.sampling import SamplingParams
     from tlt.tasks import ArithmeticTask, ChatTask
     from tlt.threads import pick_threads
-    from tlt.verify import OVER_ACCEPTING, verify
+    from tlt.verify import OVER_ACCEPTING, check_alpha, verify
 
     strategy = _parse_strategy(args.strategy)
+    check_alpha(args.alpha)
+    if args.json:  # before the check, whose results would be lost at the end
+        _check_writable(Path(args.json), "--json")
     pick_threads(args.threads)
     console = Console()
     with console.status("loading model"):
@@ -243,6 +246,18 @@ def _run_verify(args) -> int:
             "model": loaded.source, "drafter": args.drafter, "params": dataclasses.asdict(params),
             "check": report.to_dict(), "negative_control": control.to_dict() if control else None}, indent=1))
     return 0 if report.passed and (control is None or not control.sampled_passed) else 1
+
+
+def _check_writable(path, option: str) -> None:
+    """A file the command will write at its end: its directory is made now, and a directory in its place fails."""
+    if path.is_dir():
+        raise TltError(f"{option} {path} is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise TltError(f"{option} {path}: part of {path.parent} is a file, not a directory") from None
+    except OSError as error:
+        raise TltError(f"{option} {path}: cannot create {path.parent} ({error.strerror})") from None
 
 
 def _print_verify(console, report, control, drafter: str) -> None:

@@ -73,6 +73,12 @@ def over_accepting_q_rule(u: torch.Tensor, residual_prob: torch.Tensor, draft_pr
 OVER_ACCEPTING = {"target": over_accepting_rule, "q": over_accepting_q_rule}  # negative control per rule
 
 
+def check_alpha(alpha: float) -> None:
+    """A significance level: outside (0, 1) the check fails (or passes) whatever the samples are."""
+    if not 0 < alpha < 1:
+        raise TltError(f"alpha (the KS p-value below which the check fails) must be in (0, 1), got {alpha}")
+
+
 def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]], params: SamplingParams,
            samples_per_prompt: int, alpha: float = 1e-3, seed: int = 0, accept_rule=None,
            check_greedy: bool = True) -> VerifyReport:
@@ -85,6 +91,7 @@ def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]],
         raise TltError("the sampled check needs temperature > 0 (greedy decoding is checked separately)")
     if not prompts or samples_per_prompt < 1:
         raise TltError("verify needs at least one prompt and samples_per_prompt >= 1")
+    check_alpha(alpha)
     model = loaded.model if isinstance(loaded, LoadedModel) else loaded  # a causal LM has a `.model` too
     params = dataclasses.replace(params, seed=seed if params.seed is None else params.seed)
     spec = _sd_engine(loaded, drafter, strategy, accept_rule)
