@@ -249,3 +249,20 @@ def test_a_checkpoints_damaged_drafter_is_a_checkpoint_error(tmp_path):
     (checkpoint / DRAFTER_FILE).write_bytes(b"\x08")
     with pytest.raises(CheckpointError, match=f"{checkpoint / DRAFTER_FILE}.*--overwrite"):
         read_drafter(checkpoint)
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path):
+    """Two `tlt train` on one run.out_dir (a second started while the first loads its model, or a --resume while
+    the first still runs) both trained, writing both runs' steps into one metrics.jsonl and checkpoints of
+    either config under one history. The directory is held for the run's lifetime; the lock ends with it."""
+    import os
+
+    from tlt.rl.run_dir import hold_run_dir
+
+    with hold_run_dir(tmp_path):  # another run, in the middle of its first step
+        with pytest.raises(RunDirError, match=f"in use by another tlt train \\(process {os.getpid()}\\)"):
+            run(tmp_path)
+        assert not (tmp_path / "metrics.jsonl").exists()
+    run(tmp_path)  # released
+    run(tmp_path, steps=3, resume=True)  # and released again after a run
+    assert metric_steps(tmp_path) == [1, 2, 3]

@@ -15,7 +15,7 @@ from tlt.metrics.timeline import save_timeline
 from tlt.rl.checkpoint import prune_checkpoints
 from tlt.rl.config import TrainConfig, validate
 from tlt.rl.preflight import preflight
-from tlt.rl.run_dir import prepare_run_dir
+from tlt.rl.run_dir import hold_run_dir, prepare_run_dir
 
 METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  len p50/p90/max "
                 "{response_len_p50:.0f}/{response_len_p90:.0f}/{response_len_max}  rollout {rollout_s:.1f}s  "
@@ -39,16 +39,17 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         for note in notes:
             console.print(f"note: {note}")
     run_dir = Path(config.run.out_dir)
-    checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite)
-    with console.status(f"loading the policy ({placement.describe() if owned else 'given trainer'})"):
-        trainer = trainer or DistributedGRPO(placed, placement=placement)  # config.json keeps the config as given (e.g. workers=auto)
-        trainer.progress = console.is_terminal
-    try:
-        history = _loop(config, trainer, run_dir, checkpoint, console)
-        final = trainer.save_final(run_dir / "final")
-    finally:
-        if owned:
-            trainer.close()
+    with hold_run_dir(run_dir):  # another `tlt train` on this directory is refused until this one ends
+        checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite)
+        with console.status(f"loading the policy ({placement.describe() if owned else 'given trainer'})"):
+            trainer = trainer or DistributedGRPO(placed, placement=placement)  # config.json keeps the config as given (e.g. workers=auto)
+            trainer.progress = console.is_terminal
+        try:
+            history = _loop(config, trainer, run_dir, checkpoint, console)
+            final = trainer.save_final(run_dir / "final")
+        finally:
+            if owned:
+                trainer.close()
     console.print(f"run saved in {run_dir} (final policy: {final}); see it with: tlt report {run_dir}")
     return history
 

@@ -9,8 +9,10 @@ may change, except that run.steps is also the length of a cosine schedule whose 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from tlt.rl.config import TrainConfig
 # Everything tlt writes into a run directory; --overwrite deletes exactly these, nothing else.
 RUN_FILES = ("metrics.jsonl", "config.json", "wandb_id")
 RUN_DIRS = ("timeline", "tensorboard", "wandb", "report", "final")
+LOCK_FILE = ".tlt-lock"  # held by the run writing here (hold_run_dir); not part of the run, never deleted
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
 OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs", "optim.grad_checkpointing")  # in a meaning section,
@@ -51,6 +54,39 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
                               f"--overwrite (deletes that run), or set another run.out_dir")
         clear_run(run_dir)
     return None
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path):
+    """Hold RUN_DIR/.tlt-lock for a run's lifetime: a second `tlt train` on the same directory (started by
+    mistake, or a --resume while the first still runs) is refused instead of writing both runs' steps and
+    checkpoints into one history. An advisory lock of this process (the OS drops it when the process dies, so
+    a killed run never leaves the directory locked); where the OS has no flock, nothing is held."""
+    _make(run_dir)
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    try:
+        handle = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the run's lifetime
+    except OSError as error:
+        raise RunDirError(f"cannot write in run.out_dir={run_dir}: {error.strerror}") from None
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip()
+            raise RunDirError(f"{run_dir} is in use by another tlt train{f' (process {owner})' if owner else ''}: "
+                              f"wait for it to end, or set another run.out_dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # releases the lock
 
 
 def holds_run(run_dir: Path) -> bool:
