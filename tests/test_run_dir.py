@@ -266,3 +266,18 @@ def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path):
     run(tmp_path)  # released
     run(tmp_path, steps=3, resume=True)  # and released again after a run
     assert metric_steps(tmp_path) == [1, 2, 3]
+
+
+def test_a_reward_function_that_raises_is_said_on_the_console(tmp_path, capsys, caplog):
+    """Every sample's reward raised and scored 0: the step line read `reward 0.000` and the cause was nowhere
+    but a reward_failures count in metrics.jsonl. The first exception is logged, the count is on the console."""
+    from tlt.rl.rewards import Reward
+
+    def broken(completion, example):
+        raise KeyError("answer_field")
+
+    trainer = make_trainer(tmp_path, **{"run.steps": 1})
+    trainer.reward = Reward(broken)
+    train(trainer.config, trainer=trainer)
+    assert "warning: the reward function raised on 32 of 32 samples (scored 0)" in capsys.readouterr().out
+    assert caplog.text.count("the reward function broken raised KeyError: 'answer_field'") == 1

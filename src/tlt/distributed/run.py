@@ -79,6 +79,10 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         logger.log(trainer.step, metrics)
         history.append(metrics)
         console.print(METRICS_LINE.format(step=trainer.step, **metrics))
+        if metrics.get("reward_failures"):
+            samples = config.rollout.prompts_per_step * config.rollout.samples_per_prompt
+            console.print(f"      warning: the reward function raised on {metrics['reward_failures']} of {samples} "
+                          f"samples (scored 0)")
         if "eval_accuracy" in metrics:
             console.print(EVAL_LINE.format(**metrics))
         if getattr(trainer, "last_timeline", None) is not None:

@@ -8,16 +8,18 @@ that sample reward 0; the failures are counted and reported, and the run goes on
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from dataclasses import dataclass
 from typing import Callable
 
-from tlt.errors import TltError
+from tlt.errors import TltError, first_line
 from tlt.tasks.example import TaskExample
 
 BOXED = re.compile(r"\\boxed\{")
 ANSWER_LINE = re.compile(r"answer\s*(?:is|:)\s*\$?([-+]?[\d,]*\.?\d+)", re.I)
 INTEGER = re.compile(r"^[-+]?\d+$")
+log = logging.getLogger(__name__)
 
 
 class RewardError(TltError):
@@ -89,14 +91,20 @@ class RewardScores:
 class Reward:
     def __init__(self, check: Callable[[str, TaskExample], float], format_reward: float = 0.0):
         self.check, self.format_reward = check, format_reward
+        self._told = False  # the first failure's exception is logged (once: a broken function raises on all)
 
     def score(self, completions: list[str], examples: list[TaskExample]) -> RewardScores:
         rewards, correct, failures = [], [], 0
         for completion, example in zip(completions, examples):
             try:
                 value = float(self.check(completion, example))
-            except Exception:  # noqa: BLE001 — a user's reward bug must not kill a long run; it is counted
+            except Exception as error:  # noqa: BLE001 — a user's reward bug must not kill a long run; counted
                 value, failures = 0.0, failures + 1
+                if not self._told:
+                    self._told = True
+                    log.warning("the reward function %s raised %s: %s (that sample scores 0; the run goes on and "
+                                "counts such samples as reward_failures)", getattr(self.check, "__name__", "?"),
+                                type(error).__name__, first_line(error))
             bonus = self.format_reward if extract_answer(completion) is not None else 0.0
             rewards.append(value + bonus)
             correct.append(value >= 1.0)
