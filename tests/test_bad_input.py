@@ -113,6 +113,8 @@ def bad_inputs(root):
     record = {"question": "caf\u00e9", "answer": "1"}
     (root / "latin1.jsonl").write_bytes(json.dumps(record, ensure_ascii=False).encode("latin-1") + b"\n")
     (root / "small.jsonl").write_text(json.dumps(record) + "\n")
+    (root / "decimal.jsonl").write_text("".join(json.dumps({"question": "1/2+2?", "answer": a}) + "\n"
+                                                for a in ("3", "2.5")))
     from tlt.models.eagle import EagleDrafter
     other = tiny_model("llama", vocab_size=97)
     EagleDrafter(other.config).save(root / "foreign-drafter")
@@ -134,6 +136,9 @@ def bad_inputs(root):
         ("answerless jsonl", [f"model.path={good}", *data("answerless.jsonl")], "missing field 'answer'"),
         ("non-utf8 jsonl", [f"model.path={good}", *data("latin1.jsonl")], "not UTF-8"),
         ("dataset too small", [f"model.path={good}", *data("small.jsonl")], "fewer than the 2 one step needs"),
+        # each correct-looking response to it would raise in integer_match and score 0, the run going on
+        ("non-integer answer, integer reward", [f"model.path={good}", *data("decimal.jsonl"), "task.reward=integer"],
+         "decimal.jsonl, line 2: answer '2.5' is not an integer, which task.reward=integer needs"),
         ("foreign drafter", [f"model.path={good}", "run.speculative=static",
                              f"run.drafter={root / 'foreign-drafter'}"], "made for another model"),
         ("not a drafter", [f"model.path={good}", "run.speculative=static", f"run.drafter={root}"], "not a tlt drafter"),

@@ -31,12 +31,26 @@ def preflight(config) -> None:
         if len(examples) < needed:
             raise DatasetError(f"{config.task.path} has {len(examples)} example(s), fewer than the "
                                f"{needed} one step needs (rollout.prompts_per_step + task.eval_size)")
+        if config.task.reward == "integer":
+            _check_integer_answers(examples)
     if config.run.drafter:
         _check_drafter(Path(config.run.drafter), model_path)
     if "wandb" in logger_names(config.run):
         check_wandb_installed()
     if config.task.reward not in BUILTIN_REWARDS:
         load_reward_function(config.task.reward)  # a typo in the module path fails here, not in every worker
+
+
+def _check_integer_answers(examples) -> None:
+    """task.reward=integer compares int(answer): a record whose answer is not an integer could never be scored
+    right (each of its correct-looking responses would raise in the reward and score 0)."""
+    for example in examples:
+        try:
+            int(example.answer)  # as integer_match reads it
+        except ValueError:
+            where = ", ".join(f"{key} {value}" for key, value in example.meta.items() if key != "source")
+            raise DatasetError(f"{example.meta.get('source', 'the dataset')}, {where}: answer {example.answer!r} is "
+                               f"not an integer, which task.reward=integer needs (use task.reward=math_verify)") from None
 
 
 def _check_context(config, model_path: Path) -> None:
