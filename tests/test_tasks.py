@@ -51,3 +51,11 @@ def test_parquet_round_trip(tmp_path):
     assert [(e.prompt, e.answer) for e in examples] == [("a", "1"), ("b", "2")]
     with pytest.raises(DatasetError, match="line 1: missing field 'question'"):
         load_examples(path)
+
+
+def test_a_null_field_is_named_as_null_not_missing(tmp_path):
+    """A null answer read 'missing field 'answer' (fields present: answer, question)', naming it twice."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": None}) + "\n")
+    with pytest.raises(DatasetError, match=r"data.jsonl, line 1: field 'answer' is null$"):
+        load_examples(path)

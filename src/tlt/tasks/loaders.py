@@ -45,9 +45,11 @@ def records_to_examples(records, prompt_field: str, answer_field: str, source: s
     examples = []
     for number, record in records:
         for name in (prompt_field, answer_field):
-            if name not in record or record[name] is None:
+            if name not in record:
                 raise DatasetError(f"{source}, {unit} {number}: missing field {name!r} "
                                    f"(fields present: {', '.join(sorted(record)) or 'none'})")
+            if record[name] is None:
+                raise DatasetError(f"{source}, {unit} {number}: field {name!r} is null")
         examples.append(TaskExample(str(record[prompt_field]), normalize_answer(record[answer_field]),
                                     {"source": source, unit: number}))
     if not examples:
