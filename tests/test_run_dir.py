@@ -281,3 +281,28 @@ def test_a_reward_function_that_raises_is_said_on_the_console(tmp_path, capsys, 
     train(trainer.config, trainer=trainer)
     assert "warning: the reward function raised on 32 of 32 samples (scored 0)" in capsys.readouterr().out
     assert caplog.text.count("the reward function broken raised KeyError: 'answer_field'") == 1
+
+
+def test_ctrl_c_says_where_to_resume_and_leaves_no_traceback(tmp_path, capsys, monkeypatch):
+    """Ctrl-C printed a KeyboardInterrupt traceback through the worker futures, and nothing about what was kept."""
+    import tlt.distributed.run
+
+    trainer = make_trainer(tmp_path, **{"run.steps": 3})
+    step = trainer.train_step
+
+    def interrupted():
+        if trainer.step == 1:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(trainer, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(trainer.config, trainer=trainer)
+    assert "interrupted after 1 completed step(s): `tlt train ... --resume` continues from step-000001" in capsys.readouterr().out
+
+    def ctrl_c(config, **flags):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tlt.distributed.run, "train", ctrl_c)
+    assert main(["train", f"run.out_dir={tmp_path}"]) == 130
+    assert capsys.readouterr().err == "tlt: interrupted\n"

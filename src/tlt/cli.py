@@ -86,6 +86,9 @@ def main(argv=None) -> int:
     except TltError as error:
         print(f"tlt: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was saved is said by the command; no traceback
+        print("tlt: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

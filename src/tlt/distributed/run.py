@@ -12,7 +12,7 @@ from tlt.distributed.controller import DistributedGRPO
 from tlt.distributed.placement import resolve
 from tlt.metrics.logger import open_metrics_logger
 from tlt.metrics.timeline import save_timeline
-from tlt.rl.checkpoint import prune_checkpoints
+from tlt.rl.checkpoint import latest_checkpoint, prune_checkpoints
 from tlt.rl.config import TrainConfig, validate
 from tlt.rl.preflight import preflight
 from tlt.rl.run_dir import hold_run_dir, prepare_run_dir
@@ -47,6 +47,11 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         try:
             history = _loop(config, trainer, run_dir, checkpoint, console)
             final = trainer.save_final(run_dir / "final")
+        except KeyboardInterrupt:
+            saved = latest_checkpoint(run_dir)
+            console.print(f"interrupted after {trainer.step} completed step(s): " + (
+                f"`tlt train ... --resume` continues from {saved.name}" if saved else "no checkpoint was saved"))
+            raise
         finally:
             if owned:
                 trainer.close()
