@@ -306,3 +306,19 @@ def test_ctrl_c_says_where_to_resume_and_leaves_no_traceback(tmp_path, capsys, m
     monkeypatch.setattr(tlt.distributed.run, "train", ctrl_c)
     assert main(["train", f"run.out_dir={tmp_path}"]) == 130
     assert capsys.readouterr().err == "tlt: interrupted\n"
+
+
+def test_resume_without_config_json_checks_against_the_checkpoints_config(tmp_path):
+    """With RUN_DIR/config.json gone (deleted, or lost with a copy), --resume with another lr and loss continued
+    the checkpoint silently under them; the checkpoint keeps its own config (model.device as a worker resolved
+    it, which is not a change)."""
+    run(tmp_path)
+    (tmp_path / "config.json").unlink()
+    state_path = latest_checkpoint(tmp_path) / "state.json"
+    state = json.loads(state_path.read_text())
+    state["config"]["model"]["device"] = "cpu"
+    state_path.write_text(json.dumps(state))
+    with pytest.raises(RunDirError, match=r"\(grpo\.loss, optim\.lr changed\)"):
+        run(tmp_path, steps=3, resume=True, **{"optim.lr": 0.5, "grpo.loss": "dapo"})
+    _, history = run(tmp_path, steps=3, resume=True)
+    assert len(history) == 1

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from tlt.errors import TltError
-from tlt.rl.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint
+from tlt.rl.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, read_state
 from tlt.rl.config import TrainConfig
 
 # Everything tlt writes into a run directory; --overwrite deletes exactly these, nothing else.
@@ -44,7 +44,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:
             raise RunDirError(f"nothing to resume in {run_dir}: it holds no checkpoint ({_start_instead(run_dir)})")
-        _check_same_run(run_dir, config_dict)
+        _check_same_run(run_dir, config_dict, checkpoint)
         return checkpoint
     if holds_run(run_dir):
         if not overwrite:
@@ -135,14 +135,20 @@ def _checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
 
 
-def _check_same_run(run_dir: Path, config_dict: dict) -> None:
+def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
     saved_path = run_dir / "config.json"
-    if not saved_path.exists():
-        return  # a run from before config.json was written: nothing to compare against
-    try:
-        saved = json.loads(saved_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        saved = None
+    if not saved_path.exists():  # deleted, or a run from before config.json was written: the checkpoint's own
+        saved = read_state(checkpoint).get("config")
+        if saved is None:
+            return  # a checkpoint from before it kept its config: nothing to compare against
+        saved_path = checkpoint / "state.json"
+        if isinstance(saved.get("model"), dict):  # kept as a worker placed it: model.device resolved ("cpu")
+            saved = {**saved, "model": {**saved["model"], "device": config_dict.get("model", {}).get("device")}}
+    else:
+        try:
+            saved = json.loads(saved_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            saved = None
     if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
         raise RunDirError(f"{saved_path} is not a tlt config (JSON sections): cannot check that --resume "
                           f"continues the same run")
