@@ -322,3 +322,17 @@ def test_resume_without_config_json_checks_against_the_checkpoints_config(tmp_pa
         run(tmp_path, steps=3, resume=True, **{"optim.lr": 0.5, "grpo.loss": "dapo"})
     _, history = run(tmp_path, steps=3, resume=True)
     assert len(history) == 1
+
+
+@pytest.mark.parametrize("flags", [{}, {"overwrite": True}, {"resume": True}])
+def test_a_model_directory_as_run_dir_is_refused(tmp_path, flags):
+    """run.out_dir = a Hugging Face model directory (model.path, say): the run wrote its config.json over the
+    model's, and --overwrite would have deleted it; the model no longer loaded."""
+    from test_bad_input import model_dir
+
+    model = model_dir(tmp_path)
+    config = (model / "config.json").read_text()
+    trainer = make_trainer(model, **{"run.steps": 1})
+    with pytest.raises(RunDirError, match="holds a config.json that is not a tlt run's"):
+        train(trainer.config, trainer=trainer, **flags)
+    assert (model / "config.json").read_text() == config

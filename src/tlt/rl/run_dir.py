@@ -40,6 +40,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite contradict each other: choose one")
     _make(run_dir)
+    _refuse_foreign_config(run_dir)
     if resume:
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:
@@ -87,6 +88,19 @@ def hold_run_dir(run_dir: Path):
         yield
     finally:
         handle.close()  # releases the lock
+
+
+def _refuse_foreign_config(run_dir: Path) -> None:
+    """A config.json that is not a tlt run's (a Hugging Face model directory's, e.g. run.out_dir = model.path):
+    a run would write its own over it, and --overwrite would delete it; the model could not be loaded again."""
+    path = run_dir / "config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # none, or a tlt config cut short: the rules below apply
+    if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):  # tlt's: sections
+        raise RunDirError(f"run.out_dir={run_dir} holds a config.json that is not a tlt run's (a model directory?): "
+                          f"a run would replace it; set another run.out_dir")
 
 
 def holds_run(run_dir: Path) -> bool:
