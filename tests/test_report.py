@@ -106,3 +106,13 @@ def test_unreadable_config_and_timeline_files_are_noted_not_fatal(run_dir):
     page = write_report(run_dir).read_text()
     assert "config.json is not a JSON object" in page and "step_0003.json is not readable" in page
     assert "<h2>Steps</h2>" in page
+
+
+def test_a_file_as_run_dir_or_out_is_one_line(run_dir, tmp_path, capsys):
+    """--out naming a file raised a FileExistsError traceback after the metrics were read."""
+    (tmp_path / "file").write_text("x")
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "file")]) == 2
+    assert main(["report", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"tlt: error: --out {tmp_path / 'file'}: it, or a directory above it, is a file",
+                   f"tlt: error: {tmp_path / 'file'}: a file, not a run directory"]

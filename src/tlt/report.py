@@ -35,12 +35,15 @@ def write_report(run_dir, out=None) -> Path:
     """Write `index.html` and its PNGs to `out` (default RUN_DIR/report) and return the HTML path."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise TltError(f"{run_dir}: no such run directory")
+        raise TltError(f"{run_dir}: {'a file, not a run directory' if run_dir.exists() else 'no such run directory'}")
     metrics = read_metrics(run_dir)
     if not metrics:
         raise TltError(f"{run_dir / 'metrics.jsonl'}: missing or empty; is {run_dir} a `tlt train` run directory?")
     out = Path(out) if out is not None else run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise TltError(f"--out {out}: it, or a directory above it, is a file") from None
     curves = draw_curves(metrics, out)
     timelines = _timeline_section(run_dir, out)
     sections = [_config_section(run_dir), "<h2>Steps</h2>" + _step_table(metrics),
