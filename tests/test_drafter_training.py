@@ -333,3 +333,34 @@ def test_warmup_refuses_bad_settings_and_outs_before_sampling(tmp_path, monkeypa
     with pytest.raises(TltError, match=message):
         warmup(loaded, TargetTokenTask(vocab_size=16), out, WarmupConfig(prompts=4, **settings),
                DrafterTrainConfig(**train), log=lambda line: None)
+
+
+def test_a_drafter_save_killed_midway_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """`tlt drafter warmup --init DIR --out DIR` saves over the drafter it went on from: the files were written
+    in place, so a save killed midway left drafter.safetensors cut short and the drafter was lost."""
+    import safetensors.torch
+
+    from tlt.drafter.trainer import DrafterTrainer
+
+    loaded = _markov_loaded()
+    drafter = EagleDrafter(loaded.model.config).attach(loaded.model)
+    DrafterTrainer(drafter, None).save(tmp_path)
+    before = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
+    with torch.no_grad():
+        drafter.fc.weight.add_(1.0)
+    real = safetensors.torch.save_file
+
+    def killed(tensors, path, *args, **kwargs):
+        real(tensors, path, *args, **kwargs)
+        with open(path, "r+b") as handle:
+            handle.truncate(100)  # the bytes written so far
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        DrafterTrainer(drafter, None).save(tmp_path)
+    monkeypatch.undo()
+    back = EagleDrafter.load(tmp_path, loaded.model)
+    assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in before.items())
+    assert DrafterTrainer.saved_state(tmp_path)["steps"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no partial file left

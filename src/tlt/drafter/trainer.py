@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pairs
 from tlt.errors import first_line
-from tlt.models.eagle import DrafterError
+from tlt.models.eagle import DrafterError, write_whole
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
 OPTIMIZER_FILE = "drafter_optimizer.safetensors"
@@ -150,8 +150,9 @@ class DrafterTrainer:
         directory = Path(directory)
         self.drafter.save(directory)
         tensors, meta = flatten_optimizer(self.optimizer.state_dict())
-        save_file(tensors, str(directory / OPTIMIZER_FILE))
-        (directory / TRAINER_FILE).write_text(json.dumps({"steps": self.steps, "optimizer": meta}))
+        write_whole(directory / OPTIMIZER_FILE, lambda path: save_file(tensors, str(path)))
+        text = json.dumps({"steps": self.steps, "optimizer": meta})
+        write_whole(directory / TRAINER_FILE, lambda path: path.write_text(text))
 
     @staticmethod
     def has_saved_state(directory: str | Path) -> bool:

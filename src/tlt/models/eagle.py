@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -23,6 +24,17 @@ from tlt.models.spec import ModelSpec, check_supported
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
+
+
+def write_whole(path: Path, write) -> None:
+    """write(temporary path), then rename it onto `path`: a save killed midway (a warm-up going on in place,
+    --init DIR --out DIR) leaves the previous file whole, never one cut short."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 class DrafterError(TltError):
@@ -169,11 +181,12 @@ class EagleDrafter(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        (directory / CONFIG_FILE).write_text(json.dumps({
+        write_whole(directory / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
+        text = json.dumps({
             "target_config": self.config.to_dict(),
             "draft_vocab_size": None if self.draft_to_target is None else int(self.draft_to_target.shape[0]),
-        }, indent=1))
+        }, indent=1)
+        write_whole(directory / CONFIG_FILE, lambda path: path.write_text(text))
 
     @classmethod
     def load(cls, directory: str | Path, target) -> "EagleDrafter":
