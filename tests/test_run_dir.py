@@ -314,6 +314,19 @@ def test_resume_without_config_json_checks_against_the_checkpoints_config(tmp_pa
     it, which is not a change)."""
     run(tmp_path)
     (tmp_path / "config.json").unlink()
+    _check_against_the_checkpoint(tmp_path)
+
+
+def test_resume_with_config_json_cut_short_checks_against_the_checkpoints_config(tmp_path):
+    """config.json is written in place when a run starts: one killed then leaves it cut short, and --resume
+    refused with 'is not a tlt config' and no way on; the checkpoint's own config is as good a record."""
+    run(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(path.read_text()[:100])
+    _check_against_the_checkpoint(tmp_path)
+
+
+def _check_against_the_checkpoint(tmp_path):
     state_path = latest_checkpoint(tmp_path) / "state.json"
     state = json.loads(state_path.read_text())
     state["config"]["model"]["device"] = "cpu"

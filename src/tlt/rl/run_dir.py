@@ -151,18 +151,15 @@ def _checkpoints(run_dir: Path) -> list[Path]:
 
 def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
     saved_path = run_dir / "config.json"
-    if not saved_path.exists():  # deleted, or a run from before config.json was written: the checkpoint's own
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, ValueError):  # deleted, cut short, or a run from before config.json: the checkpoint's own
         saved = read_state(checkpoint).get("config")
         if saved is None:
             return  # a checkpoint from before it kept its config: nothing to compare against
         saved_path = checkpoint / "state.json"
         if isinstance(saved.get("model"), dict):  # kept as a worker placed it: model.device resolved ("cpu")
             saved = {**saved, "model": {**saved["model"], "device": config_dict.get("model", {}).get("device")}}
-    else:
-        try:
-            saved = json.loads(saved_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            saved = None
     if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
         raise RunDirError(f"{saved_path} is not a tlt config (JSON sections): cannot check that --resume "
                           f"continues the same run")
