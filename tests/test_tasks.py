@@ -59,3 +59,13 @@ def test_a_null_field_is_named_as_null_not_missing(tmp_path):
     path.write_text(json.dumps({"question": "q", "answer": None}) + "\n")
     with pytest.raises(DatasetError, match=r"data.jsonl, line 1: field 'answer' is null$"):
         load_examples(path)
+
+
+@pytest.mark.parametrize("indent", [None, 1])
+def test_a_json_array_file_is_named_as_such(tmp_path, indent):
+    """A .json file holding a JSON array (a common dataset layout) read 'line 1: not valid JSON (Expecting
+    value)' when pretty-printed: the file is fine, only not JSON Lines; task.name=hf reads it."""
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([{"question": "q", "answer": "1"}] * 2, indent=indent))
+    with pytest.raises(DatasetError, match="a JSON array, but tlt reads JSON Lines here.*task.name=hf"):
+        load_examples(path)

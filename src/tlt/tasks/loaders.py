@@ -72,7 +72,13 @@ def _jsonl_records(path: Path):
         try:
             record = json.loads(text)
         except json.JSONDecodeError as error:
+            if text.lstrip().startswith("[") and not any(line.strip() for line in lines[:number - 1]):
+                raise DatasetError(f"{path}: a JSON array, but tlt reads JSON Lines here (one JSON object per "
+                                   f"line); task.name=hf reads a JSON array file") from None
             raise DatasetError(f"{path}, line {number}: not valid JSON ({error.msg})") from error
+        if isinstance(record, list) and not any(line.strip() for line in lines[:number - 1]):
+            raise DatasetError(f"{path}: a JSON array, but tlt reads JSON Lines here (one JSON object per line); "
+                               f"task.name=hf reads a JSON array file")
         if not isinstance(record, dict):
             raise DatasetError(f"{path}, line {number}: expected a JSON object")
         yield number, record
