@@ -349,3 +349,14 @@ def test_a_model_directory_as_run_dir_is_refused(tmp_path, flags):
     with pytest.raises(RunDirError, match="holds a config.json that is not a tlt run's"):
         train(trainer.config, trainer=trainer, **flags)
     assert (model / "config.json").read_text() == config
+
+
+def test_staging_copies_a_killed_run_left_are_dropped_on_resume(tmp_path):
+    """A run killed while saving leaves .ckpt-*/.final-* staging copies (a policy and optimizer each); nothing
+    removed them but --overwrite, so every kill-and-resume leaked a checkpoint's size of disk."""
+    run(tmp_path)
+    for name in (".ckpt-abc123", ".final-def456"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "policy.safetensors").write_bytes(b"partial")
+    run(tmp_path, steps=3, resume=True)
+    assert not list(tmp_path.glob(".ckpt-*")) and not list(tmp_path.glob(".final-*"))

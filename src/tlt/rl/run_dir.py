@@ -46,6 +46,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
         if checkpoint is None:
             raise RunDirError(f"nothing to resume in {run_dir}: it holds no checkpoint ({_start_instead(run_dir)})")
         _check_same_run(run_dir, config_dict, checkpoint)
+        _drop_staging(run_dir)
         return checkpoint
     if holds_run(run_dir):
         if not overwrite:
@@ -54,7 +55,15 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
             raise RunDirError(f"{run_dir} already holds a run ({describe(run_dir)}): {hint}start over with "
                               f"--overwrite (deletes that run), or set another run.out_dir")
         clear_run(run_dir)
+    _drop_staging(run_dir)
     return None
+
+
+def _drop_staging(run_dir: Path) -> None:
+    """Staging copies of a checkpoint or final policy that a killed run left (each as large as the policy and
+    its optimizer state); the caller holds the directory (hold_run_dir), so no save is under way."""
+    for path in sorted(run_dir.glob(".ckpt-*")) + sorted(run_dir.glob(".final-*")):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -126,8 +135,9 @@ def describe(run_dir: Path) -> str:
 
 
 def clear_run(run_dir: Path) -> None:
-    """Delete what tlt wrote (checkpoints, staging dirs, metrics, timeline, TensorBoard, wandb, report, final)."""
-    for path in _checkpoints(run_dir) + sorted(run_dir.glob(".ckpt-*")):
+    """Delete what tlt wrote (checkpoints, metrics, timeline, TensorBoard, wandb, report, final; staging copies
+    go in _drop_staging)."""
+    for path in _checkpoints(run_dir):
         shutil.rmtree(path)
     for name in RUN_DIRS:
         shutil.rmtree(run_dir / name, ignore_errors=True)
