@@ -85,3 +85,16 @@ def test_a_directory_missing_a_weight_is_refused_not_filled_at_random(tmp_path):
     prompt = torch.tensor([random_prompts([6])[0]])
     with torch.no_grad():
         assert torch.allclose(load_model(tied, device="cpu").model(prompt).logits, model(prompt).logits, atol=1e-6)
+
+
+def test_a_base_model_file_without_the_model_prefix_still_loads(tmp_path):
+    """transformers adds the "model." prefix a base model's file leaves out: the completeness check does too."""
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama", tie_word_embeddings=True)
+    save_model_dir(model, None, tmp_path)
+    base = {k[len("model."):]: v.clone() for k, v in model.state_dict().items() if k.startswith("model.")}
+    save_file(base, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    prompt = torch.tensor([random_prompts([6])[0]])
+    with torch.no_grad():
+        assert torch.allclose(load_model(tmp_path, device="cpu").model(prompt).logits, model(prompt).logits, atol=1e-6)

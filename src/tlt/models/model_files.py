@@ -18,7 +18,7 @@ from tlt.models.spec import check_supported
 def check_weights(path: Path, config) -> None:
     """Header-only checks of a directory's .safetensors files: a truncated file (an interrupted copy) or weights
     saved for another config fail in a second, not deep inside from_pretrained (in every worker)."""
-    expected, tied = _expected_shapes(config)
+    expected, tied, prefix = _expected_shapes(config)
     stored = set()
     for file in sorted(path.glob("*.safetensors")):
         for name, shape in _stored_shapes(file).items():
@@ -26,6 +26,7 @@ def check_weights(path: Path, config) -> None:
                 raise ModelLoadError(f"cannot load the weights in {file}: {name} has shape {list(shape)}, but "
                                      f"{path / 'config.json'} needs {list(expected[name])} (another model's?)")
             stored.add(name)
+            stored.add(prefix + name)  # a base model's file names its weights without "model." (transformers adds it)
     # transformers fills a weight missing from the files with random values (a report on stderr, no error)
     missing = [name for name in expected if name not in stored and not tied.get(name, set()) & stored]
     if missing:
@@ -60,21 +61,23 @@ def _stored_shapes(file: Path) -> dict[str, tuple]:
     return shapes
 
 
-def _expected_shapes(config) -> tuple[dict[str, tuple], dict[str, set[str]]]:
-    """Parameter shapes of the model `config` describes, from a model on the meta device (no memory), and its
-    tied weights: name -> the names it shares a tensor with (a file may hold either name of a tied pair)."""
+def _expected_shapes(config) -> tuple[dict[str, tuple], dict[str, set[str]], str]:
+    """Parameter shapes of the model `config` describes, from a model on the meta device (no memory); its tied
+    weights: name -> the names it shares a tensor with (a file may hold either name of a tied pair); and the
+    base model's prefix ("model.")."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception:
-        return {}, {}
+        return {}, {}, ""
     tied = {}
     for name, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
         tied.setdefault(name, set()).add(source)
         tied.setdefault(source, set()).add(name)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}, tied
+    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}, tied, prefix
 
 
 def read_hf_config(path: Path):
