@@ -69,3 +69,33 @@ def test_a_json_array_file_is_named_as_such(tmp_path, indent):
     path.write_text(json.dumps([{"question": "q", "answer": "1"}] * 2, indent=indent))
     with pytest.raises(DatasetError, match="a JSON array, but tlt reads JSON Lines here.*task.name=hf"):
         load_examples(path)
+
+
+def test_a_dataset_is_read_in_shuffled_epochs():
+    """Training steps read a dataset as a shuffling data loader would: every example once per epoch (it used
+    to draw each step independently, so over one epoch's worth of steps about a third was never seen), a new
+    order each epoch, and the same steps for the same seed (a resumed run reads on where it stopped)."""
+    from tlt.tasks import DatasetTask, TaskExample
+
+    task = DatasetTask([TaskExample(f"q{i}", str(i)) for i in range(10)])
+    steps = [task.step_examples(4, step, seed=7) for step in range(5)]  # 20 positions: two epochs
+    stream = [example.answer for batch in steps for example in batch]
+    first, second = stream[:10], stream[10:]
+    assert sorted(first, key=int) == sorted(second, key=int) == [str(i) for i in range(10)]
+    assert first != second  # reshuffled
+    assert [e.answer for e in task.step_examples(4, 3, seed=7)] == stream[12:16]  # a function of (step, seed)
+    assert stream != [e.answer for step in range(5) for e in task.step_examples(4, step, seed=8)]
+
+
+def test_training_steps_take_their_prompts_from_the_epoch_stream():
+    """sample_prompts (the trainer's and the workers' draw) reads a dataset task in epochs."""
+    from types import SimpleNamespace
+
+    from tlt.rl.phases import sample_prompts
+    from tlt.tasks import ChatTask, DatasetTask, TaskExample
+
+    examples = [TaskExample(f"q{i}", str(i)) for i in range(6)]
+    config = SimpleNamespace(rollout=SimpleNamespace(prompts_per_step=3), run=SimpleNamespace(seed=0))
+    replica = SimpleNamespace(config=config, task=ChatTask(DatasetTask(examples), tokenizer=None))
+    seen = [e.answer for step in (0, 1) for e in sample_prompts(replica, step)]
+    assert sorted(seen, key=int) == [str(i) for i in range(6)]

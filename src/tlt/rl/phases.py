@@ -32,6 +32,7 @@ from tlt.rl.replica import PolicyReplica
 from tlt.rollout.replay import length_matched, regroup
 from tlt.rollout.request import Request, RolloutResult
 from tlt.sampling import SamplingParams
+from tlt.tasks import DatasetTask
 
 
 @dataclass
@@ -58,8 +59,13 @@ def step_seed(config: TrainConfig, step: int) -> int:
 
 
 def sample_prompts(replica: PolicyReplica, step: int) -> list:
-    """The step's prompts, drawn from the run seed and the step (every replica would draw the same)."""
-    return replica.task.sample(replica.config.rollout.prompts_per_step, seed=step_seed(replica.config, step))
+    """The step's prompts, from the run seed and the step (every replica would draw the same): a dataset is read
+    in shuffled epochs, a generated task draws new problems."""
+    count, task = replica.config.rollout.prompts_per_step, replica.task
+    source = getattr(task, "source", None)  # a ChatTask's examples; a task given to the trainer samples itself
+    if isinstance(source, DatasetTask):
+        return source.step_examples(count, step, replica.config.run.seed)
+    return task.sample(count, seed=step_seed(replica.config, step))
 
 
 def rollout(replica: PolicyReplica, examples: list, step: int, *, progress: bool = False, between_steps=None,

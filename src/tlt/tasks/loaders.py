@@ -97,11 +97,29 @@ def _parquet_records(path: Path):
 
 
 class DatasetTask:
-    """A fixed list of examples, sampled without replacement within an epoch, reshuffled per epoch by seed."""
+    """A fixed list of examples. Training reads it in epochs (`step_examples`): every example once per epoch,
+    in an order reshuffled per epoch from the run seed, as a shuffling data loader would; `sample` draws a
+    seeded set without replacement (warm-up, verify)."""
 
     def __init__(self, examples: list[TaskExample]):
         self.examples = examples
+        self._orders: dict[tuple[int, int], list[int]] = {}
 
     def sample(self, count: int, seed: int) -> list[TaskExample]:
         rng = random.Random(seed)
         return [self.examples[i] for i in rng.sample(range(len(self.examples)), min(count, len(self.examples)))]
+
+    def step_examples(self, count: int, step: int, seed: int) -> list[TaskExample]:
+        """Step `step`'s (0-based) `count` examples: positions [step * count, (step + 1) * count) of the stream of
+        epochs. A function of (step, seed) alone, so a resumed run reads on where it stopped."""
+        stream = range(step * count, (step + 1) * count)
+        return [self.examples[self._order(position // len(self.examples), seed)[position % len(self.examples)]]
+                for position in stream]
+
+    def _order(self, epoch: int, seed: int) -> list[int]:
+        key = (epoch, seed)
+        if key not in self._orders:
+            order = list(range(len(self.examples)))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {key: order}  # steps read epochs in turn: one order kept
+        return self._orders[key]
