@@ -360,3 +360,12 @@ def test_staging_copies_a_killed_run_left_are_dropped_on_resume(tmp_path):
         (tmp_path / name / "policy.safetensors").write_bytes(b"partial")
     run(tmp_path, steps=3, resume=True)
     assert not list(tmp_path.glob(".ckpt-*")) and not list(tmp_path.glob(".final-*"))
+
+
+def test_resume_of_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys):
+    """--resume with run.steps at or below the checkpoint's step trained nothing without a word."""
+    run(tmp_path, steps=2)
+    capsys.readouterr()
+    _, history = run(tmp_path, steps=2, resume=True)
+    assert history == [] and metric_steps(tmp_path) == [1, 2]
+    assert "nothing to train (raise run.steps to go on)" in capsys.readouterr().out

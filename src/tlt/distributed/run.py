@@ -72,6 +72,9 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         trainer.resume(checkpoint)
         logger.truncate_after(trainer.step)
         console.print(f"resumed from {checkpoint.name} (step {trainer.step})")
+        if trainer.step >= config.run.steps:
+            console.print(f"note: the run is at step {trainer.step} and run.steps={config.run.steps}: nothing to "
+                          f"train (raise run.steps to go on)")
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
     history = []
     status = _PhaseStatus(console)
