@@ -147,3 +147,27 @@ def test_row_admitted_mid_rollout_beside_a_row_near_its_budget(strategy):
     admitted = [t for t in spec.steps if t.kind == "prefill"]
     assert len(admitted) == 2  # the long prompt joined mid-rollout
     assert [s.token_ids for s in spec.samples] == [s.token_ids for s in plain.samples]
+
+
+def test_drafter_attached_mid_rollout_to_an_engine_built_without_one():
+    """set_drafter between steps of an engine that had no drafter: the running rollout's cache kept no
+    features or tree slots to draft from, so it must finish plainly (rows admitted after the attach too), and
+    the next generate() speculates. It once crashed (KeyError 'tokens' / a drafter without a cache)."""
+    model = tiny_model("llama")
+    requests = [Request(p, params=SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=()))
+                for p in random_prompts([3, 9, 5, 1, 12])]
+    _, plain = run(model, requests, batch=2)
+    engine = RolloutEngine(model, max_batch_size=2, speculation=SpecStrategy(3, 2, 6), max_tree_size=16)
+    steps = []
+
+    def attach(e):
+        steps.append(None)
+        if len(steps) == 3:
+            e.set_drafter(EagleDrafter(model.config))
+
+    during = engine.generate(requests, between_steps=attach)
+    after = engine.generate(requests)
+    for result in (during, after):
+        assert [s.token_ids for s in result.samples] == [s.token_ids for s in plain.samples]
+    assert during.speculation_summary()["sd_step_share"] == 0
+    assert after.speculation_summary()["sd_step_share"] == 1

@@ -73,8 +73,9 @@ class RolloutEngine:
         """Use (or hot-swap to) this drafter; its state is rebuilt from the cached features at the next SD step.
 
         Safe between decode steps of a running generate() (see `between_steps`): the drafter's KV cache is
-        rebuilt from the target features kept per slot, so no target forward is repeated. `version` is recorded
-        in each sample's `drafter_versions` when this drafter serves it."""
+        rebuilt from the target features kept per slot, so no target forward is repeated. An engine built without a
+        drafter keeps no such features: a drafter attached to it mid-rollout serves from the next generate().
+        `version` is recorded in each sample's `drafter_versions` when this drafter serves it."""
         self.drafter_version = version
         self.drafter = drafter  # the caller's, in its own dtype: what a worker reloads and publishes
         self.model_runner.set_drafter(drafter)
@@ -198,7 +199,7 @@ class RolloutEngine:
         warmups = self.model_runner.warmups
         arm = self._choose(len(running))
         strategy = None if arm in (None, "off") else arm
-        if strategy is not None and self.spec_decoder is not None:
+        if strategy is not None:  # `_choose` picks one only when a drafter can serve this step
             trace = self.model_runner.speculative_step(running, strategy)
             if self.drafter_version is not None:
                 for seq in running:
@@ -216,7 +217,7 @@ class RolloutEngine:
                                      timed=self.model_runner.warmups == warmups)
 
     def _choose(self, batch_size: int):
-        if self.speculation is None or self.spec_decoder is None:
+        if self.speculation is None or self.model_runner.serving is None:
             return None
         return self.speculation.choose(batch_size)
 

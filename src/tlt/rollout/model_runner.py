@@ -52,6 +52,14 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.forward.device
 
+    @property
+    def serving(self) -> SpeculativeDecoder | None:
+        """The speculative decoder, once the cache keeps what it drafts from. A drafter attached mid-rollout to
+        an engine built without one waits for the next `allocate`: the running rows' cache has no features to
+        rebuild its state from and no slots for a tree, so that rollout finishes with plain steps."""
+        decoder = self.spec_decoder
+        return decoder if decoder is not None and decoder.cache is not None else None
+
     def set_drafter(self, drafter) -> None:
         """Serve this drafter; the drafter's cache is reset, to be rebuilt from the per-slot features."""
         current = self.spec_decoder
@@ -121,8 +129,8 @@ class ModelRunner:
         out = self.forward(ids, rows, logits_at=(lengths - 1).to(self.device, non_blocking=True))
         self._store_slot_data(rows, ids, out.hidden)
         rows.advance(lengths)
-        if self.spec_decoder is not None:  # rows past the running ones start with an empty drafter state
-            self.spec_decoder.forget_rows(first_row, self.spec_decoder.cache.max_rows - first_row)
+        if self.serving is not None:  # rows past the running ones start with an empty drafter state
+            self.serving.forget_rows(first_row, self.serving.cache.max_rows - first_row)
         return out.logits[:, 0]
 
     def decode(self, running: list[Sequence]) -> None:
@@ -188,7 +196,7 @@ class ModelRunner:
 
     def _store_slot_data(self, rows: CacheRows, ids: torch.Tensor, hidden: torch.Tensor) -> None:
         """Keep token ids and target features of the tokens just written: the drafter is built from them."""
-        if self.spec_decoder is None:
+        if self.serving is None:
             return
         # non_blocking: a blocking host-to-device copy waits for the stream (the graph just replayed) to drain.
         # The sources are pageable, so CUDA stages them before the copy call returns (the documented behaviour
@@ -204,8 +212,8 @@ class ModelRunner:
     def move_row(self, src: int, dst: int) -> None:
         """Row src's committed state (target KV and slot data, drafter KV) now lives in row dst."""
         self.cache.move_row(src, dst)
-        if self.spec_decoder is not None:
-            self.spec_decoder.move_row(src, dst)
+        if self.serving is not None:
+            self.serving.move_row(src, dst)
 
     def committed_features(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [T] and target features [T, H] of a row's committed slots [start, end), on the device
