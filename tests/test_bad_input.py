@@ -247,3 +247,14 @@ def test_branching_wider_than_the_draft_vocabulary():
     engine = RolloutEngine(model, drafter=drafter, speculation=SpecStrategy(3, 3, 9), max_tree_size=16)
     with pytest.raises(RequestError, match="drafter's vocabulary has only 2 tokens"):
         engine.generate([Request([5, 6], params=SamplingParams(max_new_tokens=4))])
+
+
+def test_a_draft_vocabulary_with_repeated_ids():
+    """A repeated id makes two siblings one target token: the target-only rule summed its probability twice
+    and q-sampling's index_copy lost half of q, so the sampled distribution was silently wrong (p(t) doubled)."""
+    import torch
+
+    from tlt.models.eagle import DrafterError, EagleDrafter
+
+    with pytest.raises(DrafterError, match="repeats token ids"):
+        EagleDrafter(tiny_model().config, draft_vocab=torch.tensor([4, 7, 4]))

@@ -69,6 +69,10 @@ class EagleDrafter(nn.Module):
             draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)
             if draft_vocab.dim() != 1 or int(draft_vocab.max()) >= config.vocab_size or int(draft_vocab.min()) < 0:
                 raise DrafterError(f"draft vocabulary must be target token ids in [0, {config.vocab_size})")
+            if int(draft_vocab.unique().numel()) != int(draft_vocab.numel()):
+                # Two draft ids of one target token would be two siblings of one token: both acceptance rules
+                # assume a node's children are distinct tokens, and would sample that token too often.
+                raise DrafterError("draft vocabulary repeats token ids: each target token may appear once")
             self.register_buffer("draft_to_target", draft_vocab)
         else:
             self.draft_to_target = None
