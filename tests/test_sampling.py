@@ -62,6 +62,16 @@ def test_greedy_rows_take_the_argmax_and_report_untempered_logprob():
     assert torch.allclose(logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
 
 
+def test_greedy_rows_take_a_token_their_filter_keeps_when_the_top_logits_tie():
+    """torch.topk may keep the later of two tied tokens: a greedy row with top-k 1 then took the raw argmax
+    (the earlier one) and reported log-prob -inf for a token its own processed distribution had removed."""
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    logits[:, [2, 5]] = logits.max() + 1  # a two-way tie at the top of every row
+    rows = RowSampling.from_params([SamplingParams(temperature=0, top_k=1)] * 4, "cpu")
+    tokens, logprobs = sample_next(logits, rows, torch.full((4,), 0.5))
+    assert set(tokens.tolist()) <= {2, 5} and logprobs.tolist() == [0.0] * 4
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
                                  dict(top_p=1.5), dict(top_k=-1), dict(max_new_tokens=0)])
 def test_invalid_sampling_values_are_rejected(bad):

@@ -53,6 +53,28 @@ def test_greedy_identical_with_a_good_drafter_on_a_context_sensitive_target(stra
     assert spec.speculation_summary()["tau"] > 2.5  # the deep paths really were taken
 
 
+@pytest.mark.parametrize("top", [dict(top_k=1), dict(top_p=0.05)], ids=["topk1", "topp0.05"])
+def test_greedy_rows_with_a_filter_agree_with_plain_decoding_on_tied_logits(top):
+    """Every token's two likeliest successors tie exactly. Plain greedy took the raw argmax, which the row's
+    top-k/top-p (ties broken by torch.topk's order) could remove (log-prob -inf); SD took the processed argmax,
+    so the two decoded differently. Both must emit the same tokens, each with a finite log-prob."""
+    import torch
+
+    model, _ = markov_model(8, sharpness=1.0, seed=3)
+    with torch.no_grad():
+        weight = model.lm_head.weight  # the logit of b after a is sqrt(H) * weight[b, a]
+        for a in range(8):
+            first, second = weight[:, a].topk(2).indices
+            weight[second, a] = weight[first, a]
+    params = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(), **top)
+    requests = [Request([a], params=params) for a in range(8)]
+    _, plain = run(model, requests)
+    for strategy in (SpecStrategy(3, 2, 6), SpecStrategy(3, 2, rule="q")):
+        _, spec = run(model, requests, oracle_drafter(model), strategy)
+        assert [s.token_ids for s in spec.samples] == [s.token_ids for s in plain.samples]
+    assert all(math.isfinite(x) for result in (plain, spec) for s in result.samples for x in s.logprobs)
+
+
 def exact_joint(transition, last_token, params):
     """Exact probability of every 3-token continuation of a context-free Markov target."""
     vocab = transition.shape[0]

@@ -199,12 +199,15 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
 def sample_next(logits: torch.Tensor, rows: RowSampling, uniforms: torch.Tensor):
     """Pick one token per row from logits [B, V]; returns (tokens [B], their processed log-probs [B])."""
     logprobs = processed_logprobs(logits, rows)
+    # Greedy rows take the argmax of their processed distribution (untempered, so the raw argmax up to ties):
+    # a top-k/top-p that breaks a tie at the top keeps one tied token, and the verify step of speculative
+    # decoding picks that same one.
     if rows.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = logprobs.argmax(dim=-1)
     else:
         tokens = sample_from_logprobs(logprobs, uniforms)
         if rows.any_greedy:
-            tokens = torch.where(rows.greedy, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(rows.greedy, logprobs.argmax(dim=-1), tokens)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
 
 
