@@ -249,12 +249,16 @@ def test_branching_wider_than_the_draft_vocabulary():
         engine.generate([Request([5, 6], params=SamplingParams(max_new_tokens=4))])
 
 
-def test_a_draft_vocabulary_with_repeated_ids():
+@pytest.mark.parametrize("ids,match", [([4, 7, 4], "repeats token ids"), ([[4, 5]], "1-D"), ([], "at least one"),
+                                       ([4.5, 7.0], "integer token ids")], ids=["repeated", "2-D", "empty", "float"])
+def test_a_bad_draft_vocabulary(ids, match):
     """A repeated id makes two siblings one target token: the target-only rule summed its probability twice
-    and q-sampling's index_copy lost half of q, so the sampled distribution was silently wrong (p(t) doubled)."""
+    and q-sampling's index_copy lost half of q, so the sampled distribution was silently wrong (p(t) doubled).
+    An empty vocabulary failed inside torch; float ids were truncated to other tokens without a word."""
     import torch
 
     from tlt.models.eagle import DrafterError, EagleDrafter
 
-    with pytest.raises(DrafterError, match="repeats token ids"):
-        EagleDrafter(tiny_model().config, draft_vocab=torch.tensor([4, 7, 4]))
+    ids = torch.tensor(ids, dtype=torch.long if ids == [] else None)
+    with pytest.raises(DrafterError, match=match):
+        EagleDrafter(tiny_model().config, draft_vocab=ids)

@@ -136,3 +136,7 @@ def test_strategy_names_and_parsing():
     for bad in ("S4K2", "S4K2N8q", "4K2N8", "S0K1N1"):
         with pytest.raises(StrategyError):
             SpecStrategy.parse(bad)
+    # non-integer sizes once failed mid-rollout inside torch (torch.rand, topk) instead of here
+    for bad in (dict(depth=2.0), dict(depth="3"), dict(depth=3, branching=True), dict(depth=3, tree_size=3.0)):
+        with pytest.raises(StrategyError, match="integers"):
+            SpecStrategy(**bad)

@@ -51,6 +51,24 @@ def _decoder_layer_class(model_type: str):
     return layer
 
 
+def _checked_draft_vocab(draft_vocab, vocab_size: int) -> torch.Tensor:
+    """The draft vocabulary as a long tensor of distinct target ids, or a DrafterError saying what is wrong."""
+    ids = torch.as_tensor(draft_vocab)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise DrafterError(f"draft vocabulary must be integer token ids, got {ids.dtype}")
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise DrafterError(f"draft vocabulary must be a 1-D list of at least one token id, got shape "
+                           f"{tuple(ids.shape)}")
+    ids = ids.long()
+    if int(ids.max()) >= vocab_size or int(ids.min()) < 0:
+        raise DrafterError(f"draft vocabulary must be target token ids in [0, {vocab_size})")
+    if int(ids.unique().numel()) != int(ids.numel()):
+        # Two draft ids of one target token would be two siblings of one token: both acceptance rules assume a
+        # node's children are distinct tokens, and would sample that token too often.
+        raise DrafterError("draft vocabulary repeats token ids: each target token may appear once")
+    return ids
+
+
 class EagleDrafter(nn.Module):
     def __init__(self, target_config, draft_vocab: torch.Tensor | None = None):
         super().__init__()
@@ -66,14 +84,7 @@ class EagleDrafter(nn.Module):
         self.layer = _decoder_layer_class(config.model_type)(config, layer_idx=0)
         self.layer.input_layernorm = nn.Identity()  # EAGLE: the fused input is not normalized again
         if draft_vocab is not None:
-            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long)
-            if draft_vocab.dim() != 1 or int(draft_vocab.max()) >= config.vocab_size or int(draft_vocab.min()) < 0:
-                raise DrafterError(f"draft vocabulary must be target token ids in [0, {config.vocab_size})")
-            if int(draft_vocab.unique().numel()) != int(draft_vocab.numel()):
-                # Two draft ids of one target token would be two siblings of one token: both acceptance rules
-                # assume a node's children are distinct tokens, and would sample that token too often.
-                raise DrafterError("draft vocabulary repeats token ids: each target token may appear once")
-            self.register_buffer("draft_to_target", draft_vocab)
+            self.register_buffer("draft_to_target", _checked_draft_vocab(draft_vocab, config.vocab_size))
         else:
             self.draft_to_target = None
         self._target: LeanForward | None = None

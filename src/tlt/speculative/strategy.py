@@ -32,6 +32,10 @@ class SpecStrategy:
     rule: str = "target"
 
     def __post_init__(self):
+        sizes = (self.depth, self.branching) + (() if self.tree_size is None else (self.tree_size,))
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+            raise StrategyError(f"depth, branching and tree_size must be integers, got depth={self.depth!r}, "
+                                f"branching={self.branching!r}, tree_size={self.tree_size!r}")
         if self.rule not in RULES:
             raise StrategyError(f"acceptance rule must be one of {', '.join(RULES)}, got {self.rule!r}")
         if self.depth < 1 or self.branching < 1:
