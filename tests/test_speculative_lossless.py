@@ -193,3 +193,16 @@ def test_drafter_attached_mid_rollout_to_an_engine_built_without_one():
         assert [s.token_ids for s in result.samples] == [s.token_ids for s in plain.samples]
     assert during.speculation_summary()["sd_step_share"] == 0
     assert after.speculation_summary()["sd_step_share"] == 1
+
+
+def test_a_tree_reaching_past_the_context_leaves_the_batch_rope_alone():
+    """A tree (and its draft) of a row near the model's context reaches positions past it. Under a dynamic RoPE
+    scaling, the model's rotary embedding then rescaled its frequencies for the whole forward: every row of that
+    verify step was scored with the wrong RoPE (log-probs off by ~6e-3 here, tokens from a wrong distribution)."""
+    model = tiny_model("llama", max_position_embeddings=64, rope_theta=10.0,
+                       rope_scaling={"rope_type": "dynamic", "factor": 32.0})
+    prompts = random_prompts([50, 44, 30], seed=3)
+    requests = [Request(p, n=3, params=SamplingParams(max_new_tokens=64 - len(p), stop_token_ids=(), seed=1))
+                for p in prompts]
+    _, result = run(model, requests, EagleDrafter(model.config), SpecStrategy(5, 2, 10), batch=9)
+    assert_logprobs_match_target(model, result.samples, requests[0].params)  # params differ in budget only

@@ -229,8 +229,12 @@ class LeanForward:
         return ForwardOutput(self._logits_at(hidden, logits_at), hidden)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor):
-        """cos, sin [B, 1, T, D] for RoPE positions [B, T], from the model's own rotary embedding."""
-        cos, sin = self.decoder.rotary_emb(x, positions)
+        """cos, sin [B, 1, T, D] for RoPE positions [B, T], from the model's own rotary embedding.
+
+        Positions are clamped to the model's context. Only a speculative tree (or its draft) of a row near the
+        limit reaches past it, with nodes whose outputs are never used (they predict tokens past the row's
+        budget); unclamped, a dynamic RoPE scaling would rescale the frequencies of the whole batch's forward."""
+        cos, sin = self.decoder.rotary_emb(x, positions.clamp(max=self.spec.max_positions - 1))
         return cos[:, None], sin[:, None]
 
     def layer(self, layer, index: int, residual: torch.Tensor, normed: torch.Tensor, cos, sin,
