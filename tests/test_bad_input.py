@@ -65,6 +65,26 @@ def test_strategy_larger_than_the_reserved_tree_slots():
         SpecStrategy(3, 1, 5)
 
 
+def test_max_tree_size_raised_mid_rollout_serves_from_the_next_generate():
+    """The cache reserves max_tree_size slots when a rollout starts: raising it (and the tree) between steps
+    once let a tree past the cache's end through the check (IndexError on the CPU, an out-of-bounds write on
+    CUDA). The bigger tree must be refused with a clear error, and fit from the next generate() on."""
+    from tlt.models.eagle import EagleDrafter
+    from tlt.speculative.strategy import SpecStrategy
+
+    model = tiny_model()
+    engine = RolloutEngine(model, drafter=EagleDrafter(model.config), speculation=SpecStrategy.chain(1),
+                           max_tree_size=1)
+    requests = [Request([5, 6], params=SamplingParams(max_new_tokens=21))]
+
+    def grow(e):
+        e.max_tree_size, e.speculation = 64, SpecStrategy(5, 3, 16)
+
+    with pytest.raises(RequestError, match="next generate"):
+        engine.generate(requests, between_steps=grow)
+    assert len(engine.generate(requests).samples[0].token_ids) == 21
+
+
 # -- `tlt train` with bad input: one line naming the problem, exit 2, in both backends ---------------------------
 
 import gc  # noqa: E402

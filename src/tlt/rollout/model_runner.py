@@ -36,6 +36,7 @@ class ModelRunner:
         self.forward = forward
         self.graphs = GraphRunner(forward) if use_graphs else None  # None: every step runs eagerly
         self.max_tree_size = max_tree_size
+        self.tree_slots = 0  # slots past the committed tokens that the current cache reserved for a tree
         self.cache: KVCache | None = None
         self.spec_decoder: SpeculativeDecoder | None = None
         self._rebuilds = 0  # speculative steps that rebuilt some row's drafter state from nothing
@@ -81,7 +82,8 @@ class ModelRunner:
         if self.graphs is not None:  # a graph pads the batch to a bucket: its padded rows need cache rows
             rows = batch_bucket(rows, 1 << 30) or rows
         if self.spec_decoder is not None:
-            length += self.max_tree_size + 1  # a verified tree sits past the committed tokens
+            self.tree_slots = self.max_tree_size
+            length += self.tree_slots + 1  # a verified tree sits past the committed tokens
         length = cache_capacity(length, graphs=self.graphs is not None)  # attention spans on a grid of 16
         cache = self.cache
         if cache is None or cache.max_rows < rows or cache.max_len < length:
@@ -181,9 +183,14 @@ class ModelRunner:
                          accepted_hist=tuple(accepted), draft_s=outcome.draft_s, verify_s=outcome.verify_s)
 
     def _check(self, strategy: SpecStrategy) -> None:
-        if max(strategy.tree_size, (strategy.depth - 1) * strategy.branching) > self.max_tree_size:
+        needed = max(strategy.tree_size, (strategy.depth - 1) * strategy.branching)
+        if needed > self.max_tree_size:
             raise RequestError(f"strategy {strategy.name} needs more than max_tree_size={self.max_tree_size} "
                                f"cache slots past the committed tokens; raise max_tree_size")
+        if needed > self.tree_slots:  # max_tree_size was raised after this rollout's cache was allocated
+            raise RequestError(f"strategy {strategy.name} needs {needed} cache slots past the committed tokens, "
+                               f"but this rollout reserved {self.tree_slots}: max_tree_size={self.max_tree_size} "
+                               f"takes effect at the next generate()")
         if strategy.branching > self.spec_decoder.drafter.draft_vocab_size:
             raise RequestError(f"strategy {strategy.name} drafts {strategy.branching} children per node, but the "
                                f"drafter's vocabulary has only {self.spec_decoder.drafter.draft_vocab_size} tokens")
