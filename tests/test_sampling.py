@@ -80,6 +80,14 @@ def test_invalid_sampling_values_are_rejected(bad):
     assert next(iter(bad)) in str(error.value)
 
 
+def test_a_vanishing_temperature_is_refused_not_crashed_on():
+    """temperature=1e-39 passed validation; logits / T overflowed to inf, the processed log-probs were NaN and
+    the inverse-CDF draw returned token 255 of a 97-token vocabulary (an IndexError in the engine)."""
+    with pytest.raises(RequestError, match="use 0 for greedy"):
+        SamplingParams(temperature=1e-39)
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
 @pytest.mark.parametrize("scale,top_k,top_p", [(0.1, 0, 0.95), (8.0, 0, 0.9), (1.0, 3000, 0.97), (0.5, 700, 1.0)])
 def test_large_vocabulary_nucleus_search_is_exact(scale, top_k, top_p):
     """Flat rows force the candidate set to widen (to a full sort); peaked rows stop at the first 256."""

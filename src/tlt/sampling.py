@@ -15,6 +15,9 @@ import torch
 from tlt.errors import RequestError
 
 
+MIN_TEMPERATURE = 1e-5  # the smallest temperature > 0 (vLLM treats smaller ones as greedy)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled.
@@ -37,6 +40,9 @@ class SamplingParams:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T can overflow float32 to inf: NaN log-probs
+            raise RequestError(f"temperature must be 0 or at least {MIN_TEMPERATURE}, got {self.temperature!r} "
+                               f"(sampling below it is greedy in all but name: use 0 for greedy decoding)")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
