@@ -7,6 +7,7 @@ import sys
 
 from tlt import __version__
 from tlt.errors import TltError
+from tlt.files import refuse_a_file_in_the_way
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -255,10 +256,9 @@ def _check_writable(path, option: str) -> None:
     """A file the command will write at its end: its directory is made now, and a directory in its place fails."""
     if path.is_dir():
         raise TltError(f"{option} {path} is a directory; give a file name")
+    refuse_a_file_in_the_way(path.parent, option)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise TltError(f"{option} {path}: part of {path.parent} is a file, not a directory") from None
     except OSError as error:
         raise TltError(f"{option} {path}: cannot create {path.parent} ({error.strerror})") from None
 

@@ -3,8 +3,9 @@
 Every row carries its own settings and its own random stream, so a sample's tokens do not depend on which
 other samples share its batch, and a seeded rollout is reproducible, as long as each step is decoded the same
 way: a speculative step draws other tokens than a plain one from the same uniforms (both exact samples), so a
-batch-size gate or the adaptive bandit makes runs exact but not token-for-token repeatable. Speculative decoding applies exactly the
-same `processed_logprobs` to the target's logits, which is what makes its acceptance rule lossless.
+batch-size gate or the adaptive bandit makes runs exact but not token-for-token repeatable. Speculative
+decoding applies exactly the same `processed_logprobs` to the target's logits, which is what makes its acceptance
+rule lossless.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tlt.errors import TltError
+from tlt.files import refuse_a_file_in_the_way
 from tlt.models.eagle import EagleDrafter
 
 ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
@@ -34,8 +35,7 @@ def check_export_out(out: str | Path, overwrite: bool = False) -> None:
     """An --out the export may write: not a file, and (unless overwrite) holding none of the files it writes,
     e.g. a model directory, whose config and weights would be replaced by the one-layer draft's."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} is a file, not a directory")
+    refuse_a_file_in_the_way(out, "--out", ExportError)
     held = [name for name in EXPORT_FILES if (out / name).exists()]
     if held and not overwrite:
         raise ExportError(f"{out} already holds {' and '.join(held)} (a model or an earlier export): pass "

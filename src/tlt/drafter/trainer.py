@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pairs
 from tlt.errors import first_line
-from tlt.models.eagle import DrafterError, write_whole
+from tlt.files import write_whole
+from tlt.models.eagle import DrafterError
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
 OPTIMIZER_FILE = "drafter_optimizer.safetensors"
@@ -159,8 +160,9 @@ class DrafterTrainer:
         """Whether `directory` holds a trainer's state as `save` writes it (both files)."""
         return (Path(directory) / OPTIMIZER_FILE).exists() and (Path(directory) / TRAINER_FILE).exists()
 
-    def load_optimizer(self, directory: str | Path) -> None:
-        state = self.saved_state(directory)
+    def load_optimizer(self, directory: str | Path, state: dict | None = None) -> None:
+        """The optimizer moments and step count `save` wrote to `directory` (`state`: as `saved_state` read them)."""
+        state = self.saved_state(directory) if state is None else state
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as error:

@@ -22,6 +22,7 @@ from tlt.drafter.chain import chain_acceptance
 from tlt.drafter.features import collect_features
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
 from tlt.errors import TltError
+from tlt.files import refuse_a_file_in_the_way
 from tlt.models.eagle import CONFIG_FILE as DRAFTER_CONFIG_FILE, EagleDrafter
 from tlt.rl.optim import lr_factor
 from tlt.rollout.engine import RolloutEngine
@@ -70,7 +71,7 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     examples = task.sample(config.prompts + config.eval_prompts, seed=config.seed)
     train_examples, eval_examples = examples[:config.prompts], examples[config.prompts:]
     engine = RolloutEngine(loaded, max_batch_size=64)
-    initial = initial_drafter(loaded, engine.policy_forward, config)
+    initial, initial_state = initial_drafter(loaded, engine.policy_forward, config)
     params = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens, seed=config.seed)
     requests = [Request(task.prompt_ids(e), n=config.samples_per_prompt, params=params) for e in train_examples]
     rollout = engine.generate(requests, progress=True)
@@ -87,7 +88,8 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     held_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=config.seed)
     pairs = collect_features(engine.policy_forward, prompts[:held_from], responses[:held_from], buffer, step=0)
     collect_features(engine.policy_forward, prompts[held_from:], responses[held_from:], held_buffer, step=0)
-    trainer = new_trainer(loaded, initial, engine.policy_forward, responses, buffer, config, train_config)
+    trainer = new_trainer(loaded, initial, initial_state, engine.policy_forward, responses, buffer, config,
+                          train_config)
     drafter = trainer.drafter
     held = list(held_buffer.entries)
     with tqdm(total=config.steps, desc="drafter warm-up", unit="step") as bar:
@@ -143,40 +145,36 @@ def check_settings(config: WarmupConfig, train_config: DrafterTrainConfig) -> No
 
 
 def check_out(out: Path, init: str | None, overwrite: bool) -> None:
-    for parent in (out, *out.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise TltError(f"--out {out}: {parent} is a file, not a directory")
-            break
+    refuse_a_file_in_the_way(out, "--out")
     same_as_init = init is not None and Path(init).resolve() == out.resolve()
     if (out / DRAFTER_CONFIG_FILE).exists() and not (overwrite or same_as_init):
         raise TltError(f"{out} already holds a drafter: pass --overwrite to replace it, --init {out} to go on "
                        f"training it, or another --out")
 
 
-def initial_drafter(loaded, forward, config: WarmupConfig) -> EagleDrafter | None:
-    """The drafter of config.init (checked before any sampling), or None for a fresh one."""
+def initial_drafter(loaded, forward, config: WarmupConfig) -> tuple[EagleDrafter | None, dict | None]:
+    """The drafter of config.init and its trainer state (None: it has none), both read and checked before any
+    sampling (a damaged file fails now, not after it); (None, None) for a fresh drafter."""
     if config.init is None:
-        return None
+        return None, None
     drafter = EagleDrafter.load(config.init, forward)
-    if DrafterTrainer.has_saved_state(config.init):
-        DrafterTrainer.saved_state(config.init)  # readable: a damaged file fails now, not after the sampling
+    state = DrafterTrainer.saved_state(config.init) if DrafterTrainer.has_saved_state(config.init) else None
     vocab = loaded.spec.vocab_size
     wanted = config.draft_vocab if limits_vocab(config.draft_vocab, vocab) else vocab
     if drafter.draft_vocab_size != wanted:
         raise TltError(f"--init {config.init} has a draft vocabulary of {drafter.draft_vocab_size} tokens, not the "
                        f"{wanted} asked for: pass --draft-vocab {drafter.draft_vocab_size} (a drafter keeps its own)")
-    return drafter
+    return drafter, state
 
 
-def new_trainer(loaded, drafter: EagleDrafter | None, forward, responses, buffer, config: WarmupConfig,
-                train_config: DrafterTrainConfig) -> DrafterTrainer:
+def new_trainer(loaded, drafter: EagleDrafter | None, state: dict | None, forward, responses, buffer,
+                config: WarmupConfig, train_config: DrafterTrainConfig) -> DrafterTrainer:
     """A trainer of the --init drafter with its optimizer moments (a warm-up going on from where another
     stopped, on new prompts), or of a fresh drafter over the responses' most frequent tokens."""
     if drafter is not None:
         trainer = DrafterTrainer(drafter, buffer, train_config)
-        if DrafterTrainer.has_saved_state(config.init):
-            trainer.load_optimizer(config.init)
+        if state is not None:
+            trainer.load_optimizer(config.init, state)
         return trainer
     vocab = loaded.spec.vocab_size
     limited = limits_vocab(config.draft_vocab, vocab)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -18,23 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.errors import TltError
+from tlt.files import write_whole
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward, attention_mask, grouped_attention_bias, mask_capacity
 from tlt.models.spec import ModelSpec, check_supported
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
-
-
-def write_whole(path: Path, write) -> None:
-    """write(temporary path), then rename it onto `path`: a save killed midway (a warm-up going on in place,
-    --init DIR --out DIR) leaves the previous file whole, never one cut short."""
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        write(partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 class DrafterError(TltError):

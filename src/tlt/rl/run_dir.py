@@ -107,9 +107,14 @@ def _refuse_foreign_config(run_dir: Path) -> None:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         return  # none, or a tlt config cut short: the rules below apply
-    if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):  # tlt's: sections
+    if not _is_tlt_config(saved):
         raise RunDirError(f"run.out_dir={run_dir} holds a config.json that is not a tlt run's (a model directory?): "
                           f"a run would replace it; set another run.out_dir")
+
+
+def _is_tlt_config(saved) -> bool:
+    """A tlt run's config.json is a mapping of sections (a model's config.json has scalars at its top level)."""
+    return isinstance(saved, dict) and all(isinstance(v, dict) for v in saved.values())
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -170,7 +175,7 @@ def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
         saved_path = checkpoint / "state.json"
         if isinstance(saved.get("model"), dict):  # kept as a worker placed it: model.device resolved ("cpu")
             saved = {**saved, "model": {**saved["model"], "device": config_dict.get("model", {}).get("device")}}
-    if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
+    if not _is_tlt_config(saved):
         raise RunDirError(f"{saved_path} is not a tlt config (JSON sections): cannot check that --resume "
                           f"continues the same run")
     keys = [(section, key) for section in MEANING_SECTIONS for key in sorted(config_dict.get(section, {}))]

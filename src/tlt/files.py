@@ -1,0 +1,29 @@
+"""Output files and directories: whole-file writes, and paths checked before the long work that writes them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tlt.errors import TltError
+
+
+def write_whole(path: Path, write) -> None:
+    """write(temporary path), then rename it onto `path`: a save killed midway (a warm-up going on in place,
+    --init DIR --out DIR) leaves the previous file whole, never one cut short."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def refuse_a_file_in_the_way(directory: Path, option: str, error: type[TltError] = TltError) -> None:
+    """`directory` will be created (or written into): fail now, naming it, when it or the nearest existing path
+    above it is a file — not after the sampling or training whose results would go there."""
+    for existing in (directory, *directory.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                raise error(f"{option} {directory}: {existing} is a file, not a directory")
+            return
