@@ -206,3 +206,43 @@ def test_a_tree_reaching_past_the_context_leaves_the_batch_rope_alone():
                 for p in prompts]
     _, result = run(model, requests, EagleDrafter(model.config), SpecStrategy(5, 2, 10), batch=9)
     assert_logprobs_match_target(model, result.samples, requests[0].params)  # params differ in budget only
+
+
+@pytest.mark.parametrize("rule", ["target", "q"])
+def test_a_chain_drafts_what_its_drafter_says_fed_one_pair_at_a_time(rule):
+    """A chain's passes feed only the newest node over the KV the earlier passes left (a tree re-runs its
+    paths): every depth's draft distribution must equal the drafter's when it is fed the committed pairs and
+    then the chain's pairs one by one, committing each. A random drafter, so the draft depends on the context."""
+    import torch
+
+    from tlt.speculative.q_sampling import sampling_pick
+    from tlt.speculative.tree import draft_tree, top_children
+
+    model = tiny_model("llama", seed=3)
+    drafter = EagleDrafter(model.config).attach(model)
+    generator = torch.Generator().manual_seed(0)
+    committed, hidden_size = 7, model.config.hidden_size
+    tokens = torch.randint(0, 97, (2, committed), generator=generator)
+    features = torch.randn(2, committed, hidden_size, generator=generator)
+    strategy = SpecStrategy.chain(4, rule)
+    settings = RowSampling.from_params([SamplingParams(temperature=1.0)] * 2, "cpu")
+    pick = sampling_pick(settings, torch.rand(2, strategy.tree_size, generator=generator)) if rule == "q" \
+        else top_children
+
+    def fed(count):  # a drafter cache holding the committed pairs; the root hidden state
+        rows = drafter.new_cache(2, 64).rows(0, 2)
+        root = drafter.step(tokens, features, rows, torch.arange(committed).expand(2, -1))[:, -1]
+        rows.advance(committed)
+        return rows, root
+
+    rows, root = fed(committed)
+    candidates = draft_tree(drafter, root, rows, torch.full((2,), committed), strategy, pick)
+    reference, hidden = fed(committed)
+    for depth in range(strategy.depth):
+        expected = torch.log_softmax(drafter.draft_logits(hidden), -1)
+        drafted_id = candidates.tokens[:, depth]
+        drafted_score = candidates.scores[:, depth] - (candidates.scores[:, depth - 1] if depth else 0)
+        assert torch.allclose(drafted_score, expected.gather(1, drafted_id[:, None])[:, 0], atol=1e-5)
+        hidden = drafter.step(drafted_id[:, None], hidden[:, None], reference,
+                              torch.full((2, 1), committed + depth))[:, 0]
+        reference.advance(1)

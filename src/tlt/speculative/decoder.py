@@ -171,7 +171,8 @@ class SpeculativeDecoder:
         slots = committed[:, None] + torch.arange(tree.tokens.shape[1], device=committed.device)[None, :]
         target_rows.write_slots("tokens", slots, tree.tokens)
         target_rows.write_slots("features", slots, out.hidden)
-        target_rows.gather_written(committed, acceptance.path.clamp(min=0), acceptance.accepted + 1)
+        if shape.strategy.branching > 1:  # a chain's accepted path is its first nodes, already in place
+            target_rows.gather_written(committed, acceptance.path.clamp(min=0), acceptance.accepted + 1)
         return acceptance
 
     def feed_pairs(self, target_rows: CacheRows, draft_rows: CacheRows, pending: torch.Tensor,

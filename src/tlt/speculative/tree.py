@@ -72,7 +72,8 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
     pick(logits [B, F, Vd], k, depth) -> (log-scores [B, F, K], draft ids [B, F, K], distribution or None)
     chooses each expanded node's K children. The drafter cache holds the committed pairs; the frontier nodes'
     pairs are written past them, uncommitted: each depth re-runs all frontier nodes so far with a mask that shows
-    every node only its own path (a few dozen one-layer token-steps at most). base_positions [B] (device): the
+    every node only its own path (a few dozen one-layer token-steps at most); a chain (K = 1) feeds only its
+    newest node. base_positions [B] (device): the
     position of the first draft pair, which is also the drafter cache's committed length; kv_len: the drafter's
     attention span (a CUDA graph fixes it; default: from the lengths).
     """
@@ -92,12 +93,16 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
     for depth in range(2, strategy.depth + 1):
         path_tokens.append(torch.cat(tokens, 1).gather(1, frontier))
         path_features.append(frontier_features)
-        visible = _extend_visibility(visible, frontier_parent, k)
-        count = visible.shape[1]
-        positions = base_positions.to(device)[:, None] + torch.arange(count, device=device)[None, :] // k
-        hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, positions,
-                              new_token_mask=visible, lengths=base_positions,
-                              kv_len=kv_len)[:, -k:]                   # the newest frontier [B, K, H]
+        if k == 1:
+            hidden = _extend_chain(drafter, path_tokens[-1], frontier_features, cache, base_positions.to(device),
+                                   depth, kv_len)
+        else:
+            visible = _extend_visibility(visible, frontier_parent, k)
+            count = visible.shape[1]
+            positions = base_positions.to(device)[:, None] + torch.arange(count, device=device)[None, :] // k
+            hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, positions,
+                                  new_token_mask=visible, lengths=base_positions,
+                                  kv_len=kv_len)[:, -k:]               # the newest frontier [B, K, H]
         child_scores, child_ids, dist = pick(drafter.draft_logits(hidden), k, depth)
         if dist is not None:
             expanded.append((frontier, dist))
@@ -111,6 +116,16 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
         frontier_features = hidden.gather(1, frontier_parent[:, :, None].expand(-1, -1, hidden_size))
         frontier = first_id + best
     return Candidates(torch.cat(tokens, 1), torch.cat(all_scores, 1), torch.cat(parents, 1), expanded)
+
+
+def _extend_chain(drafter, token: torch.Tensor, features: torch.Tensor, cache: CacheRows, base: torch.Tensor,
+                  depth: int, kv_len: int | None) -> torch.Tensor:
+    """A chain's pass at `depth`: only its newest node [B, 1] is fed. Every earlier node is an ancestor, and the
+    earlier passes left its KV at slot base + its index (the same inputs at the same positions would write the
+    same values again), so the newest node sees the committed pairs and them as a plain continuation: one
+    token per pass instead of depth - 1."""
+    offset = base + (depth - 2)
+    return drafter.step(token, features, cache, offset[:, None], lengths=offset, kv_len=kv_len)
 
 
 def _extend_visibility(visible: torch.Tensor, frontier_parent: torch.Tensor | None, k: int) -> torch.Tensor:
