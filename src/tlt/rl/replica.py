@@ -91,8 +91,11 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     else:
         # Both acceptance rules compete: q-sampling wins where the drafter's q is close to p (1 - TV(p, q) per
         # token), target-only where its trees are cheaper to verify (N = 8 or 16 instead of K + (S - 1) K^2).
+        # q chains of depth 3 and 5: the best at batch 2 and batch 1 on the CPU with a warmed drafter (depth 4
+        # lost to both, docs/benchmarks.md §3); depth 5 is also the chain a GPU verifies for about one token.
         arms = list(dict.fromkeys([SpecStrategy.chain(3), strategy, SpecStrategy(5, 3, 16),
-                                   SpecStrategy.chain(4, "q"), SpecStrategy(3, 2, rule="q")]))
+                                   SpecStrategy.chain(3, "q"), SpecStrategy.chain(5, "q"),
+                                   SpecStrategy(3, 2, rule="q")]))
     engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter,
                            max_tree_size=max(a.tree_size for a in arms), **precision)
     gate, arms = _gate_and_arms(engine, run, arms)
