@@ -73,9 +73,9 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
     chooses each expanded node's K children. The drafter cache holds the committed pairs; the frontier nodes'
     pairs are written past them, uncommitted: each depth re-runs all frontier nodes so far with a mask that shows
     every node only its own path (a few dozen one-layer token-steps at most); a chain (K = 1) feeds only its
-    newest node. base_positions [B] (device): the
-    position of the first draft pair, which is also the drafter cache's committed length; kv_len: the drafter's
-    attention span (a CUDA graph fixes it; default: from the lengths).
+    newest node. base_positions [B] (device): the position of the first draft pair, which is also the drafter
+    cache's committed length; kv_len: the drafter's attention span (a CUDA graph fixes it; default: from the
+    lengths).
     """
     k = strategy.branching
     batch, hidden_size = root_hidden.shape
