@@ -138,3 +138,35 @@ def test_yaml_merge_keys_may_still_be_overridden(tmp_path, capsys):
     assert main(["train", "--print-config", str(path)]) == 0
     optim = yaml.safe_load(capsys.readouterr().out)["optim"]
     assert (optim["lr"], optim["warmup_steps"]) == (0.003, 1)
+
+
+def _model_dir_and_drafter(tmp_path):
+    from conftest import tiny_model
+    from test_verify import byte_tokenizer
+    from tlt.models.eagle import EagleDrafter
+    from tlt.models.model_files import save_model_dir
+
+    model = tiny_model("llama", vocab_size=257, eos_token_id=256, max_position_embeddings=512)
+    save_model_dir(model, byte_tokenizer(), tmp_path / "model")
+    EagleDrafter(model.config).attach(model).save(tmp_path / "drafter")
+    return str(tmp_path / "model"), str(tmp_path / "drafter")
+
+
+def test_generate_with_a_drafter_speculates_while_the_batch_is_within_the_gate(tmp_path, capsys):
+    model, drafter = _model_dir_and_drafter(tmp_path)
+    code = main(["generate", "--model", model, "--drafter", drafter, "--strategy", "S3K1q", "--gate", "6",
+                 "-n", "3", "--max-new-tokens", "12", "--threads", "1", "hello", "a longer prompt here"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0, out
+    assert "speculative decoding (S3K1N3q, while ≤ 6 rows ran)" in out and "τ" in out
+
+
+@pytest.mark.parametrize("flags,message", [(["--strategy", "deep"], "strategy must look like"),
+                                           (["--gate", "0"], "--gate must be at least 1"),
+                                           (["--drafter", "/nonexistent/drafter"], "is not a tlt drafter")])
+def test_generate_refuses_bad_speculation_settings(tmp_path, capsys, flags, message):
+    model, drafter = _model_dir_and_drafter(tmp_path)
+    flags = flags if "--drafter" in flags else ["--drafter", drafter] + flags
+    assert main(["generate", "--model", model, "--threads", "1", "--max-new-tokens", "4"] + flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

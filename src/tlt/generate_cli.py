@@ -6,7 +6,10 @@ from rich.console import Console
 from rich.table import Table
 
 from tlt.errors import TltError
+from tlt.models.eagle import EagleDrafter
+from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import TAIL_FRACTION
+from tlt.speculative.strategy import SpecStrategy
 
 DEMO_PROMPTS = [
     "What is 7 times 8? Answer with the number only.",
@@ -25,6 +28,7 @@ def run_generate(args, *, demo: bool) -> int:
 
     console = Console()
     prompts = args.prompts or DEMO_PROMPTS
+    speculation = _speculation(args)  # checked before the model loads
     pick_threads(args.threads)
     with console.status("loading model (first run: fetches and converts SmolLM2-135M-Instruct, ~1 min)"):
         loaded = load_model(args.model)
@@ -33,11 +37,38 @@ def run_generate(args, *, demo: bool) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     requests = [Request(_chat_ids(loaded.tokenizer, p), n=args.n, params=params) for p in prompts]
-    engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size)
+    if speculation is None:
+        engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size)
+    else:
+        drafter = EagleDrafter.load(args.drafter, loaded.model)
+        engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size, drafter=drafter, speculation=speculation,
+                               max_tree_size=speculation.strategy.tree_size)
     result = engine.generate(requests, progress=True)
     _print_samples(console, loaded.tokenizer, prompts, result)
     _print_trace(console, result)
+    if speculation is not None:
+        _print_speculation(console, speculation, result)
     return 0
+
+
+def _speculation(args) -> FixedSpeculation | None:
+    """--drafter's strategy and gate as a policy (None without --drafter); one clear error for bad values."""
+    if args.drafter is None:
+        return None
+    if args.gate < 1:
+        raise TltError(f"--gate must be at least 1 (rows running), got {args.gate}")
+    return FixedSpeculation(SpecStrategy.parse(args.strategy), args.gate)
+
+
+def _print_speculation(console, speculation: FixedSpeculation, result) -> None:
+    summary = result.speculation_summary()
+    if not summary.get("sd_step_share"):
+        console.print(f"speculative decoding ({speculation.strategy}) never ran: the running batch stayed above "
+                      f"--gate {speculation.gate}")
+        return
+    console.print(f"speculative decoding ({speculation.strategy}, while ≤ {speculation.gate} rows ran): "
+                  f"{100 * summary['sd_step_share']:.0f}% of decode steps, τ {summary['tau']:.2f} tokens per row "
+                  f"per verify step; every token is still a sample of the model")
 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:
