@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tlt.errors import TltError
-from tlt.models.eagle import EagleDrafter
+from tlt.models.eagle import EagleDrafter, check_drafter_dir
 from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import TAIL_FRACTION
 from tlt.speculative.strategy import SpecStrategy
@@ -57,7 +57,9 @@ def _speculation(args) -> FixedSpeculation | None:
         return None
     if args.gate < 1:
         raise TltError(f"--gate must be at least 1 (rows running), got {args.gate}")
-    return FixedSpeculation(SpecStrategy.parse(args.strategy), args.gate)
+    strategy = SpecStrategy.parse(args.strategy)
+    check_drafter_dir(args.drafter)
+    return FixedSpeculation(strategy, args.gate)
 
 
 def _print_speculation(console, speculation: FixedSpeculation, result) -> None:

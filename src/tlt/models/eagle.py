@@ -58,6 +58,14 @@ def _checked_draft_vocab(draft_vocab, vocab_size: int) -> torch.Tensor:
     return ids
 
 
+def check_drafter_dir(directory: str | Path) -> Path:
+    """The directory, if it holds a tlt drafter's two files (a cheap check before loading anything else)."""
+    directory = Path(directory)
+    if not (directory / CONFIG_FILE).exists() or not (directory / WEIGHTS_FILE).exists():
+        raise DrafterError(f"{directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    return directory
+
+
 class EagleDrafter(nn.Module):
     def __init__(self, target_config, draft_vocab: torch.Tensor | None = None):
         super().__init__()
@@ -197,9 +205,7 @@ class EagleDrafter(nn.Module):
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
-        directory = Path(directory)
-        if not (directory / CONFIG_FILE).exists() or not (directory / WEIGHTS_FILE).exists():
-            raise DrafterError(f"{directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+        directory = check_drafter_dir(directory)
         try:
             meta = json.loads((directory / CONFIG_FILE).read_text())
             settings = dict(meta["target_config"])
