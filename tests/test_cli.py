@@ -163,13 +163,17 @@ def test_generate_with_a_drafter_speculates_while_the_batch_is_within_the_gate(t
 
 @pytest.mark.parametrize("flags,message", [(["--strategy", "deep"], "strategy must look like"),
                                            (["--gate", "0"], "--gate must be at least 1"),
-                                           (["--drafter", "/nonexistent/drafter"], "is not a tlt drafter")])
+                                           (["--drafter", "/nonexistent/drafter"], "is not a tlt drafter"),
+                                           (["--no-drafter", "--strategy", "S3K1q"], "needs --drafter")])
 def test_generate_refuses_bad_speculation_settings(tmp_path, capsys, monkeypatch, flags, message):
     import tlt.models
 
     model, drafter = _model_dir_and_drafter(tmp_path)
     monkeypatch.setattr(tlt.models, "load_model", lambda *a, **k: pytest.fail("loaded the model before checking"))
-    flags = flags if "--drafter" in flags else ["--drafter", drafter] + flags
+    if "--no-drafter" in flags:
+        flags = flags[1:]
+    elif "--drafter" not in flags:
+        flags = ["--drafter", drafter] + flags
     assert main(["generate", "--model", model, "--threads", "1", "--max-new-tokens", "4"] + flags) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

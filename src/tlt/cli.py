@@ -310,11 +310,12 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--drafter", default=None, help="a drafter directory (`tlt drafter warmup --out`): decode "
                         "with lossless speculative decoding, every token still a sample of the model")
-    parser.add_argument("--strategy", default="S5K1q", help="with --drafter: depth S, branching K, tree size N "
+    parser.add_argument("--strategy", default=None, help="with --drafter: depth S, branching K, tree size N "
                         "(target-only acceptance, e.g. S4K2N8), or S5K1q: q-sampling with the drafter's "
-                        "probabilities")
-    parser.add_argument("--gate", type=int, default=4, help="with --drafter: speculate only while at most this "
-                        "many rows are running (the long tail, where it pays); a large number: at every step")
+                        "probabilities (default with --drafter: S5K1q)")
+    parser.add_argument("--gate", type=int, default=None, help="with --drafter: speculate only while at most "
+                        "this many rows are running (the long tail, where it pays); a large number: at every step "
+                        "(default with --drafter: 4)")
     _add_threads(parser)
 
 

@@ -11,6 +11,9 @@ from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import TAIL_FRACTION
 from tlt.speculative.strategy import SpecStrategy
 
+DEFAULT_STRATEGY = "S5K1q"  # with --drafter: the fastest arm at batch 1 on 2 CPU cores (docs/benchmarks.md §2)
+DEFAULT_GATE = 4            # with --drafter: speculate in the tail only, where it pays
+
 DEMO_PROMPTS = [
     "What is 7 times 8? Answer with the number only.",
     "Explain step by step how to add the fractions 1/3 and 1/4.",
@@ -54,12 +57,15 @@ def run_generate(args, *, demo: bool) -> int:
 def _speculation(args) -> FixedSpeculation | None:
     """--drafter's strategy and gate as a policy (None without --drafter); one clear error for bad values."""
     if args.drafter is None:
+        if args.strategy is not None or args.gate is not None:
+            raise TltError("--strategy and --gate set speculative decoding, which needs --drafter DIR")
         return None
-    if args.gate < 1:
-        raise TltError(f"--gate must be at least 1 (rows running), got {args.gate}")
-    strategy = SpecStrategy.parse(args.strategy)
+    gate = DEFAULT_GATE if args.gate is None else args.gate
+    if gate < 1:
+        raise TltError(f"--gate must be at least 1 (rows running), got {gate}")
+    strategy = SpecStrategy.parse(args.strategy or DEFAULT_STRATEGY)
     check_drafter_dir(args.drafter)
-    return FixedSpeculation(strategy, args.gate)
+    return FixedSpeculation(strategy, gate)
 
 
 def _print_speculation(console, speculation: FixedSpeculation, result) -> None:
