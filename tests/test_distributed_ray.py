@@ -123,3 +123,24 @@ def test_a_hub_that_does_not_answer_is_an_error_naming_the_call(monkeypatch):
     hub = worker.HubClient(SimpleNamespace(latest_version=SimpleNamespace(remote=_never_answers.remote)))
     with pytest.raises(HubTimeout, match="did not answer latest_version\\(\\) within 0.5 s"):
         hub.latest_version()
+
+
+def test_a_start_that_fails_gives_its_reservation_back(tmp_path):
+    """Workers that cannot form their gradient group (here an unknown collective backend; in a real run, a port
+    taken between choosing and binding it) fail the start with the workers' error, and the workers, hub and
+    placement group are gone: the next run in this Ray session can reserve the CPUs again."""
+    from tlt.distributed.backends import RayBackend
+    from tlt.distributed.placement import Placement
+    from tlt.models import LoadedModel, ModelSpec
+    from tlt.rl.config import load_config
+    from tlt.rl.rewards import Reward
+    from tlt.tasks.synthetic import IdTokenizer
+
+    model = test_distributed.long_tail_model()
+    loaded = LoadedModel(model, IdTokenizer(eos_token_id=test_distributed.EOS), ModelSpec.from_config(model.config),
+                         "markov")
+    config = load_config(None, ["run.threads_per_worker=1", "run.speculative=off", f"run.out_dir={tmp_path}"])
+    with pytest.raises(Exception, match="no-such-backend"):
+        RayBackend(config, Placement(2, "ray", "cpu", 0, 0.0, ("cpu", "cpu"), "no-such-backend"), loaded=loaded,
+                   task=test_distributed.ShortLongTask(), reward=Reward(test_distributed.share_of_eights))
+    assert not [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]

@@ -10,7 +10,6 @@ import concurrent.futures
 import copy
 import dataclasses
 import os
-import socket
 
 from tlt.distributed.collective import ThreadReducer
 from tlt.distributed.hub import DrafterHub
@@ -117,18 +116,28 @@ class RayBackend:
                      log_to_driver=True, logging_level="ERROR")
         check_ray_resources(placement, threads, ray.cluster_resources())
         self._group = self._reserve(placement, threads)
+        try:
+            self._start(config, placement, threads, loaded=loaded, task=task, reward=reward)
+        except BaseException:
+            self.shutdown()  # a failed start must not keep the reservation: the next run in this session needs it
+            raise
+
+    def _start(self, config, placement, threads: int, **inputs) -> None:
+        """The hub, the workers (each answering once loaded) and their gradient group."""
+        import ray
+
         self._hub = ray.remote(DrafterHub).options(num_cpus=0).remote(config.run.drafter_buffer_tokens)
         self.hub = HubClient(self._hub)
         config = _on_device(config, placement.devices[0])  # Ray: every actor's GPU is its own `cuda`
         actor = ray.remote(_RayWorker)
         self.workers = [self._options(actor, rank, placement, threads).remote(
-            config, rank, self.size, self._hub, threads=threads, loaded=loaded, task=task, reward=reward)
-            for rank in range(self.size)]
+            config, rank, self.size, self._hub, threads=threads, **inputs) for rank in range(self.size)]
         self._check(self._started([w.ping.remote() for w in self.workers]))
         if self.size > 1:
-            address = f"127.0.0.1:{_free_port()}"
-            self._wait([w.join_group.remote(address, placement.collective, GROUP_TIMEOUT_S) for w in self.workers],
-                       GROUP_TIMEOUT_S + 60, f"the workers did not form their {placement.collective} group")
+            what = f"the workers did not form their {placement.collective} group"
+            port = self._wait([self.workers[0].open_group.remote(GROUP_TIMEOUT_S)], 120, what)[0]
+            self._wait([w.join_group.remote(f"127.0.0.1:{port}", placement.collective, GROUP_TIMEOUT_S)
+                        for w in self.workers], GROUP_TIMEOUT_S + 60, what)
 
     def _reserve(self, placement, threads: int):
         """A placement group holding every worker's CPUs and GPU share, ready within PLACEMENT_TIMEOUT_S."""
@@ -303,10 +312,5 @@ def _start_worker(config, rank, size, hub, loaded, task, reward, reducer):
 def _resources(resources: dict) -> str:
     return ", ".join(f"{key} {value:g}" for key, value in sorted(resources.items()) if key in ("CPU", "GPU")) or "none"
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 

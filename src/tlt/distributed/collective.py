@@ -29,18 +29,34 @@ def unflatten_into(parameters: list[torch.nn.Parameter], flat: torch.Tensor) -> 
         offset += count
 
 
+def open_group_store(world_size: int, timeout_s: float, host: str = "127.0.0.1"):
+    """Rank 0's rendezvous store, listening on a port the OS picks while binding it: a port found free first and
+    bound later can be taken in between (a run then failed with EADDRINUSE). Its `.port` goes to the others."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
 class ProcessGroupReducer:
     """A torch.distributed group among the worker processes (one rank each). `backend`: "nccl" or "gloo";
-    `timeout_s` bounds forming the group and every all-reduce (a dead peer is an error, not a hang)."""
+    `timeout_s` bounds forming the group and every all-reduce (a dead peer is an error, not a hang). `store`:
+    rank 0's from `open_group_store`; the other ranks connect to `address` (its host:port)."""
 
-    def __init__(self, rank: int, world_size: int, address: str, backend: str = "gloo", timeout_s: float = 1800):
+    def __init__(self, rank: int, world_size: int, address: str, backend: str = "gloo", timeout_s: float = 1800,
+                 store=None):
         import datetime
 
         import torch.distributed as dist
 
+        timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            if store is None:
+                host, port = address.rsplit(":", 1)
+                store = dist.TCPStore(host, int(port), world_size, False, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         self.world_size = world_size
         self.host_buffer = backend == "gloo"  # gloo sums host tensors: a GPU buffer goes through host memory
 

@@ -24,7 +24,7 @@ import traceback
 
 import torch
 
-from tlt.distributed.collective import ProcessGroupReducer
+from tlt.distributed.collective import ProcessGroupReducer, open_group_store
 from tlt.distributed.hub import HubTimeout
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.drafter.tail_trainer import TailReport, TailTrainer
@@ -80,6 +80,7 @@ class RolloutWorker:
         self.hub = HubClient(hub)
         self.replica = PolicyReplica.build(config, loaded=loaded, task=task, reward=reward)
         self.reducer = reducer
+        self._group_store = None  # rank 0's rendezvous (Ray workers: open_group, then join_group)
         self.engine = self.replica.engine
         self.drafter = self.engine.drafter  # in the policy's dtype; the engine serves a copy in its rollout dtype
         self._spot = None  # (training drafter, DrafterTrainer, local buffer, next feature sequence) once used
@@ -97,9 +98,15 @@ class RolloutWorker:
 
     # -- process group -------------------------------------------------------------------------------------
 
+    def open_group(self, timeout_s: float = 1800) -> int:
+        """Rank 0: open the gradient group's rendezvous; returns its port (then every rank calls join_group)."""
+        self._group_store = open_group_store(self.world_size, timeout_s)
+        return self._group_store.port
+
     def join_group(self, address: str, backend: str = "gloo", timeout_s: float = 1800) -> None:
-        """Join the workers' gradient group ("nccl" or "gloo": the placement's choice)."""
-        self.reducer = ProcessGroupReducer(self.rank, self.world_size, address, backend, timeout_s)
+        """Join the workers' gradient group ("nccl" or "gloo": the placement's choice) at rank 0's `address`."""
+        store = self._group_store if self.rank == 0 else None
+        self.reducer = ProcessGroupReducer(self.rank, self.world_size, address, backend, timeout_s, store=store)
 
     # -- one RL step ----------------------------------------------------------------------------------------
 
