@@ -311,6 +311,3 @@ def _start_worker(config, rank, size, hub, loaded, task, reward, reducer):
 
 def _resources(resources: dict) -> str:
     return ", ".join(f"{key} {value:g}" for key, value in sorted(resources.items()) if key in ("CPU", "GPU")) or "none"
-
-
-
