@@ -10,7 +10,10 @@
 #               -> tests.log, tests.xml (JUnit: every test's outcome and time)
 #   drafter     warm a drafter on the GPU (WARM_PROMPTS 1024, WARM_STEPS 2000: data-bound) into $DRAFTER, sent back
 #   spec        benchmarks/speculative.py, greedy and T=1, batches 1,4,16       -> speculative_h100.json (#13, #14)
-#   throughput  benchmarks/rollout_throughput.py, batches 1,16,64               -> rollout_throughput_h100.json (#13)
+#   throughput  benchmarks/rollout_throughput.py, batches 1,16,64, also with rollout.compile=inductor (no eager
+#               engine: measured before)                                         -> rollout_throughput_h100.json (#13)
+#   spec-compiled  speculative.py with rollout.compile=inductor, T=0 and T=1, batches 1,4
+#                                                                  -> speculative_h100_compiled{,_greedy}.json (#13)
 #   tail        spot_training.py --lone-worker, overhead (greedy, 2 steps)      -> spot_training_h100.json (#15)
 #   tail-tau    spot_training.py --lone-worker, tau vs frozen (TAU_STEPS steps) -> spot_training_tau_h100.json (#15)
 #   e2e         e2e.py --replay (equal work), seed 0                            -> e2e_replay_h100.json (#15)
@@ -90,7 +93,7 @@ ensure_drafter() {  # this machine's drafter, else the carried copy, else one wa
 
 for phase in "$@"; do
   case $phase in
-    spec|tail|tail-tau|e2e|e2e-natural)
+    spec|spec-compiled|tail|tail-tau|e2e|e2e-natural)
       if ! ensure_drafter; then echo "== $phase skipped: no drafter"; continue; fi ;;
   esac
   case $phase in
@@ -105,7 +108,14 @@ for phase in "$@"; do
         --batches 1,4,16 --json "$OUT/speculative_h100.json" --png /tmp/speculative_h100.png ;;
     throughput)
       run throughput 540 python3 benchmarks/rollout_throughput.py --device cuda --batches 1,16,64 \
-        --max-new-tokens 128 --json "$OUT/rollout_throughput_h100.json" ;;
+        --max-new-tokens 128 --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
+    spec-compiled)
+      run spec_compiled_greedy 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" \
+        --temperature 0 --compile inductor --batches 1,4 --strategies S3K1N3,S5K1q,S4K2N8,S4K2q \
+        --json "$OUT/speculative_h100_compiled_greedy.json" --png /tmp/speculative_h100_compiled_greedy.png
+      run spec_compiled_t1 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" \
+        --temperature 1 --compile inductor --batches 1,4 --strategies S3K1N3,S5K1q,S4K2N8,S4K2q \
+        --json "$OUT/speculative_h100_compiled.json" --png /tmp/speculative_h100_compiled.png ;;
     tail)
       run tail 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
         --max-new-tokens 1024 --phases overhead --steps 2 --json "$OUT/spot_training_h100.json" ;;
@@ -120,6 +130,6 @@ for phase in "$@"; do
       run e2e_natural 540 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --skip-trl \
         --max-new-tokens 1024 --prompts 4 --samples 4 --steps 3 --seeds $SEEDS \
         --json "$OUT/e2e_h100_seed$(echo $SEEDS | tr ' ' '-').json" ;;
-    *) echo "unknown phase $phase (tests drafter spec throughput tail tail-tau e2e e2e-natural)"; exit 2 ;;
+    *) echo "unknown phase $phase (tests drafter spec spec-compiled throughput tail tail-tau e2e e2e-natural)"; exit 2 ;;
   esac
 done

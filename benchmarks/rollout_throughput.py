@@ -91,6 +91,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--compile", default="off", choices=["off", "inductor", "max-autotune"],
+                        help="CUDA: also time an engine whose captured forward is Inductor-compiled (rollout.compile)")
+    parser.add_argument("--skip-eager", action="store_true", help="CUDA: do not time the eager (uncaptured) engine")
     args = parser.parse_args(argv)
     max_new = args.max_new_tokens or (96 if args.quick else 256)
     if args.device != "cpu":
@@ -136,6 +139,21 @@ def main(argv=None) -> dict:
     return results
 
 
+def time_compiled(results: dict, key: str, engine, prompts, max_new, temperature) -> None:
+    """The engine with rollout.compile: its first run compiles and captures (timed as compile_warmup_s)."""
+    for name in ("engine_compiled_tok_s", "step_ms_compiled", "compile_warmup_s", "speedup_compiled_vs_hf_static",
+                 "tokens_compiled"):
+        results.setdefault(name, {})
+    started = time.perf_counter()
+    run_engine(engine, prompts, max_new, temperature)
+    results["compile_warmup_s"][key] = time.perf_counter() - started
+    seconds, tokens, decode_ms = run_engine(engine, prompts, max_new, temperature)
+    results["engine_compiled_tok_s"][key] = tokens / seconds
+    results["step_ms_compiled"][key] = statistics.median(decode_ms)
+    results["tokens_compiled"][key] = tokens
+    results["compile_mode"] = engine.forward.compile_mode
+
+
 def main_cuda(args, max_new: int) -> dict:
     """The engine (bf16, CUDA graphs; and eager bf16) vs transformers generate with a static cache in bf16."""
     loaded = load_model(device=args.device)
@@ -150,27 +168,39 @@ def main_cuda(args, max_new: int) -> dict:
         prompts = chat_prompts(tokenizer, batch) if batch > 1 else chat_prompts(tokenizer, 2)[1:]
         key = str(batch)
         graphed = RolloutEngine(loaded, max_batch_size=batch)
-        eager = RolloutEngine(loaded, max_batch_size=batch, cuda_graphs=False)
         run_engine(graphed, prompts, max_new, args.temperature)  # warm-up: captures this run's graphs
-        run_engine(eager, prompts[:1], 8, args.temperature)
         engine_s, engine_tokens, decode_ms = run_engine(graphed, prompts, max_new, args.temperature)
-        eager_s, eager_tokens, _ = run_engine(eager, prompts, max_new, args.temperature)
+        if args.compile != "off":
+            time_compiled(results, key, RolloutEngine(loaded, max_batch_size=batch, compile=args.compile),
+                          prompts, max_new, args.temperature)
         run_hf_generate(hf_model, tokenizer, prompts, max_new, args.temperature, eos,
                         cache_implementation="static")  # warm-up: transformers compiles its static decode step
         hf_s, hf_tokens = run_hf_generate(hf_model, tokenizer, prompts, max_new, args.temperature, eos,
                                           cache_implementation="static")
         results["engine_tok_s"][key] = engine_tokens / engine_s
-        results["engine_eager_tok_s"][key] = eager_tokens / eager_s
         results["hf_static_tok_s"][key] = hf_tokens / hf_s
         results["speedup_vs_hf_static"][key] = results["engine_tok_s"][key] / results["hf_static_tok_s"][key]
-        results["speedup_vs_eager"][key] = results["engine_tok_s"][key] / results["engine_eager_tok_s"][key]
-        results["tokens"][key] = {"engine": engine_tokens, "engine_eager": eager_tokens, "hf_static": hf_tokens}
+        results["tokens"][key] = {"engine": engine_tokens, "hf_static": hf_tokens}
         results["step_ms"][key] = statistics.median(decode_ms)
         results["graphs_captured"][key] = graphed.runner.captures
-        print(f"batch {batch:3d}: engine {results['engine_tok_s'][key]:9.1f} tok/s  eager "
-              f"{results['engine_eager_tok_s'][key]:8.1f}  hf static bf16 {results['hf_static_tok_s'][key]:8.1f}"
-              f"  x{results['speedup_vs_hf_static'][key]:.2f}  step {results['step_ms'][key]:.3f} ms",
-              file=sys.stderr, flush=True)
+        line = (f"batch {batch:3d}: engine {results['engine_tok_s'][key]:9.1f} tok/s  step "
+                f"{results['step_ms'][key]:.3f} ms")
+        if args.compile != "off":
+            results["speedup_compiled_vs_hf_static"][key] = (results["engine_compiled_tok_s"][key]
+                                                             / results["hf_static_tok_s"][key])
+            line += (f"  compiled {results['engine_compiled_tok_s'][key]:9.1f} tok/s  step "
+                     f"{results['step_ms_compiled'][key]:.3f} ms "
+                     f"(x{results['speedup_compiled_vs_hf_static'][key]:.2f})")
+        if not args.skip_eager:
+            eager = RolloutEngine(loaded, max_batch_size=batch, cuda_graphs=False)
+            run_engine(eager, prompts[:1], 8, args.temperature)
+            eager_s, eager_tokens, _ = run_engine(eager, prompts, max_new, args.temperature)
+            results["engine_eager_tok_s"][key] = eager_tokens / eager_s
+            results["speedup_vs_eager"][key] = results["engine_tok_s"][key] / results["engine_eager_tok_s"][key]
+            results["tokens"][key]["engine_eager"] = eager_tokens
+            line += f"  eager {results['engine_eager_tok_s'][key]:8.1f}"
+        print(f"{line}  hf static bf16 {results['hf_static_tok_s'][key]:8.1f}  "
+              f"x{results['speedup_vs_hf_static'][key]:.2f}", file=sys.stderr, flush=True)
         write_json(args.json, results, echo=False)
     bandwidth = memory_bandwidth(device=args.device)
     rollout_copy = RolloutEngine(loaded, max_batch_size=1).rollout_copy
@@ -180,6 +210,7 @@ def main_cuda(args, max_new: int) -> dict:
     refresh_ms = median_time(rollout_copy.refresh, 20, args.device) * 1000
     results.update({
         "batch1_step_ms": results["step_ms"].get("1"),
+        "batch1_step_ms_compiled": results.get("step_ms_compiled", {}).get("1"),
         "batch1_read_floor_ms": weight_bytes / (bandwidth["read_gbs"] * 1e9) * 1000,
         "weight_bytes": weight_bytes, "bandwidth": bandwidth, "refresh_ms": refresh_ms, "complete": True,
     })

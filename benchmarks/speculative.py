@@ -32,9 +32,25 @@ STRATEGIES = [SpecStrategy.chain(3), SpecStrategy(4, 2, 8), SpecStrategy(5, 3, 1
 QUICK = ["S3K1N3", "S4K2N8", "S3K1N3q", "S4K2N14q"]
 
 
-def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, temperature=1.0):
-    engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy,
-                           max_tree_size=max([s.tree_size for s in STRATEGIES] + [strategy.tree_size if strategy else 0]))
+COMPILED_ENGINES: dict[int, RolloutEngine] = {}  # --compile: one engine per batch size serves every arm and plain
+
+
+def engine_for(loaded, drafter, batch, strategy, compile_mode):
+    tree = max([s.tree_size for s in STRATEGIES] + [strategy.tree_size if strategy else 0])
+    if compile_mode == "off":
+        return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy, max_tree_size=tree)
+    # Compiling costs ~25 s per engine: reuse one, with the drafter attached (plain runs then also keep the
+    # features a drafter reads, as an RL engine with a drafter does above its gate).
+    engine = COMPILED_ENGINES.get(batch)
+    if engine is None:
+        engine = COMPILED_ENGINES[batch] = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter,
+                                                         max_tree_size=max(tree, 32), compile=compile_mode)
+    engine.speculation = strategy
+    return engine
+
+
+def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, temperature=1.0, compile_mode="off"):
+    engine = engine_for(loaded, drafter, batch, strategy, compile_mode)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(), seed=seed)
     requests = [Request(p, params=params) for p in prompts]
     if engine.runner is not None:  # CUDA: capture this run's graphs before timing it
@@ -56,6 +72,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 and CUDA graphs there)")
+    parser.add_argument("--compile", default="off", choices=["off", "inductor", "max-autotune"],
+                        help="CUDA: Inductor-compile the captured forward (rollout.compile), plain and SD alike")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of every arm, each followed "
                         "by a plain run; medians over rounds (the machines are noisy)")
     parser.add_argument("--rounds", type=int, default=1, help="prompts per batch slot: batch x rounds distinct "
@@ -76,6 +94,7 @@ def main(argv=None) -> dict:
                "best_by_rule": {"target": {}, "q": {}},
                "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new,
                "temperature": args.temperature, "rounds": args.rounds, "repeats": args.repeats,
+               "compile": args.compile,
                "environment": environment(),
                "complete": False}  # until the last write: a run killed at its time limit keeps its finished runs
     for batch in batches:
@@ -84,12 +103,15 @@ def main(argv=None) -> dict:
         # Rounds of plain, then every arm; plain once more at the end. Each arm's speedup is the median of its
         # ratios to the plain runs either side of it (paired: load that drifts on the machine cancels), and its
         # tok/s and τ the medians over rounds.
-        plain_runs = [run(loaded, None, prompts, batch, None, max_new, batch, args.temperature)[0]]
+        # Plain runs get no drafter, except with --compile, where one engine (built with the drafter) runs all.
+        measure = lambda arm: run(loaded, drafter if arm or args.compile != "off" else None, prompts, batch, arm,
+                                  max_new, batch, args.temperature, args.compile)
+        plain_runs = [measure(None)[0]]
         runs = {strategy: [] for strategy in strategies}
         for _ in range(args.repeats):
             for strategy in strategies:
-                runs[strategy].append(run(loaded, drafter, prompts, batch, strategy, max_new, batch, args.temperature))
-            plain_runs.append(run(loaded, None, prompts, batch, None, max_new, batch, args.temperature)[0])
+                runs[strategy].append(measure(strategy))
+            plain_runs.append(measure(None)[0])
         plain = statistics.median(plain_runs)
         results["plain_tok_s"][key] = plain
         results.setdefault("plain_runs_tok_s", {})[key] = plain_runs

@@ -129,6 +129,33 @@ def test_bf16_speculative_greedy_is_identical_up_to_near_ties():
     assert checked <= len(requests) // 2  # ties are rare: most rows must match exactly
 
 
+def test_compiled_graphs_decode_and_speculate_as_the_uncompiled_engine():
+    """rollout.compile: Inductor kernels captured in the runner's graphs. Fused kernels may sum in another order,
+    so bf16 greedy rows may part only at near-ties (the rule above); T=1 rows are lossless by construction (the
+    same acceptance code), so here they only have to run; the step must still replay (graphs captured)."""
+    model = tiny_model("llama", layers=4).to(CUDA)
+    requests = [Request(p, n=1, params=SamplingParams(temperature=0, max_new_tokens=40))
+                for p in random_prompts([5, 8, 13, 2], seed=6)]
+    plain = generate(model, requests, max_batch_size=4)
+    for speculation in (None, SpecStrategy(3, 2, 6)):
+        engine = RolloutEngine(model, max_batch_size=4, drafter=EagleDrafter(model.config), speculation=speculation,
+                               max_tree_size=16, compile="inductor")
+        compiled = engine.generate(requests + mixed_requests())
+        assert engine.runner.captures > 0
+        parted = 0
+        for request, a, b in zip(requests, plain.samples, compiled.samples):
+            index = first_divergence(a.token_ids, b.token_ids)
+            if index is None:
+                continue
+            prefix = torch.tensor([request.prompt_ids + a.token_ids[:index]], device=CUDA)
+            with torch.no_grad():
+                logits = model(prefix).logits[0, -1].float()
+            for token in (a.token_ids[index], b.token_ids[index]):
+                assert logits.max() - logits[token] <= 2 ** -7 * logits.max().abs() + 1e-2, index
+            parted += 1
+        assert parted <= len(requests) // 2
+
+
 def test_rollout_copy_follows_the_policy_after_an_update():
     model = tiny_model("qwen2").to(CUDA)
     engine = RolloutEngine(model, max_batch_size=2)

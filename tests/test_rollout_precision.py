@@ -119,6 +119,11 @@ def test_rollout_dtype_resolution_and_validation(tmp_path):
         load_config(None, ["rollout.dtype=fp8"])
     with pytest.raises(RequestError, match="cuda_graphs"):
         RolloutEngine(tiny_model("llama"), cuda_graphs=True)
+    with pytest.raises(ConfigError, match="rollout.compile"):
+        load_config(None, ["rollout.compile=fastest"])
+    with pytest.raises(ConfigError, match="rollout.compile .*needs rollout.cuda_graphs=true"):
+        load_config(None, ["rollout.compile=inductor", "rollout.cuda_graphs=false"])
+    assert load_config(None, ["rollout.compile=max-autotune"]).rollout.compile == "max-autotune"
 
 
 def test_bf16_engine_keeps_the_callers_drafter_in_fp32_and_decodes():

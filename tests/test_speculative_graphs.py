@@ -11,8 +11,10 @@ host or build a tensor from host data.
 import pytest
 import torch
 from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tlt.errors import RequestError
 from tlt.models.eagle import EagleDrafter
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.graph_runner import GraphRunner, _Graph
@@ -308,3 +310,26 @@ def test_every_graph_body_of_a_rollout_reads_nothing_on_the_host():
     engine.generate(mixed_requests(16))
     assert engine.runner.kinds == {"decode", "speculative"}
     assert engine.runner.found == []
+
+
+def test_a_compiled_forward_steps_as_the_eager_one():
+    """rollout.compile: the forward the graphs capture (decode steps, tree verification) runs Inductor-compiled;
+    here on the CPU through the non-capturing runner. Greedy rows keep every token; T=1 rows every token too
+    (the same uniforms; a tiny random model has no near-ties at these margins) with log-probs within rounding;
+    prefills and anything without a fixed KV span stay eager."""
+    model, _ = markov_model(16, sharpness=3.0, context=0.05)
+    strategy = SpecStrategy(3, 2, 6)
+    eager, compiled = engine_pair(model, oracle_drafter(model), FixedSpeculation(strategy, gate=2), 4)
+    compiled.forward.compile("inductor")
+    counters.clear()
+    requests = mixed_requests(16)
+    assert_same(eager.generate(requests), compiled.generate(requests))
+    assert counters["stats"]["unique_graphs"] >= 2  # the decode step's forward and the tree verify's were traced
+
+
+def test_compile_needs_the_graphs_it_compiles_for():
+    model = tiny_model()
+    with pytest.raises(RequestError, match="needs a model on CUDA"):
+        RolloutEngine(model, compile="inductor")
+    with pytest.raises(ValueError, match="compile mode"):
+        RolloutEngine(model).forward.compile("fastest")

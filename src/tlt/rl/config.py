@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from tlt.errors import TltError
+from tlt.models.lean_forward import COMPILE_MODES
 from tlt.rl.grpo import AGGREGATIONS
 from tlt.rl.optim import decay_steps
 from tlt.speculative.strategy import SpecStrategy
@@ -62,6 +63,7 @@ class RolloutConfig:
     max_batch_size: int = 64       # rows decoded together by the engine
     dtype: str = "auto"            # decode precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16
     cuda_graphs: bool = True       # on CUDA, replay decode and verification steps as CUDA graphs
+    compile: str = "off"           # on CUDA: "inductor" / "max-autotune" compile the captured forward (fused kernels)
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,7 @@ BUILTIN_REWARDS = ("auto", "integer", "math_verify")
 
 
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROLLOUT_COMPILE = ("off", *COMPILE_MODES)
 SCHEDULES = ("constant", "cosine")
 AUTOCAST_MODES = ("auto", "bf16", "off")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -202,6 +205,9 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check(0 < rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
     _at_least("rollout.top_k", rollout.top_k, 0)
     check_choice("rollout.dtype", rollout.dtype, ROLLOUT_DTYPES)
+    check_choice("rollout.compile", rollout.compile, ROLLOUT_COMPILE)
+    if rollout.compile != "off" and not rollout.cuda_graphs:
+        raise ConfigError("rollout.compile compiles the steps CUDA graphs capture: it needs rollout.cuda_graphs=true")
     check_choice("grpo.loss", grpo.loss, tuple(AGGREGATIONS))
     _check(0 <= grpo.clip_low < 1, f"grpo.clip_low must be in [0, 1), got {grpo.clip_low}")
     _at_least("grpo.clip_high", grpo.clip_high, 0)

@@ -79,6 +79,8 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     check_speculation(run)  # load_config checked it already; a config built in code may not have been
     # cuda_graphs=None: the engine captures graphs when its model is on CUDA (false: never)
     precision = {"dtype": config.rollout.dtype, "cuda_graphs": None if config.rollout.cuda_graphs else False}
+    if config.rollout.compile != "off" and loaded.model.device.type == "cuda":  # on the CPU: no graphs to compile
+        precision["compile"] = config.rollout.compile
     if run.speculative == "off":
         return RolloutEngine(loaded, max_batch_size=batch, **precision)
     if run.drafter:

@@ -26,8 +26,9 @@ RUN_DIRS = ("timeline", "tensorboard", "wandb", "report", "final")
 LOCK_FILE = ".tlt-lock"  # held by the run writing here (hold_run_dir); not part of the run, never deleted
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
-OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs", "optim.grad_checkpointing")  # in a meaning section,
-# but only how the run is measured, or how fast (or in how much memory) it computes the same thing
+# In a meaning section, but only how the run is measured, or how fast (or in how much memory) it computes the same
+# thing (rollout.compile: fused kernels may round differently in bf16; every sample is still the policy's own).
+OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs", "rollout.compile", "optim.grad_checkpointing")
 
 
 class RunDirError(TltError):

@@ -42,10 +42,12 @@ class RolloutEngine:
     dtype: the rollout precision: "auto" (bf16 on CUDA, the model's own dtype elsewhere), a torch dtype or its
         name. A dtype other than the model's decodes from a `RolloutCopy` refreshed at every `generate()`.
     cuda_graphs: replay decode and verification steps as CUDA graphs (default: on CUDA).
+    compile: "off" (default), "inductor" or "max-autotune": Inductor-compile the forward the CUDA graphs capture
+        (fused kernels, fewer launches; `LeanForward.compile`). Needs CUDA graphs.
     """
 
     def __init__(self, model, *, max_batch_size: int = 64, eos_token_ids=None, drafter=None, speculation=None,
-                 max_tree_size: int = 64, dtype="auto", cuda_graphs: bool | None = None):
+                 max_tree_size: int = 64, dtype="auto", cuda_graphs: bool | None = None, compile: str = "off"):
         tokenizer = None
         if isinstance(model, LoadedModel):
             model, tokenizer = model.model, model.tokenizer
@@ -57,6 +59,11 @@ class RolloutEngine:
         forward = self.policy_forward if self.rollout_copy is None else \
             LeanForward(self.rollout_copy.model, self.rollout_copy.fused)
         self.model_runner = ModelRunner(forward, cuda_graphs=cuda_graphs, max_tree_size=max_tree_size)
+        if compile != "off":
+            if self.model_runner.graphs is None:
+                raise RequestError(f"compile={compile!r} compiles the steps CUDA graphs capture: it needs a model "
+                                   "on CUDA with cuda_graphs on (rollout.compile=off on the CPU)")
+            forward.compile(compile)
         self.spec = forward.spec
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else eos_token_ids_of(model, tokenizer))
