@@ -312,19 +312,21 @@ def test_every_graph_body_of_a_rollout_reads_nothing_on_the_host():
     assert engine.runner.found == []
 
 
-def test_a_compiled_forward_steps_as_the_eager_one():
-    """rollout.compile: the forward the graphs capture (decode steps, tree verification) runs Inductor-compiled;
-    here on the CPU through the non-capturing runner. Greedy rows keep every token; T=1 rows every token too
-    (the same uniforms; a tiny random model has no near-ties at these margins) with log-probs within rounding;
-    prefills and anything without a fixed KV span stay eager."""
+@pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, 6), SpecStrategy.chain(4, "q")], ids=str)
+def test_compiled_steps_step_as_the_eager_ones(strategy):
+    """rollout.compile: the decode step's forward and the whole speculative step (catch-up, drafting, tree,
+    verify, acceptance) run Inductor-compiled; here on the CPU through the non-capturing runner. Greedy, T=1,
+    0.7 and 1.3 rows keep every token (the same uniforms; this model has no near-ties at these margins) with
+    log-probs within rounding; prefills and eager calls stay uncompiled."""
     model, _ = markov_model(16, sharpness=3.0, context=0.05)
-    strategy = SpecStrategy(3, 2, 6)
     eager, compiled = engine_pair(model, oracle_drafter(model), FixedSpeculation(strategy, gate=2), 4)
     compiled.forward.compile("inductor")
     counters.clear()
     requests = mixed_requests(16)
-    assert_same(eager.generate(requests), compiled.generate(requests))
-    assert counters["stats"]["unique_graphs"] >= 2  # the decode step's forward and the tree verify's were traced
+    result = compiled.generate(requests)
+    assert_same(eager.generate(requests), result)
+    assert result.speculation_summary()["sd_step_share"] > 0
+    assert counters["stats"]["unique_graphs"] >= 2  # the decode forward and the speculative step were traced
 
 
 def test_compile_needs_the_graphs_it_compiles_for():

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt.models.kv_cache import CacheRows, KVCache
-from tlt.models.lean_forward import ATTENTION_ALIGN, ForwardOutput, LeanForward
+from tlt.models.lean_forward import ATTENTION_ALIGN, COMPILE_MODES, ForwardOutput, LeanForward
 from tlt.sampling import RowSampling, sample_next
 from tlt.speculative.decoder import (
     SpecOutcome,
@@ -98,6 +98,7 @@ class GraphRunner:
         self.capture = capture
         self._cache: KVCache | None = None
         self._speculative: tuple | None = None  # (decoder, its drafter cache) the speculative graphs read
+        self._compiled_step: tuple | None = None  # (decoder, its `run` compiled) with a compiled forward
         self._graphs: dict[tuple, _Graph] = {}
         self._buffers: dict[tuple, _Buffers] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -116,6 +117,7 @@ class GraphRunner:
         self._buffers.clear()
         self._cache = None
         self._speculative = None
+        self._compiled_step = None
         # A private pool is released with the last graph that used it: later captures need a fresh handle
         # (reusing the old one trips the caching allocator's use_count assert, seen on the third RL step).
         if self.capture:
@@ -185,7 +187,8 @@ class GraphRunner:
         kind = ("speculative", strategy.name, *_sampling_kind(settings))
         decoder.drafter.head_weight()  # re-slices the draft head in place if the target's lm_head changed
         rows, all_draft_rows = self._cache.rows(0, bucket), decoder.cache.rows(0, bucket)
-        body = lambda static: self._speculative_body(decoder, rows, all_draft_rows, shape, kind, static)
+        step = self._step_function(decoder)
+        body = lambda static: self._speculative_body(step, rows, all_draft_rows, shape, kind, static)
         packed, = self._replay((bucket, width, kind), (shape.target_kv, shape.draft_kv), batch, inputs, body)
         return SpecOutcome(decoder.finish(cache, draft_rows, packed), 0.0, 0.0)
 
@@ -272,12 +275,23 @@ class GraphRunner:
         tokens, logprobs = sample_next(out.logits[:, 0], _static_settings(static, kind), static["uniforms"][:, 0])
         return tokens, logprobs, out.hidden
 
+    def _step_function(self, decoder: SpeculativeDecoder):
+        """`decoder.run`, Inductor-compiled as a whole when the forward is (`LeanForward.compile`): the drafter
+        passes, tree bookkeeping and acceptance are many small kernels beside the verify forward. Compiled once
+        per decoder (and per arm: the strategy's depth and branching unroll its loops)."""
+        mode = self.forward.compile_mode
+        if mode is None:
+            return decoder.run
+        if self._compiled_step is None or self._compiled_step[0] is not decoder:
+            self._compiled_step = (decoder, torch.compile(decoder.run, mode=COMPILE_MODES[mode], dynamic=None))
+        return self._compiled_step[1]
+
     @staticmethod
-    def _speculative_body(decoder: SpeculativeDecoder, rows: CacheRows, draft_rows: CacheRows, shape: StepShape,
-                          kind: tuple, static: dict[str, torch.Tensor]):
+    def _speculative_body(step, rows: CacheRows, draft_rows: CacheRows, shape: StepShape, kind: tuple,
+                          static: dict[str, torch.Tensor]):
         inputs = StepInputs(static["pending"], static["committed"], static["seen"], _static_settings(static, kind),
                             static["uniforms"])
-        return (decoder.run(rows, draft_rows, inputs, shape, sync_free=True),)
+        return (step(rows, draft_rows, inputs, shape, sync_free=True),)
 
 
 def _sampling_kind(settings: RowSampling) -> tuple[bool, bool, bool]:
