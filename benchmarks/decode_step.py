@@ -1,7 +1,10 @@
 """One decode step of the default model on CUDA, taken apart: eager vs graph replay, kernels per step, and
 (optionally) Inductor-fused kernels under the same graph. Tells where a batch-1 step's time goes.
 
-    python benchmarks/decode_step.py --json out.json [--compile] [--batches 1,16,64] [--kv 512]
+    python benchmarks/decode_step.py --json out.json [--compile [--compile-mode max-autotune]] [--batches 1,16,64]
+        [--kv 512]
+
+`kernels_by_name` lists the most frequent kernels of a step (what is left to fuse).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -18,7 +22,7 @@ from common import environment, median_time, write_json  # noqa: E402
 
 from tlt.models import load_model  # noqa: E402
 from tlt.models.kv_cache import KVCache  # noqa: E402
-from tlt.models.lean_forward import LeanForward  # noqa: E402
+from tlt.models.lean_forward import COMPILE_MODES, LeanForward  # noqa: E402
 from tlt.models.rollout_copy import RolloutCopy  # noqa: E402
 
 
@@ -26,7 +30,8 @@ def timed_ms(fn, repeats: int = 50) -> float:
     return median_time(fn, repeats, "cuda") * 1000
 
 
-def kernels_per_call(fn) -> int:
+def kernels_per_call(fn) -> tuple[int, dict[str, int]]:
+    """(kernels one call launches, the 15 most frequent kernel names with their counts)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -34,7 +39,8 @@ def kernels_per_call(fn) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    names = Counter(e.name[:80] for e in prof.events() if e.device_type.name == "CUDA")
+    return sum(names.values()), dict(names.most_common(15))
 
 
 def capture(fn):
@@ -56,6 +62,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--kv", type=int, default=512, help="attended KV length (a graph's block)")
     parser.add_argument("--compile", action="store_true", help="also Inductor-compile the step before capture")
+    parser.add_argument("--compile-mode", default="inductor", choices=sorted(COMPILE_MODES),
+                        help="as rollout.compile (max-autotune: Inductor's max-autotune-no-cudagraphs)")
     args = parser.parse_args(argv)
     loaded = load_model(device="cuda")
     copy = RolloutCopy(loaded.model, torch.bfloat16)
@@ -70,15 +78,19 @@ def main(argv=None) -> dict:
         def step(forward=lean.run):
             return forward(ids, rows, lengths, logits_at="all", kv_len=args.kv).logits
 
-        row = {"eager_ms": timed_ms(step), "kernels": kernels_per_call(step)}
+        row = {"eager_ms": timed_ms(step)}
+        row["kernels"], row["kernels_by_name"] = kernels_per_call(step)
         graph = capture(step)
         row["graph_ms"] = timed_ms(graph.replay)
         if args.compile:
             started = time.perf_counter()
-            compiled = torch.compile(lean.run, fullgraph=False, dynamic=False)
+            compiled_lean = LeanForward(copy.model, copy.fused)
+            compiled_lean.compile(args.compile_mode)  # what rollout.compile runs
+            compiled = compiled_lean.run
             step(compiled)
             row["compile_s"] = time.perf_counter() - started
-            row["compiled_kernels"] = kernels_per_call(lambda: step(compiled))
+            row["compile_mode"] = args.compile_mode
+            row["compiled_kernels"], row["compiled_kernels_by_name"] = kernels_per_call(lambda: step(compiled))
             row["compiled_graph_ms"] = timed_ms(capture(lambda: step(compiled)).replay)
         results["by_batch"][str(batch)] = row
         print(batch, row, file=sys.stderr, flush=True)

@@ -12,6 +12,8 @@
 #   spec        benchmarks/speculative.py, greedy and T=1, batches 1,4,16       -> speculative_h100.json (#13, #14)
 #   throughput  benchmarks/rollout_throughput.py, batches 1,16,64, also with rollout.compile=inductor (no eager
 #               engine: measured before)                                         -> rollout_throughput_h100.json (#13)
+#   kernels     decode_step.py: kernels per captured forward and their names, uncompiled / inductor / max-autotune
+#                                                      -> decode_step_h100.json, decode_step_h100_autotune.json (#13)
 #   spec-compiled  speculative.py with rollout.compile=inductor, T=0 and T=1, batches 1,4
 #                                                                  -> speculative_h100_compiled{,_greedy}.json (#13)
 #   tail        spot_training.py --lone-worker, overhead (greedy, 2 steps)      -> spot_training_h100.json (#15)
@@ -109,6 +111,10 @@ for phase in "$@"; do
     throughput)
       run throughput 540 python3 benchmarks/rollout_throughput.py --device cuda --batches 1,16,64 \
         --max-new-tokens 128 --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
+    kernels)
+      run kernels 240 python3 benchmarks/decode_step.py --compile --batches 1,64 --json "$OUT/decode_step_h100.json"
+      run kernels_autotune 280 python3 benchmarks/decode_step.py --compile --compile-mode max-autotune --batches 1 \
+        --json "$OUT/decode_step_h100_autotune.json" ;;
     spec-compiled)
       run spec_compiled_greedy 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" \
         --temperature 0 --compile inductor --batches 1,4 --strategies S3K1N3,S5K1q,S4K2N8,S4K2q \
@@ -130,6 +136,6 @@ for phase in "$@"; do
       run e2e_natural 540 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --skip-trl \
         --max-new-tokens 1024 --prompts 4 --samples 4 --steps 3 --seeds $SEEDS \
         --json "$OUT/e2e_h100_seed$(echo $SEEDS | tr ' ' '-').json" ;;
-    *) echo "unknown phase $phase (tests drafter spec spec-compiled throughput tail tail-tau e2e e2e-natural)"; exit 2 ;;
+    *) echo "unknown phase $phase (tests drafter spec spec-compiled kernels throughput tail tail-tau e2e e2e-natural)"; exit 2 ;;
   esac
 done
