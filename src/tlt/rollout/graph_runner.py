@@ -98,7 +98,8 @@ class GraphRunner:
         self.capture = capture
         self._cache: KVCache | None = None
         self._speculative: tuple | None = None  # (decoder, its drafter cache) the speculative graphs read
-        self._compiled_step: tuple | None = None  # (decoder, its `run` compiled) with a compiled forward
+        # (decoder, its `run` compiled) with a compiled forward; kept across resets: Dynamo's cache entries stay valid
+        self._compiled_step: tuple | None = None
         self._graphs: dict[tuple, _Graph] = {}
         self._buffers: dict[tuple, _Buffers] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -117,7 +118,6 @@ class GraphRunner:
         self._buffers.clear()
         self._cache = None
         self._speculative = None
-        self._compiled_step = None
         # A private pool is released with the last graph that used it: later captures need a fresh handle
         # (reusing the old one trips the caching allocator's use_count assert, seen on the third RL step).
         if self.capture:
