@@ -8,6 +8,9 @@ The sync checks run the body under a dispatch mode that fails on every op that w
 host or build a tensor from host data.
 """
 
+import os
+import shutil
+
 import pytest
 import torch
 from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
@@ -312,6 +315,10 @@ def test_every_graph_body_of_a_rollout_reads_nothing_on_the_host():
     assert engine.runner.found == []
 
 
+HAS_CXX = any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++", "c++"))
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="Inductor's CPU backend needs a C++ compiler")
 @pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, 6), SpecStrategy.chain(4, "q")], ids=str)
 def test_compiled_steps_step_as_the_eager_ones(strategy):
     """rollout.compile: the decode step's forward and the whole speculative step (catch-up, drafting, tree,
