@@ -23,6 +23,29 @@ def test_jsonl_lines_and_truncation(tmp_path):
     assert not (tmp_path / "tensorboard").exists()
 
 
+def test_a_resume_killed_while_truncating_keeps_the_history(tmp_path, monkeypatch):
+    """truncate_after rewrites metrics.jsonl: killed midway, the old file stays whole (a staged file renamed over
+    it), never the half-written one."""
+    from pathlib import Path
+
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    for step in (1, 2, 3):
+        logger.log(step, {"reward_mean": step / 10})
+    before = (tmp_path / "metrics.jsonl").read_text()
+    write_text = Path.write_text
+
+    def killed_midway(self, text, *args, **kwargs):
+        write_text(self, text[:10], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        logger.truncate_after(2)
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
 def test_tensorboard_scalars(tmp_path):
     # a plain import: `make test` installs the tensorboard extra, so a broken or missing one fails here rather
     # than skipping the only test that reads the scalars back

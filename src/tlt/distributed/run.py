@@ -10,6 +10,7 @@ from rich.console import Console
 
 from tlt.distributed.controller import DistributedGRPO
 from tlt.distributed.placement import resolve
+from tlt.files import write_whole
 from tlt.metrics.logger import open_metrics_logger
 from tlt.metrics.timeline import save_timeline
 from tlt.rl.checkpoint import latest_checkpoint, prune_checkpoints
@@ -75,7 +76,9 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         if trainer.step >= config.run.steps:
             console.print(f"note: the run is at step {trainer.step} and run.steps={config.run.steps}: nothing to "
                           f"train (raise run.steps to go on)")
-    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    # Whole or not at all: --resume compares the config it is given with this one.
+    text = json.dumps(config.to_dict(), indent=1)
+    write_whole(run_dir / "config.json", lambda path: path.write_text(text))
     history = []
     status = _PhaseStatus(console)
     trainer.on_phase = status

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from tlt.errors import TltError
+from tlt.files import write_whole
 from tlt.metrics.wandb_logger import WandbLogger
 
 
@@ -31,8 +32,8 @@ class MetricsLogger:
         """Drop lines past `step` (a resumed run rewrites the steps its crash lost, never duplicates them)."""
         if not self.path.exists():
             return
-        kept = [line for line, record in _records(self.path) if record["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        text = "".join(line + "\n" for line, record in _records(self.path) if record["step"] <= step)
+        write_whole(self.path, lambda path: path.write_text(text))  # killed midway: the history stays whole
 
     def close(self) -> None:
         for sink in self.sinks:

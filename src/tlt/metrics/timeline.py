@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tlt.files import write_whole
 from tlt.metrics.figures import draw_timeline
 
 KINDS = ("rollout", "rollout_sd", "logprobs", "spot_train", "idle", "update")
@@ -99,7 +100,8 @@ def save_timeline(run_dir: Path, timeline: dict, *, draw: bool = True) -> Path:
     directory = Path(run_dir) / "timeline"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{timeline['step']:04d}.json"
-    path.write_text(json.dumps(timeline))
+    text = json.dumps(timeline)
+    write_whole(path, lambda staged: staged.write_text(text))
     if draw:
         try:
             draw_timeline(timeline, path.with_suffix(".png"))
