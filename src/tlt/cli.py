@@ -316,6 +316,9 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate", type=int, default=None, help="with --drafter: speculate only while at most "
                         "this many rows are running (the long tail, where it pays); a large number: at every step "
                         "(default with --drafter: 4)")
+    parser.add_argument("--compile", default="off", choices=["off", "inductor", "max-autotune"],
+                        help="on CUDA: Inductor-compile the steps the CUDA graphs replay (fewer, fused kernels; "
+                        "the first steps pay the compile)")
     _add_threads(parser)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -32,6 +33,8 @@ def run_generate(args, *, demo: bool) -> int:
     console = Console()
     prompts = args.prompts or DEMO_PROMPTS
     speculation = _speculation(args)  # checked before the model loads
+    if args.compile != "off" and not torch.cuda.is_available():
+        raise TltError(f"--compile {args.compile} compiles the steps CUDA graphs replay: it needs a CUDA device")
     pick_threads(args.threads)
     with console.status("loading model (first run: fetches and converts SmolLM2-135M-Instruct, ~1 min)"):
         loaded = load_model(args.model)
@@ -41,11 +44,11 @@ def run_generate(args, *, demo: bool) -> int:
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     requests = [Request(_chat_ids(loaded.tokenizer, p), n=args.n, params=params) for p in prompts]
     if speculation is None:
-        engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size)
+        engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size, compile=args.compile)
     else:
         drafter = EagleDrafter.load(args.drafter, loaded.model)
         engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size, drafter=drafter, speculation=speculation,
-                               max_tree_size=speculation.strategy.tree_size)
+                               max_tree_size=speculation.strategy.tree_size, compile=args.compile)
     result = engine.generate(requests, progress=True)
     _print_samples(console, loaded.tokenizer, prompts, result)
     _print_trace(console, result)
