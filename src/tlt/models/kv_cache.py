@@ -93,9 +93,13 @@ class CacheRows:
     def values(self, layer: int) -> torch.Tensor:
         return self.cache.values[layer][self.start:self.start + self.count]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys/values k, v [B, Hkv, T, D] at per-row slots [B, T] (uncommitted)."""
-        rows = torch.arange(self.count, device=slots.device)[:, None]
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              rows: torch.Tensor | None = None) -> None:
+        """Store new keys/values k, v [B, Hkv, T, D] at per-row slots [B, T] (uncommitted). rows: the
+        arange(B)[:, None] index on the device, made once per forward by a caller writing every layer (one
+        kernel fewer per layer in a launch-bound GPU step)."""
+        if rows is None:
+            rows = torch.arange(self.count, device=slots.device)[:, None]
         self.keys(layer)[rows, :, slots] = k.transpose(1, 2)  # indexed view is [B, T, Hkv, D]
         self.values(layer)[rows, :, slots] = v.transpose(1, 2)
 

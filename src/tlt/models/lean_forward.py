@@ -87,13 +87,19 @@ def rms_norm(x: torch.Tensor, norm_module) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm_module.weight, norm_module.variance_epsilon)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, once per forward: rotate_half(x) * sin == swap_halves(x) * signed_sin."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in three kernels (mul, cat, addcmul) instead of five (no negation per
+    call): a decode step is launch-bound on a GPU, and this runs twice per layer. cos/sin_signed [B, 1, T, D]
+    broadcast over heads."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin  # cos/sin: [B, 1, T, D] broadcast over heads
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 # rollout.compile's values -> torch.compile modes. Never "reduce-overhead": the graph runner captures the step
@@ -263,28 +269,33 @@ class LeanForward:
         bias = grouped_attention_bias(mask, self.spec.num_heads // self.spec.num_kv_heads, self.dtype)
         x = self.embed(input_ids.to(device))
         cos, sin = self.rope(x, positions.to(device))
+        rows = torch.arange(input_ids.shape[0], device=device)[:, None]  # the KV writes' row index, once
         for index, layer in enumerate(self.decoder.layers):
-            x = self.layer(layer, index, x, rms_norm(x, layer.input_layernorm), cos, sin, cache, slots, bias)
+            x = self.layer(layer, index, x, rms_norm(x, layer.input_layernorm), cos, sin, cache, slots, bias,
+                           rows=rows)
         hidden = rms_norm(x, self.decoder.norm)
         return ForwardOutput(self._logits_at(hidden, logits_at), hidden)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor):
-        """cos, sin [B, 1, T, D] for RoPE positions [B, T], from the model's own rotary embedding.
+        """cos, signed sin [B, 1, T, D] (`signed_sin`, what `apply_rope` takes) for RoPE positions [B, T], from the
+        model's own rotary embedding.
 
         Positions are clamped to the model's context. Only a speculative tree (or its draft) of a row near the
         limit reaches past it, with nodes whose outputs are never used (they predict tokens past the row's
         budget); unclamped, a dynamic RoPE scaling would rescale the frequencies of the whole batch's forward."""
         cos, sin = self.decoder.rotary_emb(x, positions.clamp(max=self.spec.max_positions - 1))
-        return cos[:, None], sin[:, None]
+        return cos[:, None], signed_sin(sin[:, None])
 
     def layer(self, layer, index: int, residual: torch.Tensor, normed: torch.Tensor, cos, sin,
-              cache: CacheRows, slots: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+              cache: CacheRows, slots: torch.Tensor, bias: torch.Tensor, *, rows: torch.Tensor | None = None
+              ) -> torch.Tensor:
         """One decoder layer: residual + attention(normed), then + MLP. The EAGLE drafter reuses it with an
-        identity input norm (normed = residual) and its own cache; bias comes from `grouped_attention_bias`."""
-        x = residual + self._attention(layer, index, normed, cos, sin, cache, slots, bias)
+        identity input norm (normed = residual) and its own cache; bias comes from `grouped_attention_bias`;
+        cos, sin from `rope`; rows: arange(B)[:, None] on the device (see `CacheRows.write`)."""
+        x = residual + self._attention(layer, index, normed, cos, sin, cache, slots, bias, rows)
         return x + self._mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm), self._fused.get(id(layer)))
 
-    def _attention(self, layer, index: int, h: torch.Tensor, cos, sin, cache: CacheRows, slots, bias):
+    def _attention(self, layer, index: int, h: torch.Tensor, cos, sin, cache: CacheRows, slots, bias, rows):
         attn, spec = layer.self_attn, self.spec
         batch, num_new, _ = h.shape
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -298,9 +309,14 @@ class LeanForward:
             v = self.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, num_new, kv_heads, dim)
         if spec.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
             q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
-        q = apply_rope(q.transpose(1, 2), cos, sin)   # [B, H, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)   # [B, Hkv, T, D]
-        cache.write(index, slots, k, v.transpose(1, 2))
+        if fused is not None and not spec.qk_norm:
+            # q and k are adjacent heads of one GEMM's output: rotate them together (half the RoPE kernels)
+            qk = apply_rope(qkv[:, :, :heads + kv_heads].transpose(1, 2), cos, sin)   # [B, H + Hkv, T, D]
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q = apply_rope(q.transpose(1, 2), cos, sin)   # [B, H, T, D]
+            k = apply_rope(k.transpose(1, 2), cos, sin)   # [B, Hkv, T, D]
+        cache.write(index, slots, k, v.transpose(1, 2), rows=rows)
         kv_len = bias.shape[-1]
         out = grouped_query_attention(q, cache.keys(index)[:, :, :kv_len], cache.values(index)[:, :, :kv_len],
                                       bias, attn.scaling)
