@@ -3,8 +3,10 @@
 A captured batch-1 decode step of SmolLM2 on an H100 is launch-bound (docs/benchmarks.md §9: 776 kernels, 2.19 ms,
 vs 0.13 ms of weight reads), so every kernel a layer no longer launches is time saved there. This counts the ATen
 compute operations (views excluded) of one `LeanForward.run` over the rollout copy's fused layout, on the CPU, with
-random weights in the default model's shape. CPU dispatch is a proxy, not the GPU's count: there F.rms_norm is one
-kernel (six operations here) and a GEMM may be two (split-K).
+random weights in the default model's shape; and those of one whole speculative step (`SpeculativeDecoder.run`:
+catch-up, drafting, tree, verify forward, acceptance) per strategy, as the graph runner runs it (sync-free, a
+random drafter). CPU dispatch is a proxy, not the GPU's count: there F.rms_norm is one kernel (six operations
+here) and a GEMM may be two (split-K).
 
     python benchmarks/step_ops.py --json benchmarks/results/step_ops.json
 """
@@ -26,7 +28,16 @@ from common import environment, write_json  # noqa: E402
 from tlt.models import load_model  # noqa: E402
 from tlt.models.kv_cache import KVCache  # noqa: E402
 from tlt.models.lean_forward import LeanForward  # noqa: E402
+from tlt.models.eagle import EagleDrafter  # noqa: E402
 from tlt.models.rollout_copy import RolloutCopy  # noqa: E402
+from tlt.rollout.engine import RolloutEngine  # noqa: E402
+from tlt.rollout.graph_runner import GraphRunner  # noqa: E402
+from tlt.rollout.request import Request  # noqa: E402
+from tlt.sampling import SamplingParams  # noqa: E402
+from tlt.speculative.decoder import SpeculativeDecoder  # noqa: E402
+from tlt.speculative.strategy import SpecStrategy  # noqa: E402
+
+SD_STRATEGIES = ("S5K1q", "S3K1N3", "S4K2N8", "S4K2q")
 
 VIEWS = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "permute", "expand",
          "alias", "split", "split_with_sizes", "chunk", "as_strided", "reshape", "detach", "lift_fresh"}
@@ -53,6 +64,31 @@ def count_step(lean: LeanForward, batch: int, num_new: int, kv_len: int) -> coll
     return counter.counts
 
 
+def count_speculative_step(model, strategy: SpecStrategy) -> int:
+    """Operations of one speculative step at batch 1 through the non-capturing graph runner (the body a CUDA graph
+    captures). The master is bf16 and the rollout copy fp32, so the engine decodes from the fused layout it
+    uses on a GPU (fp32: CPU bf16 ops decompose differently)."""
+    engine = RolloutEngine(model, max_batch_size=1, dtype="float32", drafter=EagleDrafter(model.config),
+                           speculation=strategy, max_tree_size=32)
+    engine.runner = GraphRunner(engine.forward, capture=False)
+    engine.forward.linear = torch.nn.functional.linear
+    counts, run = [], SpeculativeDecoder.run
+
+    def counted(decoder, *args, **kwargs):
+        with OperationCounter() as counter:
+            out = run(decoder, *args, **kwargs)
+        counts.append(sum(counter.counts.values()))
+        return out
+
+    SpeculativeDecoder.run = counted
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(), seed=0)
+        engine.generate([Request([1, 2, 3, 4, 5], params=params)])
+    finally:
+        SpeculativeDecoder.run = run
+    return counts[-1]
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
@@ -71,6 +107,13 @@ def main(argv=None) -> dict:
                                     "per_layer": sum(counts.values()) / config.num_hidden_layers,
                                     "by_operation": dict(counts.most_common())}
         print(f"{name}: {sum(counts.values())} operations", file=sys.stderr)
+    master = model.to(torch.bfloat16)
+    results["speculative_step"] = {}
+    for name in SD_STRATEGIES:
+        strategy = SpecStrategy.parse(name)
+        results["speculative_step"][strategy.name] = count_speculative_step(master, strategy)
+        print(f"speculative step {strategy.name}: {results['speculative_step'][strategy.name]} operations",
+              file=sys.stderr)
     write_json(args.json, results)
     return results
 

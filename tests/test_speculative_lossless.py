@@ -237,12 +237,17 @@ def test_a_chain_drafts_what_its_drafter_says_fed_one_pair_at_a_time(rule):
 
     rows, root = fed(committed)
     candidates = draft_tree(drafter, root, rows, torch.full((2,), committed), strategy, pick)
+    assert candidates.parents.tolist() == [[-1, 0, 1, 2]] * 2
+    if rule == "q":  # the distribution each node's child was drawn from, keyed by that node (-1: the root)
+        assert [ids.tolist() for ids, _ in candidates.expanded] == [[[-1]] * 2, [[0]] * 2, [[1]] * 2, [[2]] * 2]
     reference, hidden = fed(committed)
     for depth in range(strategy.depth):
         expected = torch.log_softmax(drafter.draft_logits(hidden), -1)
         drafted_id = candidates.tokens[:, depth]
         drafted_score = candidates.scores[:, depth] - (candidates.scores[:, depth - 1] if depth else 0)
         assert torch.allclose(drafted_score, expected.gather(1, drafted_id[:, None])[:, 0], atol=1e-5)
+        if rule == "q":
+            torch.testing.assert_close(candidates.expanded[depth][1][:, 0], expected, atol=1e-5, rtol=0)
         hidden = drafter.step(drafted_id[:, None], hidden[:, None], reference,
                               torch.full((2, 1), committed + depth))[:, 0]
         reference.advance(1)

@@ -23,6 +23,7 @@ from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
 from tlt.sampling import RowSampling, processed_logprobs
 from tlt.speculative.acceptance import Acceptance, accept
+from tlt.speculative.chain_acceptance import accept_chain, accept_q_chain
 from tlt.speculative.q_sampling import DraftDistributions, accept_q, sampling_pick
 from tlt.speculative.strategy import SpecStrategy
 from tlt.speculative.tree import DraftTree, draft_tree, select_tree
@@ -161,10 +162,16 @@ class SpeculativeDecoder:
         out = self.target.run(tree.tokens, target_rows, committed, positions=committed[:, None] + tree.depths,
                               new_token_mask=tree.attention(), logits_at="all", kv_len=shape.target_kv)
         logprobs = processed_logprobs(out.logits, settings)
+        chain = shape.strategy.branching == 1  # every depth at once: a fraction of the walk's operations
         if drafts is not None:
-            acceptance = accept_q(tree, logprobs, drafts, self.drafter.draft_to_target, settings.greedy,
-                                  inputs.uniforms[:, shape.strategy.tree_size:], accept_rule=self.q_accept_rule,
-                                  residual_rule=self.q_residual_rule, sync_free=sync_free)
+            uniforms = inputs.uniforms[:, shape.strategy.tree_size:]
+            rules = dict(accept_rule=self.q_accept_rule, residual_rule=self.q_residual_rule)
+            acceptance = accept_q_chain(tree, logprobs, drafts, self.drafter.draft_to_target, settings.greedy,
+                                        uniforms, **rules) if chain else \
+                accept_q(tree, logprobs, drafts, self.drafter.draft_to_target, settings.greedy, uniforms, **rules,
+                         sync_free=sync_free)
+        elif chain:
+            acceptance = accept_chain(tree, logprobs, settings.greedy, inputs.uniforms, accept_rule=self.accept_rule)
         else:
             acceptance = accept(tree, logprobs, settings.greedy, inputs.uniforms, accept_rule=self.accept_rule,
                                 sync_free=sync_free)

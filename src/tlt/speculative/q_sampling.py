@@ -78,16 +78,20 @@ def draw_without_replacement(logq: torch.Tensor, uniforms: torch.Tensor, greedy:
     Returns (log q of each drawn token [B, F, K], with -inf for a draw made after q ran out of mass, and the
     token ids [B, F, K]). Such a draw has q_i = 0: the acceptance rule never accepts it."""
     batch, frontier, vocab = logq.shape
-    remaining = logq.clone()
+    draws = uniforms.shape[-1]
+    remaining = logq.clone() if draws > 1 else logq  # only a later draw needs the earlier ones removed
     scores, ids = [], []
-    for i in range(uniforms.shape[-1]):
+    for i in range(draws):
         drawn = sample_from_logprobs(remaining.reshape(-1, vocab), uniforms[..., i].reshape(-1))
         drawn = drawn.view(batch, frontier).clamp(max=vocab - 1)
         drawn = torch.where(greedy[:, None], remaining.argmax(-1), drawn)
-        alive = torch.isfinite(remaining.gather(-1, drawn[..., None]))[..., 0]
-        scores.append(torch.where(alive, logq.gather(-1, drawn[..., None])[..., 0], -torch.inf))
+        score = logq.gather(-1, drawn[..., None])[..., 0]
+        if i > 0:  # the first draw always has mass (a chain's only one): fewer kernels per drafter pass
+            score = torch.where(torch.isfinite(remaining.gather(-1, drawn[..., None]))[..., 0], score, -torch.inf)
+        scores.append(score)
         ids.append(drawn)
-        remaining.scatter_(-1, drawn[..., None], -torch.inf)
+        if i + 1 < draws:
+            remaining.scatter_(-1, drawn[..., None], -torch.inf)
     return torch.stack(scores, -1), torch.stack(ids, -1)
 
 

@@ -77,6 +77,8 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
     cache's committed length; kv_len: the drafter's attention span (a CUDA graph fixes it; default: from the
     lengths).
     """
+    if strategy.branching == 1:
+        return _draft_chain(drafter, root_hidden, cache, base_positions, strategy, pick, kv_len)
     k = strategy.branching
     batch, hidden_size = root_hidden.shape
     device = root_hidden.device
@@ -93,16 +95,12 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
     for depth in range(2, strategy.depth + 1):
         path_tokens.append(torch.cat(tokens, 1).gather(1, frontier))
         path_features.append(frontier_features)
-        if k == 1:
-            hidden = _extend_chain(drafter, path_tokens[-1], frontier_features, cache, base_positions.to(device),
-                                   depth, kv_len)
-        else:
-            visible = _extend_visibility(visible, frontier_parent, k)
-            count = visible.shape[1]
-            positions = base_positions.to(device)[:, None] + torch.arange(count, device=device)[None, :] // k
-            hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, positions,
-                                  new_token_mask=visible, lengths=base_positions,
-                                  kv_len=kv_len)[:, -k:]               # the newest frontier [B, K, H]
+        visible = _extend_visibility(visible, frontier_parent, k)
+        count = visible.shape[1]
+        positions = base_positions.to(device)[:, None] + torch.arange(count, device=device)[None, :] // k
+        hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, positions,
+                              new_token_mask=visible, lengths=base_positions,
+                              kv_len=kv_len)[:, -k:]                   # the newest frontier [B, K, H]
         child_scores, child_ids, dist = pick(drafter.draft_logits(hidden), k, depth)
         if dist is not None:
             expanded.append((frontier, dist))
@@ -116,6 +114,28 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
         frontier_features = hidden.gather(1, frontier_parent[:, :, None].expand(-1, -1, hidden_size))
         frontier = first_id + best
     return Candidates(torch.cat(tokens, 1), torch.cat(all_scores, 1), torch.cat(parents, 1), expanded)
+
+
+def _draft_chain(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positions: torch.Tensor,
+                 strategy: SpecStrategy, pick, kv_len: int | None) -> Candidates:
+    """`draft_tree` for K = 1, the same candidates without a tree's bookkeeping (no frontier to rank or gather:
+    the newest node is the frontier): candidate d is at depth d + 1, its parent is d - 1."""
+    batch = root_hidden.shape[0]
+    device = root_hidden.device
+    base = base_positions.to(device)
+    scores, ids, dist = pick(drafter.draft_logits(root_hidden)[:, None], 1, 1)
+    tokens, all_scores = [drafter.to_target_ids(ids[:, 0])], [scores[:, 0]]
+    expanded = [] if dist is None else [(torch.full((batch, 1), -1, dtype=torch.long, device=device), dist)]
+    hidden = root_hidden[:, None]
+    for depth in range(2, strategy.depth + 1):
+        hidden = _extend_chain(drafter, tokens[-1], hidden, cache, base, depth, kv_len)
+        child_scores, child_ids, dist = pick(drafter.draft_logits(hidden), 1, depth)
+        if dist is not None:
+            expanded.append((torch.full((batch, 1), depth - 2, dtype=torch.long, device=device), dist))
+        all_scores.append(all_scores[-1] + child_scores.reshape(batch, 1))
+        tokens.append(drafter.to_target_ids(child_ids).reshape(batch, 1))
+    parents = torch.arange(-1, strategy.depth - 1, device=device).expand(batch, -1)
+    return Candidates(torch.cat(tokens, 1), torch.cat(all_scores, 1), parents, expanded)
 
 
 def _extend_chain(drafter, token: torch.Tensor, features: torch.Tensor, cache: CacheRows, base: torch.Tensor,
