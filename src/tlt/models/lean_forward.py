@@ -98,8 +98,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     call): a decode step is launch-bound on a GPU, and this runs twice per layer. cos/sin_signed [B, 1, T, D]
     broadcast over heads."""
     half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, sin_signed)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # contiguous [B, heads, T, D]
+    # the contiguous operand first: the result takes its layout, so reshaping q for attention stays a view
+    # (x is a transposed view of the QKV GEMM's output; with it first, every T > 1 forward copied q per layer)
+    return torch.addcmul(swapped * sin_signed, x, cos)
 
 
 # rollout.compile's values -> torch.compile modes. Never "reduce-overhead": the graph runner captures the step
