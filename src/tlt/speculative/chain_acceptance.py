@@ -50,10 +50,9 @@ def accept_q_chain(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistrib
     first rejection j, a sample of normalize(max(0, p_j - q_j)) (of p_j where no child was drawn from q, e.g.
     the leaf); greedy rows follow the argmax."""
     depth = tree.max_depth
-    vocab = logprobs.shape[-1]
     children, child_logprobs, argmax = _chain_children(tree, logprobs)
-    q = _chain_draft_probs(drafts, depth, draft_to_target, vocab)                  # [B, S, V]
-    q_c = q.gather(2, children[..., None])[..., 0]                                  # [B, S]
+    draft_logq, drew = _chain_draft_logprobs(drafts, depth)                         # [B, S, Vd], [B, S]
+    q_c = _draft_prob_of(draft_logq, drew, children, draft_to_target, logprobs.shape[-1])  # [B, S]
     r_c = child_logprobs.exp()
     u = 1.0 - uniforms[:, 0:2 * depth:2]
     if accept_rule is None:
@@ -67,7 +66,7 @@ def accept_q_chain(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistrib
     index = stop.clamp(max=depth - 1)[:, None]
     rejected = drawn.gather(1, index)[:, 0] & ~at_leaf & ~greedy
     p = node_logprobs.exp()
-    q_stop = q.gather(1, index[..., None].expand(-1, -1, vocab))[:, 0]
+    q_stop = _draft_probs_at(draft_logq, drew, index, draft_to_target, p.shape[-1])
     nxt = _next_residual(p, q_stop) if residual_rule is None else residual_rule(p, q_stop)
     residual = torch.where(rejected[:, None], nxt, p)
     final = sample_from_logprobs(residual.log(), uniforms.gather(1, 2 * stop[:, None] + 1)[:, 0])
@@ -89,15 +88,35 @@ def _first_miss(hit: torch.Tensor, logprobs: torch.Tensor):
     return accepted, node_logprobs
 
 
-def _chain_draft_probs(drafts: DraftDistributions, depth: int, draft_to_target, vocab: int) -> torch.Tensor:
-    """q at nodes 0..S-1 over the target vocabulary [B, S, V] (zeros where a node drew no child)."""
+def _chain_draft_logprobs(drafts: DraftDistributions, depth: int):
+    """log q over the draft vocabulary at nodes 0..S-1 [B, S, Vd], and whether each node drew a child [B, S]."""
     slot = drafts.slot[:, :depth]
-    dists = drafts.dists.gather(1, slot.clamp(min=0)[..., None].expand(-1, -1, drafts.dists.shape[-1]))
-    probs = dists.exp() * (slot >= 0)[..., None]
+    logq = drafts.dists.gather(1, slot.clamp(min=0)[..., None].expand(-1, -1, drafts.dists.shape[-1]))
+    return logq, slot >= 0
+
+
+def _draft_prob_of(draft_logq, drew, tokens: torch.Tensor, draft_to_target, vocab: int) -> torch.Tensor:
+    """q of each node's child [B, S] (0 for a token outside the draft vocabulary), without building q over the
+    whole target vocabulary at every depth (the walk's [B, V] per depth; [B, S, V] at once would be 63 MB at
+    batch 64 for SmolLM2)."""
+    if draft_to_target is None:
+        index, inside = tokens, drew
+    else:
+        to_draft = torch.full((vocab,), -1, dtype=torch.long, device=tokens.device)
+        to_draft.index_copy_(0, draft_to_target, torch.arange(draft_to_target.shape[0], device=tokens.device))
+        index = to_draft[tokens]
+        inside = drew & (index >= 0)
+    return draft_logq.gather(2, index.clamp(min=0)[..., None])[..., 0].exp() * inside
+
+
+def _draft_probs_at(draft_logq, drew, index: torch.Tensor, draft_to_target, vocab: int) -> torch.Tensor:
+    """q over the target vocabulary at one node per row [B, V] (index [B, 1]: the node's depth)."""
+    probs = draft_logq.gather(1, index[..., None].expand(-1, -1, draft_logq.shape[-1]))[:, 0].exp() \
+        * drew.gather(1, index)
     if draft_to_target is None:
         return probs
-    return torch.zeros(*probs.shape[:2], vocab, dtype=probs.dtype, device=probs.device).index_copy_(
-        2, draft_to_target, probs)
+    return torch.zeros(probs.shape[0], vocab, dtype=probs.dtype, device=probs.device).index_copy_(
+        1, draft_to_target, probs)
 
 
 def _acceptance(tree: DraftTree, logprobs: torch.Tensor, children: torch.Tensor, accepted: torch.Tensor,
