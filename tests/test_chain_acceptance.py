@@ -1,4 +1,5 @@
-"""The chain fast path of both acceptance rules gives the tree walk's `Acceptance`, field for field.
+"""The chain fast paths give what the tree code gives: both acceptance rules the walk's `Acceptance`, field for
+field, and a chain's tree the general selection's tree and mask.
 
 Random chains, target distributions that accept some children and reject others, greedy rows mixed in, a
 draft vocabulary (children outside it have q = 0), and the hooks the negative controls use. The lossless
@@ -10,7 +11,8 @@ import torch
 from tlt.speculative.acceptance import accept
 from tlt.speculative.chain_acceptance import accept_chain, accept_q_chain
 from tlt.speculative.q_sampling import DraftDistributions, accept_q
-from tlt.speculative.tree import DraftTree
+from tlt.speculative.strategy import SpecStrategy
+from tlt.speculative.tree import Candidates, DraftTree, _best_tree, select_tree
 
 VOCAB, DRAFT_VOCAB = 40, 24
 
@@ -79,3 +81,21 @@ def test_the_hooks_reach_the_fast_path():
     rules = dict(accept_rule=lambda u, r_c, q_c: u * q_c <= 1.2 * r_c, residual_rule=lambda r, q: r)
     fast = accept_q_chain(tree, logprobs, drafts, mapping, greedy, uniforms, **rules)
     assert_same(accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, **rules), fast)
+
+
+@pytest.mark.parametrize("rule", ["target", "q"])
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_a_chains_tree_is_the_general_selection(depth, rule):
+    generator = torch.Generator().manual_seed(depth)
+    batch = 3
+    candidates = Candidates(torch.randint(0, VOCAB, (batch, depth), generator=generator),
+                            torch.rand(batch, depth, generator=generator).log().cumsum(1),
+                            torch.arange(-1, depth - 1).expand(batch, -1), [])
+    root = torch.randint(0, VOCAB, (batch,), generator=generator)
+    strategy = SpecStrategy.chain(depth, rule)
+    fast, general = select_tree(root, candidates, strategy), _best_tree(root, candidates, strategy)
+    assert fast.chain and not general.chain
+    for field in ("tokens", "parents", "depths", "children"):
+        assert torch.equal(getattr(fast, field), getattr(general, field)), field
+    assert torch.equal(fast.attention(), general.attention())
+    assert fast.max_depth == general.max_depth == depth

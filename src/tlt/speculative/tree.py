@@ -26,6 +26,7 @@ class DraftTree:
     depths: torch.Tensor    # [B, N + 1] 0 for the root
     children: torch.Tensor  # [B, N + 1, K] child indices in draft-score order, -1 padded
     max_depth: int          # the strategy's depth S: loops over depths never read the tensors above on the host
+    chain: bool = False     # node d's only child is node d + 1 (branching 1): the mask is causal
 
     @property
     def size(self) -> int:
@@ -35,8 +36,11 @@ class DraftTree:
         """[B, N + 1, N + 1] bool: each node sees itself and its ancestors (the tree mask for verification).
 
         Walks every node up one ancestor per round, S rounds (a node at depth d has d ancestors; the root is
-        its own parent, so finished walks stay there): S small kernels, whatever the tree's size."""
+        its own parent, so finished walks stay there): S small kernels, whatever the tree's size. A chain's mask
+        is causal: two."""
         batch, count = self.parents.shape
+        if self.chain:
+            return torch.ones(count, count, dtype=torch.bool, device=self.parents.device).tril().expand(batch, -1, -1)
         nodes = torch.arange(count, device=self.parents.device)
         visible = (nodes[:, None] == nodes[None, :]).expand(batch, -1, -1).clone()
         parent = self.parents.clamp(min=0)
@@ -166,6 +170,21 @@ def select_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: Spe
 
     Children are offered to the acceptance rule best draft score first (target-only) or in the order they
     were sampled (q-sampling: recursive rejection sampling is exact only in draw order)."""
+    if strategy.branching == 1:  # a chain keeps its S candidates (N = S), as they are
+        return _chain_tree(root_tokens, candidates.tokens, strategy.depth)
+    return _best_tree(root_tokens, candidates, strategy)
+
+
+def _chain_tree(root_tokens: torch.Tensor, tokens: torch.Tensor, depth: int) -> DraftTree:
+    """`_best_tree` of a chain without sorting or tables: node d (depth d) has parent d - 1 and child d + 1."""
+    batch = root_tokens.shape[0]
+    nodes = torch.arange(depth + 1, device=root_tokens.device)
+    children = torch.where(nodes < depth, nodes + 1, -1)[None, :, None].expand(batch, -1, -1)
+    return DraftTree(torch.cat([root_tokens[:, None], tokens], 1), (nodes - 1).expand(batch, -1),
+                     nodes.expand(batch, -1), children, depth, chain=True)
+
+
+def _best_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: SpecStrategy) -> DraftTree:
     tokens, scores, parents = candidates.tokens, candidates.scores, candidates.parents
     batch, count = tokens.shape
     device = tokens.device
