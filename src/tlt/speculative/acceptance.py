@@ -60,7 +60,7 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
         emitted = child_tokens.gather(1, choice[:, None])[:, 0]                    # accepted rows: the child
         stop = walk.active & ~found               # rejected (or childless) rows: emit from p without the children
         if sync_free or bool(stop.any()):
-            final = _residual_sample(node_logprobs, child_tokens, valid, uniforms[:, 2 * step + 1], greedy, argmax)
+            final = residual_sample(node_logprobs, child_tokens, valid, uniforms[:, 2 * step + 1], greedy, argmax)
             emitted = torch.where(stop, final, emitted)
         walk.record(step, found, next_node, emitted, node_logprobs)
         if walk.finished(sync_free):
@@ -101,7 +101,7 @@ class TreeWalk:
         return Acceptance(self.path, self.accepted, self.tokens, self.logprobs, self.accepted + 1)
 
 
-def _residual_sample(logprobs, child_tokens, valid, uniforms, greedy, argmax) -> torch.Tensor:
+def residual_sample(logprobs, child_tokens, valid, uniforms, greedy, argmax) -> torch.Tensor:
     """Sample from p with the rejected children removed (renormalized); greedy rows emit the argmax."""
     removed = torch.zeros_like(logprobs)
     removed.scatter_add_(1, child_tokens.clamp(min=0), valid.to(logprobs.dtype))  # pads add 0: no effect

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from tlt.sampling import sample_from_logprobs
-from tlt.speculative.acceptance import Acceptance, _residual_sample
-from tlt.speculative.q_sampling import DraftDistributions, _next_residual
+from tlt.speculative.acceptance import Acceptance, residual_sample
+from tlt.speculative.q_sampling import DraftDistributions, next_residual
 from tlt.speculative.tree import DraftTree
 
 
@@ -38,7 +38,7 @@ def accept_chain(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, 
     stop, node_logprobs = _first_miss(hit, logprobs)
     valid = (stop < depth)[:, None]                                                 # a leaf has no child
     child = children.gather(1, stop.clamp(max=depth - 1)[:, None])
-    final = _residual_sample(node_logprobs, child, valid, uniforms.gather(1, 2 * stop[:, None] + 1)[:, 0], greedy,
+    final = residual_sample(node_logprobs, child, valid, uniforms.gather(1, 2 * stop[:, None] + 1)[:, 0], greedy,
                              argmax.gather(1, stop[:, None])[:, 0])
     return _acceptance(tree, logprobs, children, stop, final)
 
@@ -67,7 +67,7 @@ def accept_q_chain(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistrib
     rejected = drawn.gather(1, index)[:, 0] & ~at_leaf & ~greedy
     p = node_logprobs.exp()
     q_stop = _draft_probs_at(draft_logq, drew, index, draft_to_target, p.shape[-1])
-    nxt = _next_residual(p, q_stop) if residual_rule is None else residual_rule(p, q_stop)
+    nxt = next_residual(p, q_stop) if residual_rule is None else residual_rule(p, q_stop)
     residual = torch.where(rejected[:, None], nxt, p)
     final = sample_from_logprobs(residual.log(), uniforms.gather(1, 2 * stop[:, None] + 1)[:, 0])
     final = torch.where(greedy, argmax.gather(1, stop[:, None])[:, 0], final)

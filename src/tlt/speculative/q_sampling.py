@@ -156,13 +156,13 @@ def _verify_children(node_logprobs, q, valid, child_tokens, coins, greedy, accep
         choice = torch.where(hit, torch.full_like(choice, i), choice)
         rejected = drawn & ~hit & ~greedy
         if sync_free or bool(rejected.any()):
-            nxt = _next_residual(residual, q) if residual_rule is None else residual_rule(residual, q)
+            nxt = next_residual(residual, q) if residual_rule is None else residual_rule(residual, q)
             residual = torch.where(rejected[:, None], nxt, residual)
             q = torch.where(rejected[:, None], _without(q, child), q)
     return choice, residual
 
 
-def _next_residual(residual: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def next_residual(residual: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """normalize(max(0, r - q)); a residual with no mass left (r == q up to rounding) keeps r."""
     nxt = (residual - q).clamp(min=0)
     mass = nxt.sum(-1, keepdim=True)
