@@ -170,9 +170,15 @@ def main_cuda(args, max_new: int) -> dict:
         graphed = RolloutEngine(loaded, max_batch_size=batch)
         run_engine(graphed, prompts, max_new, args.temperature)  # warm-up: captures this run's graphs
         engine_s, engine_tokens, decode_ms = run_engine(graphed, prompts, max_new, args.temperature)
-        if args.compile != "off":
-            time_compiled(results, key, RolloutEngine(loaded, max_batch_size=batch, compile=args.compile),
-                          prompts, max_new, args.temperature)
+        compiled_ok = args.compile != "off" and "compile_error" not in results
+        if compiled_ok:
+            try:
+                time_compiled(results, key, RolloutEngine(loaded, max_batch_size=batch, compile=args.compile),
+                              prompts, max_new, args.temperature)
+            except Exception as error:  # e.g. no C compiler for Triton's launcher: keep the uncompiled numbers
+                results["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
+                print(f"compiled engine failed: {results['compile_error']}", file=sys.stderr, flush=True)
+                compiled_ok = False
         run_hf_generate(hf_model, tokenizer, prompts, max_new, args.temperature, eos,
                         cache_implementation="static")  # warm-up: transformers compiles its static decode step
         hf_s, hf_tokens = run_hf_generate(hf_model, tokenizer, prompts, max_new, args.temperature, eos,
@@ -185,7 +191,7 @@ def main_cuda(args, max_new: int) -> dict:
         results["graphs_captured"][key] = graphed.runner.captures
         line = (f"batch {batch:3d}: engine {results['engine_tok_s'][key]:9.1f} tok/s  step "
                 f"{results['step_ms'][key]:.3f} ms")
-        if args.compile != "off":
+        if compiled_ok:
             results["speedup_compiled_vs_hf_static"][key] = (results["engine_compiled_tok_s"][key]
                                                              / results["hf_static_tok_s"][key])
             line += (f"  compiled {results['engine_compiled_tok_s'][key]:9.1f} tok/s  step "
