@@ -72,6 +72,27 @@ def test_measure_times_plain_and_every_arm_on_the_engine(graph_runner):
     assert len(result.samples) == 2
 
 
+def test_warm_ups_are_not_charged_to_the_budget(monkeypatch):
+    """With rollout.compile a first SD step per arm compiles for tens of seconds: that must not end the
+    measurement after the first batch size. Here every warm-up sleeps past the whole budget."""
+    import time
+
+    from tlt.rollout import cost_curve
+
+    engine = engine_with(False)
+    warmed, sd_step = set(), cost_curve._Scratch.sd_step
+
+    def slow_first_call(scratch, strategy):
+        if (scratch.batch, strategy.name) not in warmed:
+            warmed.add((scratch.batch, strategy.name))
+            time.sleep(0.3)
+        return sd_step(scratch, strategy)
+
+    monkeypatch.setattr(cost_curve._Scratch, "sd_step", slow_first_call)
+    curve = measure(engine, ARMS[:1], batches=(1, 2, 4), repeats=1, tau=1e9, budget_s=0.25)
+    assert curve.batches == [1, 2, 4] and not curve.notes["truncated"] and curve.notes["warmup_s"] >= 0.9
+
+
 def test_measuring_stops_where_no_arm_can_pay():
     """With an expectation no arm can meet, only the first batch is timed (each arm once dropped stays out)."""
     curve = measure(engine_with(False), ARMS, batches=(1, 2, 4), repeats=1, tau=0.0)

@@ -162,7 +162,9 @@ def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: in
     """Time plain and SD steps at every batch size on scratch buffers (random KV; a random drafter costs what a
     trained one does, the arm fixes the shapes). Plain and SD steps alternate and each arm keeps the median of its
     paired ratios, so load that drifts while measuring (other processes) cancels. An arm is no longer timed past
-    the batch where it stops paying, measuring ends when none pays, or when `budget_s` has passed."""
+    the batch where it stops paying, measuring ends when none pays, or when `budget_s` of timed steps has passed
+    (warm-ups, i.e. graph captures and compiles, are not charged: with rollout.compile they take tens of
+    seconds per arm on the first batch, which would otherwise end the measurement there)."""
     if engine.spec_decoder is None:
         raise ValueError("measuring SD costs needs an engine with a drafter")
     started = time.perf_counter()
@@ -170,15 +172,16 @@ def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: in
     live = [s for s in strategies if s.branching <= engine.spec_decoder.drafter.draft_vocab_size]
     tree = max(max(s.tree_size, (s.depth - 1) * s.branching) for s in strategies)
     truncated = False
+    warmups = 0.0  # one-off work (graph capture; compiling, with rollout.compile): not charged to the budget
     for batch in batches:
-        if not live or time.perf_counter() - started > budget_s:
+        if not live or time.perf_counter() - started - warmups > budget_s:
             truncated = bool(live)
             break
         scratch = _Scratch(engine, batch, tree)
         plain_times, ratios = [], {s.name: [] for s in live}
         for strategy in live:
-            _timed(scratch.sd_step, engine.device, strategy)  # warm-up (graph capture)
-        _timed(scratch.plain_step, engine.device)
+            warmups += _timed(scratch.sd_step, engine.device, strategy)  # warm-up (graph capture)
+        warmups += _timed(scratch.plain_step, engine.device)
         for _ in range(repeats):
             for strategy in live:
                 before = _timed(scratch.plain_step, engine.device)
@@ -191,7 +194,8 @@ def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: in
         curve = CostCurve("", plain, steps)
         live = [s for s in live if curve.cost(s.name, batch) < tau]
     return CostCurve(device_name(engine.device), plain, {k: v for k, v in steps.items() if v},
-                     time.perf_counter() - started, {"context": CONTEXT, "repeats": repeats, "truncated": truncated})
+                     time.perf_counter() - started, {"context": CONTEXT, "repeats": repeats, "truncated": truncated,
+                                                     "warmup_s": warmups})
 
 
 class _Scratch:

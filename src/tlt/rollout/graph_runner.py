@@ -98,8 +98,8 @@ class GraphRunner:
         self.capture = capture
         self._cache: KVCache | None = None
         self._speculative: tuple | None = None  # (decoder, its drafter cache) the speculative graphs read
-        # (decoder, its `run` compiled) with a compiled forward; kept across resets: Dynamo's cache entries stay valid
-        self._compiled_step: tuple | None = None
+        # SpeculativeDecoder.run compiled, with a compiled forward; kept across resets (Dynamo's entries stay valid)
+        self._compiled_step = None
         self._graphs: dict[tuple, _Graph] = {}
         self._buffers: dict[tuple, _Buffers] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -277,14 +277,16 @@ class GraphRunner:
 
     def _step_function(self, decoder: SpeculativeDecoder):
         """`decoder.run`, Inductor-compiled as a whole when the forward is (`LeanForward.compile`): the drafter
-        passes, tree bookkeeping and acceptance are many small kernels beside the verify forward. Compiled once
-        per decoder (and per arm: the strategy's depth and branching unroll its loops)."""
+        passes, tree bookkeeping and acceptance are many small kernels beside the verify forward. One compiled
+        function per runner, the decoder an argument: Dynamo guards on the drafter and forward it reads, so a new
+        decoder over the same drafter (the cost curve's scratch decoders) reuses the compiled code; each arm
+        compiles once (its depth and branching unroll loops)."""
         mode = self.forward.compile_mode
         if mode is None:
             return decoder.run
-        if self._compiled_step is None or self._compiled_step[0] is not decoder:
-            self._compiled_step = (decoder, torch.compile(decoder.run, mode=COMPILE_MODES[mode], dynamic=None))
-        return self._compiled_step[1]
+        if self._compiled_step is None:
+            self._compiled_step = torch.compile(SpeculativeDecoder.run, mode=COMPILE_MODES[mode], dynamic=None)
+        return lambda *args, **kwargs: self._compiled_step(decoder, *args, **kwargs)
 
     @staticmethod
     def _speculative_body(step, rows: CacheRows, draft_rows: CacheRows, shape: StepShape, kind: tuple,
