@@ -197,7 +197,7 @@ class LeanForward:
         captures (decode steps, verify forwards). Fusion cuts the kernels a step launches (measured on an H100,
         batch 1: 776 -> 394, 2.19 -> 1.31 ms per captured forward, docs/benchmarks.md §9); the graph runner
         still captures the step, so the compiled kernels replay without launch cost. Calls without kv_len
-        (prefill, eager steps) stay eager. Compiling costs ~25 s per shape family on the first steps: shapes
+        (prefill, eager plain steps) stay eager. Compiling costs ~25 s per shape family on the first steps: shapes
         that change (batch bucket, KV span) make Dynamo recompile once with them dynamic."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {sorted(COMPILE_MODES)}, got {mode!r}")
