@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,7 +20,8 @@ from torch import nn
 from tlt.errors import TltError
 from tlt.files import write_whole
 from tlt.models.kv_cache import CacheRows, KVCache
-from tlt.models.lean_forward import LeanForward, attention_mask, grouped_attention_bias, mask_capacity
+from tlt.models.lean_forward import (LeanForward, aligned_span, attention_mask, grouped_attention_bias,
+                                    mask_capacity)
 from tlt.models.spec import ModelSpec, check_supported
 
 CONFIG_FILE = "drafter_config.json"
@@ -64,6 +66,23 @@ def check_drafter_dir(directory: str | Path) -> Path:
     if not (directory / CONFIG_FILE).exists() or not (directory / WEIGHTS_FILE).exists():
         raise DrafterError(f"{directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
     return directory
+
+
+@dataclass
+class ChainTables:
+    """Slots [B, P], additive attention bias [B, P, S], RoPE cos / signed sin [B, 1, P, D] of a chain's P drafting
+    passes, and each pass's attention span (`EagleDrafter.chain_tables`)."""
+
+    slots: torch.Tensor
+    bias: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    spans: list[int]
+
+    def at(self, p: int) -> tuple:
+        """`EagleDrafter.step`'s tables for pass p: views, no kernels."""
+        return (self.slots[:, p:p + 1], self.bias[:, p, :self.spans[p]][:, None, None],
+                self.cos[:, :, p:p + 1], self.sin[:, :, p:p + 1])
 
 
 class EagleDrafter(nn.Module):
@@ -161,13 +180,16 @@ class EagleDrafter(nn.Module):
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, features: torch.Tensor, cache: CacheRows, positions: torch.Tensor,
              new_token_mask: torch.Tensor | None = None, *, lengths: torch.Tensor | None = None,
-             kv_len: int | None = None) -> torch.Tensor:
+             kv_len: int | None = None, tables: tuple | None = None) -> torch.Tensor:
         """Inference over T new pairs per row (KV written uncommitted at slots lengths + t); returns ĥ [B, T, H].
 
         lengths [B] (default: the cache's host lengths) and kv_len (default: the longest row + T) as in
-        `LeanForward.run`: device lengths and a fixed kv_len make the step CUDA-graph safe."""
+        `LeanForward.run`: device lengths and a fixed kv_len make the step CUDA-graph safe. tables: (slots,
+        bias, cos, sin) made ahead for this call (`ChainTables.at`), instead of from positions and lengths."""
         lean = self.target
         x = self.fuse(tokens, features)
+        if tables is not None:
+            return lean.layer(self.layer, 0, x, x, tables[2], tables[3], cache, tables[0], tables[1])
         num_new = tokens.shape[1]
         lengths = cache.lengths if lengths is None else lengths
         slots = lengths.to(x.device)[:, None] + torch.arange(num_new, device=x.device)[None, :]
@@ -175,6 +197,22 @@ class EagleDrafter(nn.Module):
         bias = grouped_attention_bias(mask, lean.spec.num_heads // lean.spec.num_kv_heads, x.dtype)
         cos, sin = lean.rope(x, positions.to(x.device))
         return lean.layer(self.layer, 0, x, x, cos, sin, cache, slots, bias)
+
+    def chain_tables(self, cache: CacheRows, base: torch.Tensor, passes: int, kv_len: int | None) -> "ChainTables":
+        """What a chain's drafting passes need besides their pair, for all of them at once: pass p feeds one pair
+        at slot and position base + p [B] and sees every slot up to it. One set of kernels per step instead of one
+        per pass (a GPU step is launch-bound)."""
+        device = base.device
+        offsets = base[:, None] + torch.arange(passes, device=device)[None, :]              # [B, P]
+        if kv_len is None:  # eager: each pass attends over its own exact span, as `step` would (host reads)
+            spans = [int(offsets[:, p].max()) + 1 for p in range(passes)]
+        else:
+            spans = [aligned_span(kv_len, mask_capacity(cache))] * passes
+        visible = torch.arange(max(spans), device=device)[None, None, :] <= offsets[:, :, None]  # [B, P, S]
+        dtype = self.fc.weight.dtype
+        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        cos, sin = self.target.rope(torch.empty(0, dtype=dtype, device=device), offsets)
+        return ChainTables(offsets, bias, cos, sin, spans)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 attention: torch.Tensor) -> torch.Tensor:

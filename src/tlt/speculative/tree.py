@@ -123,7 +123,12 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
 def _draft_chain(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positions: torch.Tensor,
                  strategy: SpecStrategy, pick, kv_len: int | None) -> Candidates:
     """`draft_tree` for K = 1, the same candidates without a tree's bookkeeping (no frontier to rank or gather:
-    the newest node is the frontier): candidate d is at depth d + 1, its parent is d - 1."""
+    the newest node is the frontier): candidate d is at depth d + 1, its parent is d - 1.
+
+    Each pass feeds only the newest node [B, 1]: every earlier node is an ancestor, and the earlier passes left
+    its KV at slot base + its index (the same inputs at the same positions would write the same values again),
+    so the newest node sees the committed pairs and them as a plain continuation: one token per pass instead of
+    depth - 1. The passes' slots, masks and RoPE tables are made once (`EagleDrafter.chain_tables`)."""
     batch = root_hidden.shape[0]
     device = root_hidden.device
     base = base_positions.to(device)
@@ -131,8 +136,9 @@ def _draft_chain(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_posi
     tokens, all_scores = [drafter.to_target_ids(ids[:, 0])], [scores[:, 0]]
     expanded = [] if dist is None else [(torch.full((batch, 1), -1, dtype=torch.long, device=device), dist)]
     hidden = root_hidden[:, None]
+    tables = drafter.chain_tables(cache, base, strategy.depth - 1, kv_len) if strategy.depth > 1 else None
     for depth in range(2, strategy.depth + 1):
-        hidden = _extend_chain(drafter, tokens[-1], hidden, cache, base, depth, kv_len)
+        hidden = drafter.step(tokens[-1], hidden, cache, None, tables=tables.at(depth - 2))
         child_scores, child_ids, dist = pick(drafter.draft_logits(hidden), 1, depth)
         if dist is not None:
             expanded.append((torch.full((batch, 1), depth - 2, dtype=torch.long, device=device), dist))
@@ -140,16 +146,6 @@ def _draft_chain(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_posi
         tokens.append(drafter.to_target_ids(child_ids).reshape(batch, 1))
     parents = torch.arange(-1, strategy.depth - 1, device=device).expand(batch, -1)
     return Candidates(torch.cat(tokens, 1), torch.cat(all_scores, 1), parents, expanded)
-
-
-def _extend_chain(drafter, token: torch.Tensor, features: torch.Tensor, cache: CacheRows, base: torch.Tensor,
-                  depth: int, kv_len: int | None) -> torch.Tensor:
-    """A chain's pass at `depth`: only its newest node [B, 1] is fed. Every earlier node is an ancestor, and the
-    earlier passes left its KV at slot base + its index (the same inputs at the same positions would write the
-    same values again), so the newest node sees the committed pairs and them as a plain continuation: one
-    token per pass instead of depth - 1."""
-    offset = base + (depth - 2)
-    return drafter.step(token, features, cache, offset[:, None], lengths=offset, kv_len=kv_len)
 
 
 def _extend_visibility(visible: torch.Tensor, frontier_parent: torch.Tensor | None, k: int) -> torch.Tensor:
