@@ -144,6 +144,10 @@ class EagleDrafter(nn.Module):
         weight = self.target.lm_head.weight
         if self.draft_to_target is None:
             return weight
+        if self._head_cache is not None and torch.compiler.is_compiling():
+            # Inside a compiled speculative step: the graph runner refreshed the slice just before it, and the
+            # key below (a data-pointer comparison) would break the compiled graph at every drafter pass.
+            return self._head_cache[1]
         key = (weight.data_ptr(), weight._version)
         if self._head_cache is None:
             self._head_cache = (key, weight.detach()[self.draft_to_target])
@@ -204,10 +208,11 @@ class EagleDrafter(nn.Module):
         per pass (a GPU step is launch-bound)."""
         device = base.device
         offsets = base[:, None] + torch.arange(passes, device=device)[None, :]              # [B, P]
-        if kv_len is None:  # eager: each pass attends over its own exact span, as `step` would (host reads)
-            spans = [int(offsets[:, p].max()) + 1 for p in range(passes)]
+        capacity = mask_capacity(cache)
+        if kv_len is None:  # eager: each pass attends over its own span, as `step` would (host reads)
+            spans = [aligned_span(int(offsets[:, p].max()) + 1, capacity) for p in range(passes)]
         else:
-            spans = [aligned_span(kv_len, mask_capacity(cache))] * passes
+            spans = [aligned_span(kv_len, capacity)] * passes
         visible = torch.arange(max(spans), device=device)[None, None, :] <= offsets[:, :, None]  # [B, P, S]
         dtype = self.fc.weight.dtype
         bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))

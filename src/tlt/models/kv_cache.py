@@ -20,14 +20,20 @@ class KVCache:
     def __init__(self, spec: ModelSpec, max_rows: int, max_len: int, *, num_layers: int | None = None,
                  device=None, dtype=torch.float32):
         layers = spec.num_layers if num_layers is None else num_layers
-        shape = (max_rows, spec.num_kv_heads, max_len, spec.head_dim)  # [R, Hkv, S, D]
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        # One buffer [2 (K, V), L, R, Hkv, S, D]; keys[l] and values[l] are views [R, Hkv, S, D] of it. Moving
+        # slots (a tree's accepted path, a row) is then one indexed copy for every layer at once instead of
+        # two per layer: on a GPU, where a step is launch-bound, 2 kernels instead of 4 per layer.
+        self.kv = torch.zeros(2, layers, max_rows, spec.num_kv_heads, max_len, spec.head_dim, device=device,
+                              dtype=dtype)
+        # detached: views autograd does not track, so they can be written in place whatever the grad mode in which
+        # the cache was made and is written (unbind's or plain views refuse some such writes)
+        self.keys = [self.kv[0, layer].detach() for layer in range(layers)]
+        self.values = [self.kv[1, layer].detach() for layer in range(layers)]
         # Host copy of the lengths: the scheduler reads them every step, a device tensor would force syncs.
         self.lengths = torch.zeros(max_rows, dtype=torch.long)
         self.max_rows = max_rows
         self.max_len = max_len
-        self.device = self.keys[0].device if layers else torch.device(device or "cpu")
+        self.device = self.kv.device
         # Per-slot side data that follows the KV through every row move and `keep` (e.g. the token ids and
         # the target's hidden states of committed tokens, from which a drafter's state can be rebuilt).
         self.slot_data: dict[str, torch.Tensor] = {}
@@ -39,8 +45,9 @@ class KVCache:
         return self.slot_data[name]
 
     def _row_tensors(self):
-        """Every [R, ...] tensor whose dim 2 (KV) or dim 1 (slot data) is the slot axis."""
-        return [(t, 2) for t in self.keys + self.values] + [(t, 1) for t in self.slot_data.values()]
+        """Every tensor with a row axis and a slot axis, as (tensor, row axis, slot axis): the KV buffer and the
+        slot data [R, S, ...]."""
+        return [(self.kv, 2, 4)] + [(t, 0, 1) for t in self.slot_data.values()]
 
     def rows(self, start: int, count: int) -> "CacheRows":
         if start < 0 or start + count > self.max_rows:
@@ -49,16 +56,13 @@ class KVCache:
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return self.kv.numel() * self.kv.element_size()
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src's committed tokens onto row dst (used to keep running rows dense)."""
         n = int(self.lengths[src])
-        for tensor, axis in self._row_tensors():
-            if axis == 2:
-                tensor[dst, :, :n] = tensor[src, :, :n]
-            else:
-                tensor[dst, :n] = tensor[src, :n]
+        for tensor, row_axis, slot_axis in self._row_tensors():
+            _slots(tensor, row_axis, slot_axis, dst, n).copy_(_slots(tensor, row_axis, slot_axis, src, n))
         self.lengths[dst] = n
 
     def copy_prefix(self, src: int, dsts: list[int]) -> None:
@@ -66,13 +70,15 @@ class KVCache:
         if not dsts:
             return
         n = int(self.lengths[src])
-        index = torch.tensor(dsts, device=self.device)
-        for tensor, axis in self._row_tensors():
-            if axis == 2:
-                tensor[index, :, :n] = tensor[src, :, :n]
-            else:
-                tensor[index, :n] = tensor[src, :n]
+        for dst in dsts:  # one copy per row and buffer (the KV of every layer is one buffer)
+            for tensor, row_axis, slot_axis in self._row_tensors():
+                _slots(tensor, row_axis, slot_axis, dst, n).copy_(_slots(tensor, row_axis, slot_axis, src, n))
         self.lengths[dsts] = n
+
+
+def _slots(tensor: torch.Tensor, row_axis: int, slot_axis: int, row: int, count: int) -> torch.Tensor:
+    """The view of one row's first `count` slots."""
+    return tensor.select(row_axis, row).narrow(slot_axis - 1, 0, count)
 
 
 @dataclass
@@ -143,10 +149,8 @@ class CacheRows:
         # Invalid entries copy a row's slot onto itself: harmless, and keeps the copy one batched op.
         src = torch.where(valid, src, dst)
         rows = torch.arange(self.count, device=base.device)[:, None]
-        for layer in range(len(self.cache.keys)):
-            k, v = self.keys(layer), self.values(layer)
-            k[rows, :, dst] = k[rows, :, src]
-            v[rows, :, dst] = v[rows, :, src]
+        kv = self.cache.kv[:, :, self.start:self.start + self.count]       # [2, L, B, Hkv, S, D]: every layer
+        kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]
         for name in self.cache.slot_data:
             data = self.slots(name)
             data[rows, dst] = data[rows, src]

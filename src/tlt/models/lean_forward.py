@@ -177,6 +177,15 @@ def grouped_query_attention(q, k, v, bias, scale: float) -> torch.Tensor:
     return out.reshape(batch, heads, num_new, dim)  # SDPA's output may be strided on CUDA
 
 
+def _raise_dynamo_limit(names: tuple[str, ...], floor: int) -> None:
+    """Raise a Dynamo limit to at least `floor`, under the first of its names this torch has."""
+    config = torch._dynamo.config
+    for name in names:
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), floor))
+            return
+
+
 class LeanForward:
     """Inference forward of a transformers Llama/Qwen2/Qwen3 causal LM, sharing its parameters."""
 
@@ -207,9 +216,8 @@ class LeanForward:
         # Each forward instance, and each shape family (decode, tree verify per tree size, padded buckets) is a
         # cache entry of the one code object `_static_run`: past Dynamo's default limit (8) it would silently run
         # eagerly. A process holds a few engines (benchmarks build one per arm), so allow many.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
-                                                                1024)
+        _raise_dynamo_limit(("recompile_limit", "cache_size_limit"), 256)  # the older name before torch 2.7
+        _raise_dynamo_limit(("accumulated_recompile_limit", "accumulated_cache_size_limit"), 1024)
         self._compiled_run = torch.compile(self._static_run, mode=COMPILE_MODES[mode], dynamic=None)
         self.compile_mode = mode
 
