@@ -36,7 +36,7 @@ COMPILED_ENGINES: dict[int, RolloutEngine] = {}  # --compile: one engine per bat
 
 
 def engine_for(loaded, drafter, batch, strategy, compile_mode):
-    tree = max([s.tree_size for s in STRATEGIES] + [strategy.tree_size if strategy else 0])
+    tree = max([s.cache_slots for s in STRATEGIES] + [strategy.cache_slots if strategy else 0])
     if compile_mode == "off":
         return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy, max_tree_size=tree)
     # Compiling costs ~25 s per engine: reuse one, with the drafter attached (plain runs then also keep the

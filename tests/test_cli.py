@@ -159,6 +159,10 @@ def test_generate_with_a_drafter_speculates_while_the_batch_is_within_the_gate(t
     out = " ".join(capsys.readouterr().out.split())
     assert code == 0, out
     assert "speculative decoding (S3K1N3q, while ≤ 6 rows ran)" in out and "τ" in out
+    # a tree whose drafted frontier ((4 - 1) x 3 nodes) outnumbers the nodes it keeps (5) gets its cache slots
+    code = main(["generate", "--model", model, "--drafter", drafter, "--strategy", "S4K3N5", "--gate", "6",
+                 "-n", "2", "--max-new-tokens", "8", "--threads", "1", "hello"])
+    assert code == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,message", [(["--strategy", "deep"], "strategy must look like"),

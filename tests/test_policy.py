@@ -229,3 +229,35 @@ def test_engine_does_not_time_steps_that_build_a_graph_or_rebuild_the_drafter():
     assert sum(len(v) for v in bandit._step_time.values()) == sum(s["timed"] for s in steps)
     assert sum(a.emitted for a in bandit.stats.values()) == sum(s["tokens"] for s in steps)
     assert sum(s["tokens"] for s in steps) + len(requests) == result.generated_tokens  # + each prefill's token
+
+
+def test_policies_refuse_what_would_only_fail_mid_rollout():
+    """A strategy name instead of a SpecStrategy failed at the first SD step with an AttributeError, and a gate of
+    0 silently turned speculation off: both are refused when the policy is made."""
+    from tlt.rollout.policy import PolicyError
+
+    strategy = SpecStrategy(3, 2, 6)
+    for bad in (lambda: FixedSpeculation("S3K2N6"), lambda: FixedSpeculation(None),
+                lambda: FixedSpeculation(strategy, gate=0), lambda: FixedSpeculation(strategy, gate=-3),
+                lambda: FixedSpeculation(strategy, gate=True), lambda: AdaptiveSpeculation([]),
+                lambda: RolloutEngine(tiny_model(), speculation=AdaptiveSpeculation(["S3K2N6"]))):
+        with pytest.raises(PolicyError):
+            bad()
+    assert FixedSpeculation(strategy, gate=1).choose(1) == strategy
+
+
+def test_a_strategy_whose_frontier_outnumbers_its_tree_gets_its_slots():
+    """S4K3N5 keeps 5 nodes but drafts (4 - 1) x 3 = 9 frontier nodes past the committed tokens: sized by the tree
+    alone, `tlt generate` and static-speculation training failed at the first SD step (found by review)."""
+    strategy = SpecStrategy.parse("S4K3N5")
+    assert strategy.cache_slots == 9 and SpecStrategy.parse("S3K2N6").cache_slots == 6
+    model = tiny_model()
+    from tlt.models.eagle import EagleDrafter
+    from tlt.rollout.request import Request
+    from tlt.sampling import SamplingParams
+
+    engine = RolloutEngine(model, max_batch_size=2, drafter=EagleDrafter(model.config), speculation=strategy,
+                           max_tree_size=strategy.cache_slots)
+    result = engine.generate([Request(p, params=SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
+                              for p in random_prompts([4, 7], seed=1)])
+    assert result.speculation_summary()["sd_step_share"] > 0

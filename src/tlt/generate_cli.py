@@ -48,7 +48,7 @@ def run_generate(args, *, demo: bool) -> int:
     else:
         drafter = EagleDrafter.load(args.drafter, loaded.model)
         engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size, drafter=drafter, speculation=speculation,
-                               max_tree_size=speculation.strategy.tree_size, compile=args.compile)
+                               max_tree_size=speculation.strategy.cache_slots, compile=args.compile)
     result = engine.generate(requests, progress=True)
     _print_samples(console, loaded.tokenizer, prompts, result)
     _print_trace(console, result)

@@ -107,8 +107,7 @@ def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]],
 
 def _sd_engine(loaded, drafter, strategy: SpecStrategy, accept_rule) -> RolloutEngine:
     """An engine that speculates at every step, with room for the strategy's tree past the committed tokens."""
-    room = max(strategy.tree_size, (strategy.depth - 1) * strategy.branching)
-    engine = RolloutEngine(loaded, drafter=drafter, speculation=strategy, max_tree_size=room)
+    engine = RolloutEngine(loaded, drafter=drafter, speculation=strategy, max_tree_size=strategy.cache_slots)
     # the rule's own hook: the target-only and q-sampling rules have different signatures
     setattr(engine.spec_decoder, "q_accept_rule" if strategy.rule == "q" else "accept_rule", accept_rule)
     return engine

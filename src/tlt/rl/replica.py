@@ -99,7 +99,7 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
                                    SpecStrategy.chain(3, "q"), SpecStrategy.chain(5, "q"),
                                    SpecStrategy(3, 2, rule="q")]))
     engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter,
-                           max_tree_size=max(a.tree_size for a in arms), **precision)
+                           max_tree_size=max(a.cache_slots for a in arms), **precision)
     gate, arms = _gate_and_arms(engine, run, arms)
     if gate == 0:
         return engine  # speculation cannot pay on this device: plain decoding (the drafter is kept for metrics)

@@ -183,7 +183,7 @@ class ModelRunner:
                          accepted_hist=tuple(accepted), draft_s=outcome.draft_s, verify_s=outcome.verify_s)
 
     def _check(self, strategy: SpecStrategy) -> None:
-        needed = max(strategy.tree_size, (strategy.depth - 1) * strategy.branching)
+        needed = strategy.cache_slots
         if needed > self.max_tree_size:
             raise RequestError(f"strategy {strategy.name} needs more than max_tree_size={self.max_tree_size} "
                                f"cache slots past the committed tokens; raise max_tree_size")

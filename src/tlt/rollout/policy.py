@@ -53,12 +53,25 @@ class SpeculationPolicy(Protocol):
         """Metrics (e.g. τ and tokens/s per arm); {} when there is nothing to report."""
 
 
+def check_arm(strategy) -> None:
+    """A policy's arm must be a SpecStrategy: a name would only fail at the first speculative step."""
+    if not isinstance(strategy, SpecStrategy):
+        raise PolicyError(f"a speculation strategy must be a SpecStrategy (e.g. SpecStrategy.parse('S4K2N8')), "
+                          f"got {strategy!r}")
+
+
 @dataclass
 class FixedSpeculation:
     """One strategy, at every batch size or only while the batch is at most `gate`; nothing to learn."""
 
     strategy: SpecStrategy
     gate: int | None = None
+
+    def __post_init__(self):
+        check_arm(self.strategy)
+        if self.gate is not None and (isinstance(self.gate, bool) or not isinstance(self.gate, int) or self.gate < 1):
+            raise PolicyError(f"gate must be None (always speculate) or an integer >= 1 (rows running), "
+                              f"got {self.gate!r}")
 
     def choose(self, batch_size: int) -> SpecStrategy | None:
         return self.strategy if self.gate is None or batch_size <= self.gate else None
@@ -83,6 +96,10 @@ class FixedSpeculation:
 def as_policy(speculation) -> SpeculationPolicy | None:
     """What `RolloutEngine(speculation=...)` accepts: None (never speculate), a `SpecStrategy` (always, with it)
     or a `SpeculationPolicy`."""
+    if isinstance(speculation, AdaptiveSpeculation):  # its bandit takes any hashable arm; an engine needs strategies
+        for arm in speculation.bandit.arms:
+            if arm != OFF:
+                check_arm(arm)
     if speculation is None or isinstance(speculation, SpeculationPolicy):
         return speculation
     if isinstance(speculation, SpecStrategy):
@@ -273,6 +290,8 @@ class AdaptiveSpeculation:
     """
 
     def __init__(self, strategies: list, gate: BatchSizeGate | None = None, config: BanditConfig | None = None):
+        if not strategies:
+            raise PolicyError("AdaptiveSpeculation needs at least one strategy (plain decoding is always an arm)")
         self.gate = gate or BatchSizeGate()
         self.bandit = StrategyBandit([OFF, *strategies], config or BanditConfig())
         self.gated_steps = 0

@@ -71,6 +71,12 @@ class SpecStrategy:
         return f"S{self.depth}K{self.branching}N{self.tree_size}" + ("q" if self.rule == "q" else "")
 
     @property
+    def cache_slots(self) -> int:
+        """Cache slots a step writes past the committed tokens: the verified tree, or the drafter's frontier
+        nodes ((S - 1) K) when those outnumber it (e.g. S4K3N5): what an engine's max_tree_size must hold."""
+        return max(self.tree_size, (self.depth - 1) * self.branching)
+
+    @property
     def uniforms_per_row(self) -> int:
         """Pre-drawn uniforms one step needs per row. Target-only: per depth, one for the children and one for
         the final sample. q-sampling: per depth, one per child and one for the final sample, plus one per
