@@ -29,7 +29,9 @@ class SamplingParams:
     top_k: keep the k most probable tokens (0 = off). top_p: keep the smallest set of most probable tokens
     whose mass reaches top_p (1 = off). max_new_tokens: hard cap on the response length.
     stop_token_ids: tokens that end the response (included in it); None = the model's EOS tokens.
-    seed: seeds this request's per-sample random streams; None = drawn from torch's global generator.
+    seed: seeds this request's per-sample random streams, together with the request's position in the list
+        given to `generate()` and the sample's index (so two requests with one seed in one call differ; the same
+        list gives the same samples whatever the batch size); None = drawn from torch's global generator.
     """
 
     temperature: float = 1.0
