@@ -139,3 +139,26 @@ def test_mixed_batch_draws_follow_each_rows_distribution():
     plain = torch.bincount(tokens[:, 0], minlength=10).double() / 2000
     assert (plain - probs.double()).abs().max() < 5 * math.sqrt(0.25 / 2000)
     assert not set(tokens[:, 0].tolist()) <= top2
+
+
+def test_tied_tokens_are_kept_by_lowest_id_whatever_the_other_rows_ask():
+    """torch.topk returns an arbitrary member of a tie, and how many candidates it fetches depends on the whole
+    batch (the largest top-k, 256 for any top-p row): the kept set must not (a review found a greedy top_k=1 row
+    changing tokens beside a top_p row, vocabularies over 256 only)."""
+    from tlt.sampling import filter_top_k_top_p
+
+    vocab = 600
+    row = torch.full((vocab,), -5.0)
+    tied = torch.tensor([452, 59, 337, 120])
+    row[tied] = 3.0                                    # a 4-way exact tie at the top
+    row[[7, 8]] = 1.0                                  # and one below it
+    expected = {1: [59], 2: [59, 120], 5: [7, 59, 120, 337, 452]}
+    for k, kept in expected.items():
+        for other_k, other_p in ((0, 0.9), (300, 1.0), (0, 1.0), (599, 0.5)):
+            scaled = torch.stack([row, torch.randn(vocab)])
+            out = filter_top_k_top_p(scaled, torch.tensor([k, other_k]), torch.tensor([1.0, other_p]))
+            assert torch.isfinite(out[0]).nonzero()[:, 0].tolist() == kept, (k, other_k, other_p)
+    # a nucleus that ends inside a tie keeps its lowest ids too: the 4 tied tokens have 0.224 each
+    out = filter_top_k_top_p(torch.stack([row, row, row]), torch.tensor([0, 0, 300]), torch.tensor([0.4, 0.6, 1.0]))
+    assert torch.isfinite(out[0]).nonzero()[:, 0].tolist() == [59, 120]
+    assert torch.isfinite(out[1]).nonzero()[:, 0].tolist() == [59, 120, 337]

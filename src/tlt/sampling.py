@@ -152,7 +152,7 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     # or the row keeps the whole vocabulary (top-k off) and normalizes over it.
     full_lse = torch.logsumexp(scaled, dim=-1, keepdim=True) if any_top_p else None
     while True:
-        values, indices = torch.topk(scaled, candidates, dim=-1)  # sorted, descending
+        values = torch.topk(scaled, candidates, dim=-1).values  # sorted, descending
         rank = torch.arange(candidates, device=scaled.device)[None, :]
         remove = rank >= k_rows[:, None]
         within = k_rows <= candidates        # the row's top-k set lies inside the candidates
@@ -168,13 +168,20 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
                 continue
             # Rows without top-p are left alone: rounding can push their cumulative mass to 1 before the end.
             remove |= ((mass - probs) >= top_p[:, None]) & (rank > 0) & nucleus[:, None]
-        kept = values.masked_fill(remove, -math.inf)
-        # Tokens outside the candidates are removed only for rows whose kept set provably lies inside them
-        # (top-k within, or a nucleus that ended there); a row with neither filter keeps them. Each row is
-        # decided on its own: the batch's largest k or top-p must never truncate another row.
-        truncated = within | nucleus
-        outside = torch.where(truncated[:, None], torch.full_like(scaled, -math.inf), scaled)
-        return outside.scatter_(-1, indices, kept)
+        # Each row keeps its m most probable tokens, ties broken by the lowest token id. The count m depends only
+        # on the row's sorted values; which members of a tie torch.topk returns depends on how many candidates
+        # the batch asked for, so the kept set is drawn from the whole row, not from its indices: otherwise the
+        # other rows' settings would change a row's tokens (a review found greedy rows with top-k doing so).
+        m = (~remove).sum(-1, keepdim=True)
+        threshold = values.gather(1, m - 1)                                       # the m-th largest value
+        above = scaled > threshold
+        tied = scaled == threshold
+        keep = above | (tied & (tied.cumsum(-1) <= m - above.sum(-1, keepdim=True)))
+        # Rows are truncated only when their kept set provably lies inside the candidates (top-k within, or a
+        # nucleus that ended there); a row with neither filter keeps everything. Each row is decided on its own:
+        # the batch's largest k or top-p must never truncate another row.
+        keep |= ~(within | nucleus)[:, None]
+        return scaled.masked_fill(~keep, -math.inf)
 
 
 CDF_BLOCK = 256
