@@ -54,3 +54,11 @@ def test_dotted_path_loading():
 def test_build_reward_auto():
     assert build_reward(TaskConfig()).check is integer_match
     assert build_reward(TaskConfig(name="jsonl", path="x")).check is math_verify_match
+
+
+def test_a_nan_or_inf_reward_scores_0_as_a_failure():
+    """A non-finite reward made every weight NaN in one update, and that policy was checkpointed (found by review):
+    it now counts as a failed reward call, as one that raises."""
+    values = iter([float("nan"), 1.0, float("inf"), float("-inf")])
+    scores = Reward(lambda completion, ex: next(values)).score(["a", "b", "c", "d"], [example(3)] * 4)
+    assert scores.rewards == [0.0, 1.0, 0.0, 0.0] and scores.failures == 3

@@ -232,3 +232,26 @@ def test_a_worker_hands_every_feature_to_the_hub(tmp_path):
     assert metrics["spot_train_steps"] > 0
     assert len(entries) == 8 and {e.step for e in entries} == {0}  # 4 prompts x 2 samples, step 0
     assert sorted(len(e.tokens) for e in entries)[:4] == [2, 2, 2, 2]  # the short shard: prompt end + EOS
+
+
+def test_a_non_finite_gradient_skips_the_update_instead_of_poisoning_the_weights(tmp_path, rollout, monkeypatch):
+    """A NaN reached every weight in one update, and the checkpoint after it (found by review): the update is now
+    skipped, said in the step's metrics, and the weights stay as they were."""
+    import tlt.rl.phases as phases
+
+    examples, result = rollout
+    trainer = make_trainer(tmp_path)
+    batch = trainer.score(examples, result)
+    start = parameters(trainer)
+    backward = phases._micro_batch_backward
+
+    def poisoned(replica, *args):
+        stats = backward(replica, *args)
+        next(p for p in replica.model.parameters() if p.grad is not None).grad[0] = float("nan")
+        return stats
+
+    monkeypatch.setattr(phases, "_micro_batch_backward", poisoned)
+    stats = trainer.update(batch)
+    assert stats["skipped_updates"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(parameters(trainer), start))
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

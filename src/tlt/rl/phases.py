@@ -17,6 +17,8 @@ batch scored with a FeatureBuffer carries it, with how many micro-batches are al
 
 from __future__ import annotations
 
+import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ from tlt.rollout.replay import length_matched, regroup
 from tlt.rollout.request import Request, RolloutResult
 from tlt.sampling import SamplingParams
 from tlt.tasks import DatasetTask
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -173,7 +177,7 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
     totals = totals or loss_totals(replica.config, batch)
     model.train()
     stats: dict[str, list[float]] = {}
-    grad_norms = []
+    grad_norms, skipped = [], 0
     advance_schedule(replica.scheduler, batch.step)  # this step's lr (all its passes share it)
     for _ in range(grpo.updates_per_step):
         replica.optimizer.zero_grad(set_to_none=True)
@@ -182,8 +186,17 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
                 stats.setdefault(key, []).append(float(value))
         if reduce_gradients is not None:
             reduce_gradients([p for p in model.parameters() if p.requires_grad])
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0
+                                                    else math.inf))
+        if not math.isfinite(norm):
+            # A NaN/inf gradient would make every weight NaN, and the checkpoint after it; every replica sees the
+            # same reduced gradients, so all skip together and stay identical.
+            skipped += 1
+            log.warning("RL step %d: the gradient norm is %s; this update is skipped (the weights stay as they were)",
+                        batch.step, norm)
+            continue
         if cfg.grad_clip > 0:
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+            grad_norms.append(norm)
         replica.optimizer.step()
         if batch.features_done is not None:  # every micro-batch's features are in now
             batch.features_done = None
@@ -193,6 +206,8 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
     summary["loss"] = sum(stats.get("loss", [0.0]))
     if grad_norms:
         summary["grad_norm"] = statistics.fmean(grad_norms)
+    if skipped:
+        summary["skipped_updates"] = skipped
     return summary
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -85,7 +86,7 @@ def load_reward_function(path: str) -> Callable[[str, TaskExample], float]:
 class RewardScores:
     rewards: list[float]   # correctness + format bonus
     correct: list[bool]
-    failures: int          # reward function calls that raised (those samples got 0)
+    failures: int          # reward function calls that raised or returned NaN/inf (those samples got 0)
 
 
 class Reward:
@@ -98,6 +99,8 @@ class Reward:
         for completion, example in zip(completions, examples):
             try:
                 value = float(self.check(completion, example))
+                if not math.isfinite(value):  # a NaN/inf advantage would turn every weight into NaN in one update
+                    raise ValueError(f"returned {value}, not a finite number")
             except Exception as error:  # noqa: BLE001 — a user's reward bug must not kill a long run; counted
                 value, failures = 0.0, failures + 1
                 if not self._told:
