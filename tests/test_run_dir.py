@@ -41,6 +41,31 @@ def test_overwrite_starts_over(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_a_users_step_named_directories_are_not_checkpoints(tmp_path):
+    """Only step- and digits is a checkpoint: a user's `step-notes/` broke a fresh run with a traceback and
+    --overwrite deleted it; a backup `step-000002-good/` was resumed from, then pruned (found by review)."""
+    (tmp_path / "step-notes").mkdir()
+    (tmp_path / "step-notes" / "mine.txt").write_text("mine")
+    run(tmp_path, steps=2, **{"run.keep_checkpoints": 1})
+    import shutil
+    shutil.copytree(tmp_path / "step-000002", tmp_path / "step-000002-good")
+    assert latest_checkpoint(tmp_path).name == "step-000002"
+    run(tmp_path, steps=3, resume=True, **{"run.keep_checkpoints": 1})
+    assert latest_checkpoint(tmp_path).name == "step-000003" and (tmp_path / "step-000002-good").is_dir()
+    run(tmp_path, steps=1, overwrite=True, **{"optim.lr": 0.02})
+    assert (tmp_path / "step-notes" / "mine.txt").read_text() == "mine" and (tmp_path / "step-000002-good").is_dir()
+
+
+def test_overwrite_refuses_to_delete_the_model_it_is_about_to_load(tmp_path):
+    """`model.path=RUN_DIR/final --overwrite` deleted the trained policy, then failed to load it (found by review)."""
+    run(tmp_path, steps=1)
+    final = tmp_path / "final"
+    assert final.is_dir()
+    with pytest.raises(RunDirError, match=r"model\.path=.*lies inside .*--overwrite would delete"):
+        run(tmp_path, steps=1, overwrite=True, **{"model.path": str(final)})
+    assert final.is_dir() and latest_checkpoint(tmp_path) is not None
+
+
 def test_resume_refuses_nothing_to_resume_and_a_changed_run(tmp_path):
     with pytest.raises(RunDirError, match="nothing to resume") as error:
         run(tmp_path, resume=True)

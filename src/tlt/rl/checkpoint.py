@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -93,8 +94,16 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The run's checkpoint directories, `step-` and digits exactly, in step order: a user's `step-notes/` or
+    `step-000003-good/` backup is neither resumed from, pruned nor cleared."""
+    found = [p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*")
+             if p.is_dir() and re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
 def _complete_checkpoints(run_dir: Path) -> list[Path]:
-    return sorted(p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if (p / "state.json").exists())
+    return [p for p in checkpoint_dirs(run_dir) if (p / "state.json").exists()]
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler=None) -> dict:

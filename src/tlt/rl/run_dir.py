@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from tlt.errors import TltError
-from tlt.rl.checkpoint import CHECKPOINT_PREFIX, latest_checkpoint, read_state
+from tlt.rl.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs, latest_checkpoint, read_state
 from tlt.rl.config import TrainConfig
 
 # Everything tlt writes into a run directory; --overwrite deletes exactly these, nothing else.
@@ -55,6 +55,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
             hint = "continue it with --resume, " if latest_checkpoint(run_dir) else ""
             raise RunDirError(f"{run_dir} already holds a run ({describe(run_dir)}): {hint}start over with "
                               f"--overwrite (deletes that run), or set another run.out_dir")
+        _refuse_inputs_inside(run_dir, config_dict)
         clear_run(run_dir)
     _drop_staging(run_dir)
     return None
@@ -140,6 +141,17 @@ def describe(run_dir: Path) -> str:
     return f"{len(checkpoints)} checkpoint(s), the last at step {int(checkpoints[-1].name[len(CHECKPOINT_PREFIX):])}"
 
 
+def _refuse_inputs_inside(run_dir: Path, config_dict: dict) -> None:
+    """--overwrite deletes the run: never a model, drafter or dataset the new run is about to read from inside it
+    (`model.path=RUN_DIR/final --overwrite` deleted the trained policy, then failed to load it)."""
+    root = run_dir.resolve()
+    for section, key in (("model", "path"), ("run", "drafter"), ("task", "path")):
+        value = (config_dict.get(section) or {}).get(key)
+        if value and Path(value).expanduser().resolve().is_relative_to(root):
+            raise RunDirError(f"{section}.{key}={value} lies inside {run_dir}, which --overwrite would delete: copy it "
+                              f"out first, or set another run.out_dir")
+
+
 def clear_run(run_dir: Path) -> None:
     """Delete what tlt wrote (checkpoints, metrics, timeline, TensorBoard, wandb, report, final; staging copies
     go in _drop_staging)."""
@@ -162,7 +174,7 @@ def _make(run_dir: Path) -> None:
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:
-    return sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+    return checkpoint_dirs(run_dir)
 
 
 def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
