@@ -282,3 +282,15 @@ def test_a_bad_draft_vocabulary(ids, match):
     ids = torch.tensor(ids, dtype=torch.long if ids == [] else None)
     with pytest.raises(DrafterError, match=match):
         EagleDrafter(tiny_model().config, draft_vocab=ids)
+
+
+def test_a_home_path_in_a_config_file_means_the_home_directory(tmp_path, monkeypatch):
+    """No shell expands `~` in a YAML file: runs went to a directory literally named `~` (found by review)."""
+    from tlt.rl.config import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("run:\n  out_dir: ~/runs/x\n  drafter: ~/drafters/d\nmodel:\n  path: ~/models/m\n")
+    config = load_config(str(config_file), [])
+    assert config.run.out_dir == str(tmp_path / "runs" / "x") and config.model.path == str(tmp_path / "models" / "m")
+    assert config.run.drafter == str(tmp_path / "drafters" / "d")

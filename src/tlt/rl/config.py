@@ -315,7 +315,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         if not sep:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         config = config.override(key.strip(), raw.strip(), text=True)
-    return validate(config)
+    return validate(expand_home(config))
+
+
+PATH_KEYS = (("model", "path"), ("run", "out_dir"), ("run", "drafter"), ("task", "path"))
+
+
+def expand_home(config: TrainConfig) -> TrainConfig:
+    """`~` in a path key means the home directory, as in a shell (from a YAML file no shell expands it: runs went
+    to a directory literally named `~`)."""
+    for section, key in PATH_KEYS:
+        value = getattr(getattr(config, section), key)
+        if isinstance(value, str) and value.startswith("~"):
+            expanded = str(Path(value).expanduser())
+            config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section),
+                                                                                  **{key: expanded})})
+    return config
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
