@@ -294,3 +294,13 @@ def test_a_home_path_in_a_config_file_means_the_home_directory(tmp_path, monkeyp
     config = load_config(str(config_file), [])
     assert config.run.out_dir == str(tmp_path / "runs" / "x") and config.model.path == str(tmp_path / "models" / "m")
     assert config.run.drafter == str(tmp_path / "drafters" / "d")
+
+
+@pytest.mark.parametrize("override,message", [("model.device=gpu", "model.device must be a torch device"),
+                                              ("run.seed=99999999999999999999", "run.seed must fit in 64 bits")])
+def test_a_device_or_seed_torch_cannot_take_is_one_line_at_load(override, message):
+    """Both were tracebacks from inside a worker, after the run directory was made (found by review)."""
+    from tlt.rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from tlt.errors import TltError
@@ -177,6 +178,17 @@ AUTOCAST_MODES = ("auto", "bf16", "off")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
+def _check_device(device: str | None) -> None:
+    """A device torch can parse (its availability is checked when the model loads): `gpu` was a traceback."""
+    if device is None:
+        return
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"model.device must be a torch device such as cpu, cuda or cuda:1 (or unset: CUDA when "
+                          f"available), got {device!r}") from None
+
+
 def validate(config: TrainConfig) -> TrainConfig:
     """Every choice and range, checked before anything loads; raises ConfigError naming the first bad key."""
     task, rollout, grpo, optim, run = config.task, config.rollout, config.grpo, config.optim, config.run
@@ -186,6 +198,8 @@ def validate(config: TrainConfig) -> TrainConfig:
             _check(not isinstance(value, float) or math.isfinite(value),
                    f"{section.name}.{item.name} must be a finite number, got {value}")
     _check(bool(run.out_dir.strip()), "run.out_dir must not be empty (it would be the current directory)")
+    _check(-(2 ** 63) <= run.seed < 2 ** 63, f"run.seed must fit in 64 bits (what torch seeds with), got {run.seed}")
+    _check_device(config.model.device)
     check_choice("task.name", task.name, TASK_NAMES)
     _check(task.name == "arithmetic" or bool(task.path), f"task.name={task.name} needs task.path (a dataset file)")
     _check(task.reward in BUILTIN_REWARDS or ":" in task.reward,
