@@ -1,6 +1,7 @@
 """Bad rollout input gets one clear error naming the problem, never a torch stack trace."""
 
 import pytest
+import torch
 
 from conftest import tiny_model
 from tlt.errors import RequestError
@@ -304,3 +305,20 @@ def test_a_device_or_seed_torch_cannot_take_is_one_line_at_load(override, messag
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: SamplingParams(stop_token_ids="35"), "stop_token_ids must be a sequence"),   # was (3, 5)
+    (lambda: SamplingParams(stop_token_ids=3), "stop_token_ids must be a sequence"),      # was a TypeError
+    (lambda: Request([5.7, 6]), "prompt_ids must hold integer token ids"),                # was truncated to 5
+    (lambda: SamplingParams(max_new_tokens=True), "max_new_tokens must be an integer"),
+    (lambda: Request([1], n=True), "n \\(samples per prompt\\) must be an integer"),
+    (lambda: SamplingParams(seed="abc"), "seed must be an integer"),                      # failed inside generate()
+], ids=["stop-str", "stop-int", "float-id", "bool-budget", "bool-n", "str-seed"])
+def test_request_values_that_were_coerced_or_failed_late(make, message):
+    """Found by review; numpy integers and 0-d integer tensors stay accepted."""
+    with pytest.raises(RequestError, match=message):
+        make()
+    import numpy as np
+
+    assert Request(torch.tensor([4, 5]), params=SamplingParams(top_k=np.int64(3))).prompt_ids == (4, 5)

@@ -11,6 +11,7 @@ rule lossless.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,28 @@ from tlt.errors import RequestError
 
 
 MIN_TEMPERATURE = 1e-5  # the smallest temperature > 0 (vLLM treats smaller ones as greedy)
+
+
+def is_integer(value) -> bool:
+    """An int (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def token_ids(values, what: str) -> tuple[int, ...]:
+    """A sequence of integral token ids as ints. A string is not one ("35" is not (3, 5)), nor is 5.7 a token id
+    (it was truncated to 5); 0-d integer tensors and numpy integers are."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise RequestError(f"{what} must be a sequence of token ids, got {values!r}")
+    ids = []
+    for value in values:
+        try:
+            integral = not isinstance(value, (bool, str)) and int(value) == value
+        except (TypeError, ValueError):
+            integral = False
+        if not integral:
+            raise RequestError(f"{what} must hold integer token ids, got {value!r}")
+        ids.append(int(value))
+    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -50,12 +73,14 @@ class SamplingParams:
                                f"(sampling below it is greedy in all but name: use 0 for greedy decoding)")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+        if not (is_integer(self.top_k) and self.top_k >= 0):
             raise RequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+        if not (is_integer(self.max_new_tokens) and self.max_new_tokens >= 1):
             raise RequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and not is_integer(self.seed):
+            raise RequestError(f"seed must be an integer or None, got {self.seed!r}")
         if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            object.__setattr__(self, "stop_token_ids", token_ids(self.stop_token_ids, "stop_token_ids"))
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tlt.errors import RequestError
-from tlt.sampling import SamplingParams
+from tlt.sampling import SamplingParams, is_integer, token_ids
 
 
 TAIL_FRACTION = 0.25  # the long tail: no sample waits and at most this share of the rollout's peak rows decode
@@ -26,10 +26,10 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self):
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "prompt_ids", token_ids(self.prompt_ids, "prompt_ids"))
         if not self.prompt_ids:
             raise RequestError("empty prompt: a request needs at least one prompt token")
-        if not (isinstance(self.n, int) and self.n >= 1):
+        if not (is_integer(self.n) and self.n >= 1):
             raise RequestError(f"n (samples per prompt) must be an integer >= 1, got {self.n!r}")
 
 
