@@ -255,3 +255,15 @@ def test_a_non_finite_gradient_skips_the_update_instead_of_poisoning_the_weights
     assert stats["skipped_updates"] == 1
     assert all(torch.equal(a, b) for a, b in zip(parameters(trainer), start))
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_a_prompt_too_long_for_the_context_is_named_by_its_record(tmp_path):
+    """The engine said "requests[0]: prompt of 400 tokens ...", naming no dataset record (found by review)."""
+    from tlt.errors import RequestError
+    from tlt.rl.phases import rollout
+
+    trainer = make_trainer(tmp_path)
+    example = TaskExample("long", "1", {"ids": [5] * 250, "source": "data/long.jsonl", "line": 6})
+    with pytest.raises(RequestError, match=r"data/long\.jsonl, line 6: its prompt of 250 tokens \+ "
+                                           r"rollout\.max_new_tokens 9 exceeds the model's context of 256"):
+        rollout(trainer.replica, [example], 1)
