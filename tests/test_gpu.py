@@ -114,8 +114,14 @@ def test_bf16_speculative_greedy_is_identical_up_to_near_ties():
     plain = generate(model, requests, max_batch_size=4)
     spec = generate(model, requests, max_batch_size=4, drafter=EagleDrafter(model.config),
                     speculation=SpecStrategy(3, 2, 6), max_tree_size=16)
-    checked = 0
-    for request, a, b in zip(requests, plain.samples, spec.samples):
+    assert_parted_only_at_near_ties(model, requests, plain.samples, spec.samples)
+
+
+def assert_parted_only_at_near_ties(model, requests, samples, others) -> None:
+    """Where two greedy decodings of the same request part, both tokens' logits (fp32 reference forward on the
+    shared prefix) are within bf16 rounding (2^-7 relative) of the top logit; and most rows do not part."""
+    parted = 0
+    for request, a, b in zip(requests, samples, others):
         index = first_divergence(a.token_ids, b.token_ids)
         if index is None:
             continue
@@ -125,8 +131,8 @@ def test_bf16_speculative_greedy_is_identical_up_to_near_ties():
         top = logits.max()
         for token in (a.token_ids[index], b.token_ids[index]):
             assert top - logits[token] <= 2 ** -7 * top.abs() + 1e-2, (index, float(top - logits[token]))
-        checked += 1
-    assert checked <= len(requests) // 2  # ties are rare: most rows must match exactly
+        parted += 1
+    assert parted <= len(requests) // 2  # ties are rare: most rows must match exactly
 
 
 def test_compiled_graphs_decode_and_speculate_as_the_uncompiled_engine():
@@ -142,18 +148,7 @@ def test_compiled_graphs_decode_and_speculate_as_the_uncompiled_engine():
                                max_tree_size=16, compile="inductor")
         compiled = engine.generate(requests + mixed_requests())
         assert engine.runner.captures > 0
-        parted = 0
-        for request, a, b in zip(requests, plain.samples, compiled.samples):
-            index = first_divergence(a.token_ids, b.token_ids)
-            if index is None:
-                continue
-            prefix = torch.tensor([request.prompt_ids + a.token_ids[:index]], device=CUDA)
-            with torch.no_grad():
-                logits = model(prefix).logits[0, -1].float()
-            for token in (a.token_ids[index], b.token_ids[index]):
-                assert logits.max() - logits[token] <= 2 ** -7 * logits.max().abs() + 1e-2, index
-            parted += 1
-        assert parted <= len(requests) // 2
+        assert_parted_only_at_near_ties(model, requests, plain.samples, compiled.samples)
 
 
 def test_rollout_copy_follows_the_policy_after_an_update():

@@ -264,6 +264,6 @@ def test_a_prompt_too_long_for_the_context_is_named_by_its_record(tmp_path):
 
     trainer = make_trainer(tmp_path)
     example = TaskExample("long", "1", {"ids": [5] * 250, "source": "data/long.jsonl", "line": 6})
-    with pytest.raises(RequestError, match=r"data/long\.jsonl, line 6: its prompt of 250 tokens \+ "
-                                           r"rollout\.max_new_tokens 9 exceeds the model's context of 256"):
+    with pytest.raises(RequestError, match=r"data/long\.jsonl, line 6: prompt of 250 tokens \+ "
+                                           r"max_new_tokens 9 = 259 exceeds the model's context of 256"):
         rollout(trainer.replica, [example], 1)

@@ -70,8 +70,8 @@ def check_drafter_dir(directory: str | Path) -> Path:
 
 @dataclass
 class ChainTables:
-    """Slots [B, P], additive attention bias [B, P, S], RoPE cos / signed sin [B, 1, P, D] of a chain's P drafting
-    passes, and each pass's attention span (`EagleDrafter.chain_tables`)."""
+    """Slots [B, P], additive attention bias [B, 1, P, S], RoPE cos / signed sin [B, 1, P, D] of a chain's P
+    drafting passes, and each pass's attention span (`EagleDrafter.chain_tables`)."""
 
     slots: torch.Tensor
     bias: torch.Tensor
@@ -81,7 +81,7 @@ class ChainTables:
 
     def at(self, p: int) -> tuple:
         """`EagleDrafter.step`'s tables for pass p: views, no kernels."""
-        return (self.slots[:, p:p + 1], self.bias[:, p, :self.spans[p]][:, None, None],
+        return (self.slots[:, p:p + 1], self.bias[:, :, p:p + 1, :self.spans[p]],
                 self.cos[:, :, p:p + 1], self.sin[:, :, p:p + 1])
 
 
@@ -213,9 +213,10 @@ class EagleDrafter(nn.Module):
             spans = [aligned_span(int(offsets[:, p].max()) + 1, capacity) for p in range(passes)]
         else:
             spans = [aligned_span(kv_len, capacity)] * passes
-        visible = torch.arange(max(spans), device=device)[None, None, :] <= offsets[:, :, None]  # [B, P, S]
+        visible = torch.arange(max(spans), device=device)[None, None, None, :] <= offsets[:, None, :, None]
         dtype = self.fc.weight.dtype
-        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        # each pass feeds one token, so no query groups to expand: passes sit where a forward's tokens would
+        bias = grouped_attention_bias(visible, 1, dtype)                                  # [B, 1, P, S]
         cos, sin = self.target.rope(torch.empty(0, dtype=dtype, device=device), offsets)
         return ChainTables(offsets, bias, cos, sin, spans)
 

@@ -44,11 +44,6 @@ class KVCache:
                                            device=self.device)
         return self.slot_data[name]
 
-    def _row_tensors(self):
-        """Every tensor with a row axis and a slot axis, as (tensor, row axis, slot axis): the KV buffer and the
-        slot data [R, S, ...]."""
-        return [(self.kv, 2, 4)] + [(t, 0, 1) for t in self.slot_data.values()]
-
     def rows(self, start: int, count: int) -> "CacheRows":
         if start < 0 or start + count > self.max_rows:
             raise IndexError(f"rows [{start}, {start + count}) outside a cache of {self.max_rows} rows")
@@ -61,8 +56,9 @@ class KVCache:
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src's committed tokens onto row dst (used to keep running rows dense)."""
         n = int(self.lengths[src])
-        for tensor, row_axis, slot_axis in self._row_tensors():
-            _slots(tensor, row_axis, slot_axis, dst, n).copy_(_slots(tensor, row_axis, slot_axis, src, n))
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]  # every layer's K and V at once
+        for data in self.slot_data.values():
+            data[dst, :n] = data[src, :n]
         self.lengths[dst] = n
 
     def copy_prefix(self, src: int, dsts: list[int]) -> None:
@@ -70,15 +66,11 @@ class KVCache:
         if not dsts:
             return
         n = int(self.lengths[src])
-        for dst in dsts:  # one copy per row and buffer (the KV of every layer is one buffer)
-            for tensor, row_axis, slot_axis in self._row_tensors():
-                _slots(tensor, row_axis, slot_axis, dst, n).copy_(_slots(tensor, row_axis, slot_axis, src, n))
+        index = torch.tensor(dsts, device=self.device)
+        self.kv[:, :, index, :, :n] = self.kv[:, :, src, None, :, :n]
+        for data in self.slot_data.values():
+            data[index, :n] = data[src, :n]
         self.lengths[dsts] = n
-
-
-def _slots(tensor: torch.Tensor, row_axis: int, slot_axis: int, row: int, count: int) -> torch.Tensor:
-    """The view of one row's first `count` slots."""
-    return tensor.select(row_axis, row).narrow(slot_axis - 1, 0, count)
 
 
 @dataclass

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from tlt.drafter.buffer import FeatureBuffer
-from tlt.errors import RequestError
 from tlt.rl.actor import PackedSamples, actor_hidden, token_logprobs
 from tlt.rl.config import TrainConfig
 from tlt.rl.grpo import group_advantages, policy_loss
@@ -81,9 +80,8 @@ def rollout(replica: PolicyReplica, examples: list, step: int, *, progress: bool
     cfg = replica.config.rollout
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens, seed=step_seed(replica.config, step))
-    requests = [Request(replica.task.prompt_ids(example), n=cfg.samples_per_prompt, params=params)
-                for example in examples]
-    _check_prompts_fit(replica, examples, requests)
+    requests = [Request(replica.task.prompt_ids(example), n=cfg.samples_per_prompt, params=params,
+                        label=record_label(example)) for example in examples]
     replica.model.eval()
     engine = replica.engine
     if engine.speculation is not None:
@@ -97,18 +95,13 @@ def rollout(replica: PolicyReplica, examples: list, step: int, *, progress: bool
 RECORD_UNITS = ("line", "row", "record")  # how dataset loaders number an example's record (TaskExample.meta)
 
 
-def _check_prompts_fit(replica: PolicyReplica, examples: list, requests: list[Request]) -> None:
-    """A prompt too long for the context with the response budget, named by its dataset record (the engine's
-    own error says "requests[0]", which tells a training user nothing; found by review)."""
-    context, budget = replica.engine.spec.max_positions, replica.config.rollout.max_new_tokens
-    for example, request in zip(examples, requests):
-        if len(request.prompt_ids) + budget > context:
-            meta = getattr(example, "meta", None) or {}
-            record = [f"{unit} {meta[unit]}" for unit in RECORD_UNITS if unit in meta]
-            where = ", ".join([str(meta.get("source", "a task example")), *record])
-            raise RequestError(f"{where}: its prompt of {len(request.prompt_ids)} tokens + rollout.max_new_tokens "
-                               f"{budget} exceeds the model's context of {context} tokens (nothing is truncated: "
-                               f"shorten or drop that record, or lower rollout.max_new_tokens)")
+def record_label(example) -> str | None:
+    """Where an example comes from ("data/x.jsonl, line 6"), for the engine's errors about its request (the
+    engine would say "requests[0]", which tells a training user nothing); None for generated examples."""
+    meta = getattr(example, "meta", None) or {}
+    if "source" not in meta:
+        return None
+    return ", ".join([str(meta["source"]), *(f"{unit} {meta[unit]}" for unit in RECORD_UNITS if unit in meta)])
 
 
 def score(replica: PolicyReplica, examples: list, rollout: RolloutResult, step: int,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tlt.errors import TltError
 from tlt.rl.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs, latest_checkpoint, read_state
-from tlt.rl.config import TrainConfig
+from tlt.rl.config import PATH_KEYS, TrainConfig
 
 # Everything tlt writes into a run directory; --overwrite deletes exactly these, nothing else.
 RUN_FILES = ("metrics.jsonl", "config.json", "wandb_id")
@@ -124,7 +124,7 @@ def holds_run(run_dir: Path) -> bool:
     first step (config.json, no metrics line) holds nothing, and a retry may start over it."""
     metrics = run_dir / "metrics.jsonl"
     logged = metrics.exists() and metrics.stat().st_size > 0
-    return logged or (run_dir / "final").exists() or _checkpoints(run_dir) != []
+    return logged or (run_dir / "final").exists() or checkpoint_dirs(run_dir) != []
 
 
 def _start_instead(run_dir: Path) -> str:
@@ -135,7 +135,7 @@ def _start_instead(run_dir: Path) -> str:
 
 
 def describe(run_dir: Path) -> str:
-    checkpoints = _checkpoints(run_dir)
+    checkpoints = checkpoint_dirs(run_dir)
     if not checkpoints:
         return "metrics, no checkpoint"
     return f"{len(checkpoints)} checkpoint(s), the last at step {int(checkpoints[-1].name[len(CHECKPOINT_PREFIX):])}"
@@ -145,7 +145,9 @@ def _refuse_inputs_inside(run_dir: Path, config_dict: dict) -> None:
     """--overwrite deletes the run: never a model, drafter or dataset the new run is about to read from inside it
     (`model.path=RUN_DIR/final --overwrite` deleted the trained policy, then failed to load it)."""
     root = run_dir.resolve()
-    for section, key in (("model", "path"), ("run", "drafter"), ("task", "path")):
+    for section, key in PATH_KEYS:
+        if (section, key) == ("run", "out_dir"):
+            continue
         value = (config_dict.get(section) or {}).get(key)
         if value and Path(value).expanduser().resolve().is_relative_to(root):
             raise RunDirError(f"{section}.{key}={value} lies inside {run_dir}, which --overwrite would delete: copy it "
@@ -155,7 +157,7 @@ def _refuse_inputs_inside(run_dir: Path, config_dict: dict) -> None:
 def clear_run(run_dir: Path) -> None:
     """Delete what tlt wrote (checkpoints, metrics, timeline, TensorBoard, wandb, report, final; staging copies
     go in _drop_staging)."""
-    for path in _checkpoints(run_dir):
+    for path in checkpoint_dirs(run_dir):
         shutil.rmtree(path)
     for name in RUN_DIRS:
         shutil.rmtree(run_dir / name, ignore_errors=True)
@@ -173,8 +175,6 @@ def _make(run_dir: Path) -> None:
         raise RunDirError(f"cannot create run.out_dir={run_dir}: {error.strerror}") from None
 
 
-def _checkpoints(run_dir: Path) -> list[Path]:
-    return checkpoint_dirs(run_dir)
 
 
 def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:

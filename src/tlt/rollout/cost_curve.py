@@ -170,7 +170,7 @@ def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: in
     started = time.perf_counter()
     plain, steps = {}, {s.name: {} for s in strategies}
     live = [s for s in strategies if s.branching <= engine.spec_decoder.drafter.draft_vocab_size]
-    tree = max(max(s.tree_size, (s.depth - 1) * s.branching) for s in strategies)
+    tree = max(s.cache_slots for s in strategies)
     truncated = False
     warmups = 0.0  # one-off work (graph capture; compiling, with rollout.compile): not charged to the budget
     for batch in batches:

@@ -182,13 +182,14 @@ class RolloutEngine:
         for index, request in enumerate(requests):
             if not isinstance(request, Request):
                 raise RequestError(f"requests[{index}] is a {type(request).__name__}, expected tlt Request")
+            name = request.label or f"requests[{index}]"
             ids = request.prompt_ids
             if min(ids) < 0 or max(ids) >= self.spec.vocab_size:
-                raise RequestError(f"requests[{index}]: prompt token id out of range [0, {self.spec.vocab_size})")
+                raise RequestError(f"{name}: prompt token id out of range [0, {self.spec.vocab_size})")
             total = len(ids) + request.params.max_new_tokens
             if total > self.spec.max_positions:
                 raise RequestError(
-                    f"requests[{index}]: prompt of {len(ids)} tokens + max_new_tokens "
+                    f"{name}: prompt of {len(ids)} tokens + max_new_tokens "
                     f"{request.params.max_new_tokens} = {total} exceeds the model's context of "
                     f"{self.spec.max_positions} tokens (nothing is truncated: shorten the prompt or the budget)")
 

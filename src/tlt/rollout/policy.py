@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Protocol, runtime_checkable
 
 from tlt.errors import TltError
+from tlt.sampling import is_integer
 from tlt.speculative.strategy import SpecStrategy
 
 OFF = "off"  # the arm that decodes one token per step without a drafter
@@ -69,7 +70,7 @@ class FixedSpeculation:
 
     def __post_init__(self):
         check_arm(self.strategy)
-        if self.gate is not None and (isinstance(self.gate, bool) or not isinstance(self.gate, int) or self.gate < 1):
+        if self.gate is not None and not (is_integer(self.gate) and self.gate >= 1):
             raise PolicyError(f"gate must be None (always speculate) or an integer >= 1 (rows running), "
                               f"got {self.gate!r}")
 

@@ -31,7 +31,7 @@ def length_matched(requests: list[Request], lengths: Sequence[int]) -> list[Requ
             if not (isinstance(length, int) and not isinstance(length, bool) and length >= 1):
                 raise RequestError(f"replay length of sample {k} must be an integer >= 1, got {length!r}")
             params = dataclasses.replace(request.params, max_new_tokens=length, stop_token_ids=())
-            replayed.append(Request(request.prompt_ids, n=1, params=params))
+            replayed.append(Request(request.prompt_ids, n=1, params=params, label=request.label))
             k += 1
     return replayed
 

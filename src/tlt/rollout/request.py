@@ -24,6 +24,7 @@ class Request:
     prompt_ids: tuple[int, ...]
     n: int = 1
     params: SamplingParams = field(default_factory=SamplingParams)
+    label: str | None = field(default=None, compare=False)  # names it in errors (e.g. its dataset record)
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", token_ids(self.prompt_ids, "prompt_ids"))
