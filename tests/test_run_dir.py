@@ -211,6 +211,45 @@ def test_workers_write_checkpoints_and_the_final_policy_through_the_trainers_sav
     assert metric_steps(tmp_path) == [1, 2]
 
 
+def test_a_run_with_a_drafter_leaves_it_beside_the_final_policy_ready_to_export_and_reuse(tmp_path, capsys):
+    """The deployable drafter is the run's byproduct: RUN/final/drafter holds its last spot-trained version (the
+    checkpoint's), with its trainer state, and `tlt drafter export` turns it into an EAGLE model for vLLM."""
+    from safetensors.torch import load_file
+    from test_distributed import make_controller
+    from tlt.drafter.export import import_eagle
+    from tlt.drafter.trainer import DrafterTrainer
+    from tlt.models.eagle import EagleDrafter
+    from tlt.rl.preflight import _check_drafter
+
+    run_dir = tmp_path / "run"
+    controller = make_controller(run_dir, **{"run.steps": 1})
+    try:
+        train(controller.config, trainer=controller)
+        version = controller.backend.hub.latest_version()
+    finally:
+        controller.close()
+    drafter_dir = run_dir / "final" / "drafter"
+    assert version > 0  # spot training published versions: the final one is a trained drafter, not the initial
+    checkpoint = load_file(str(latest_checkpoint(run_dir) / "drafter.safetensors"))
+    final = load_file(str(drafter_dir / "drafter.safetensors"))
+    assert final.keys() == checkpoint.keys() and all(torch.equal(final[k], checkpoint[k]) for k in final)
+    assert DrafterTrainer.has_saved_state(drafter_dir) and DrafterTrainer.saved_state(drafter_dir)["steps"] > 0
+    policy = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    drafter = EagleDrafter.load(drafter_dir, policy)
+    _check_drafter(drafter_dir, run_dir / "final")  # run.drafter=RUN/final/drafter passes the next run's checks
+    assert main(["drafter", "export", str(drafter_dir), "--model", str(run_dir / "final"), "--out",
+                 str(tmp_path / "eagle")]) == 0
+    exported = import_eagle(tmp_path / "eagle", policy)
+    own = drafter.state_dict()
+    assert all(torch.equal(value, own[name]) for name, value in exported.state_dict().items() if name in own)
+    assert f"its drafter: {drafter_dir}" in capsys.readouterr().out
+
+
+def test_a_run_without_a_drafter_writes_none(tmp_path):
+    run(tmp_path, steps=1)
+    assert (tmp_path / "final").is_dir() and not (tmp_path / "final" / "drafter").exists()
+
+
 def test_cli_refuses_an_occupied_run_dir_in_one_line_and_overwrite_is_a_flag(tmp_path, capsys):
     from test_bad_input import model_dir
     from tlt.rl.config import TrainConfig

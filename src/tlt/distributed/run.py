@@ -16,6 +16,7 @@ from tlt.metrics.timeline import save_timeline
 from tlt.rl.checkpoint import latest_checkpoint, prune_checkpoints
 from tlt.rl.config import TrainConfig, validate
 from tlt.rl.preflight import preflight
+from tlt.rl.run_checkpoint import FINAL_DRAFTER_DIR
 from tlt.rl.run_dir import hold_run_dir, prepare_run_dir
 
 METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  len p50/p90/max "
@@ -57,6 +58,10 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
             if owned:
                 trainer.close()
     console.print(f"run saved in {run_dir} (final policy: {final}); see it with: tlt report {run_dir}")
+    drafter = Path(final) / FINAL_DRAFTER_DIR
+    if drafter.is_dir():
+        console.print(f"its drafter: {drafter} (for vLLM / SGLang: tlt drafter export {drafter} --model {final} "
+                      f"--out DIR; to go on training it: run.drafter={drafter})")
     return history
 
 

@@ -36,7 +36,8 @@ from tlt.rl import phases
 from tlt.rl.checkpoint import save_final_model
 from tlt.rl.config import tail_training_active
 from tlt.rl.replica import PolicyReplica
-from tlt.rl.run_checkpoint import DrafterSnapshot, read_drafter, resume_replica, save_run_checkpoint
+from tlt.rl.run_checkpoint import (FINAL_DRAFTER_DIR, DrafterSnapshot, read_drafter, resume_replica,
+                                   save_final_drafter, save_run_checkpoint)
 from tlt.rollout.request import in_long_tail
 
 log = logging.getLogger(__name__)
@@ -276,15 +277,21 @@ class RolloutWorker:
     def save(self, run_dir: str, step: int, extra: dict) -> str:
         """The run's checkpoint after `step` steps (replicas are identical: rank 0's copy is the run's), with
         the hub's latest drafter version and its trainer's optimizer state."""
-        drafter = None
-        if self.drafter is not None:
-            version, weights = self.hub.latest()
-            drafter = DrafterSnapshot(version, weights, self.hub.trainer_state())
-        return str(save_run_checkpoint(run_dir, self.replica, step, drafter=drafter, extra=extra))
+        return str(save_run_checkpoint(run_dir, self.replica, step, drafter=self._drafter_snapshot(), extra=extra))
 
     def save_final(self, directory: str) -> str:
-        """The policy as a Hugging Face model directory (replicas are identical: rank 0's copy)."""
-        return str(save_final_model(self.replica.model, self.replica.tokenizer, directory))
+        """The policy as a Hugging Face model directory (replicas are identical: rank 0's copy) and, in a run
+        with a drafter, the drafter's latest version in its `drafter/` folder: the deployable byproduct."""
+        snapshot = self._drafter_snapshot()
+        also = None if snapshot is None else (
+            lambda staging: save_final_drafter(staging / FINAL_DRAFTER_DIR, self.drafter, snapshot))
+        return str(save_final_model(self.replica.model, self.replica.tokenizer, directory, also=also))
+
+    def _drafter_snapshot(self) -> DrafterSnapshot | None:
+        if self.drafter is None:
+            return None
+        version, weights = self.hub.latest()
+        return None if weights is None else DrafterSnapshot(version, weights, self.hub.trainer_state())
 
     def resume(self, checkpoint: str) -> int:
         """Restore this replica from the checkpoint; returns its step."""

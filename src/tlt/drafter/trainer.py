@@ -145,15 +145,8 @@ class DrafterTrainer:
 
     def save(self, directory: str | Path) -> None:
         """Drafter weights + config (its own layers only) and the optimizer state, all safetensors/JSON."""
-        from safetensors.torch import save_file
-        import json
-
-        directory = Path(directory)
         self.drafter.save(directory)
-        tensors, meta = flatten_optimizer(self.optimizer.state_dict())
-        write_whole(directory / OPTIMIZER_FILE, lambda path: save_file(tensors, str(path)))
-        text = json.dumps({"steps": self.steps, "optimizer": meta})
-        write_whole(directory / TRAINER_FILE, lambda path: path.write_text(text))
+        save_trainer_state(directory, {"optimizer": self.optimizer.state_dict(), "steps": self.steps})
 
     @staticmethod
     def has_saved_state(directory: str | Path) -> bool:
@@ -186,6 +179,20 @@ class DrafterTrainer:
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, a safetensors file cut short
             raise DrafterError(f"{directory}: cannot read the drafter's optimizer state ({OPTIMIZER_FILE}, "
                                f"{TRAINER_FILE}): {type(error).__name__}: {first_line(error)}") from None
+
+
+def save_trainer_state(directory: str | Path, state: dict) -> None:
+    """A trainer's {"optimizer": state dict, "steps": optimizer steps} as `DrafterTrainer.save` writes it: a
+    drafter directory with it seeds the next run's spot training (or `tlt drafter warmup --init`) where it stopped."""
+    import json
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    tensors, meta = flatten_optimizer(state["optimizer"])
+    write_whole(directory / OPTIMIZER_FILE, lambda path: save_file(tensors, str(path)))
+    text = json.dumps({"steps": state["steps"], "optimizer": meta})
+    write_whole(directory / TRAINER_FILE, lambda path: path.write_text(text))
 
 
 def _row_chunks(batch: PackedPairs, size: int):

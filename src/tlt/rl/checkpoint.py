@@ -67,14 +67,17 @@ def _staged(target: Path, prefix: str):
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def save_final_model(model, tokenizer, directory: Path) -> Path:
+def save_final_model(model, tokenizer, directory: Path, *, also=None) -> Path:
     """The trained policy as a Hugging Face model directory (config, safetensors weights, tokenizer) that
-    `AutoModelForCausalLM.from_pretrained` loads; written to a staging directory and renamed into place."""
+    `AutoModelForCausalLM.from_pretrained` loads; written to a staging directory and renamed into place.
+    `also(staging)` writes more into it first (the run's drafter), so the final directory is whole or absent."""
     directory = Path(directory)
     with _staged(directory, ".final-") as staging:
         model.save_pretrained(str(staging), safe_serialization=True)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(staging))
+        if also is not None:
+            also(staging)
     return directory
 
 

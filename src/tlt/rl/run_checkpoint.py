@@ -15,11 +15,14 @@ from pathlib import Path
 import torch
 
 from tlt.drafter.trainer import OPTIMIZER_FILE as DRAFTER_OPTIMIZER_FILE
+from tlt.drafter.trainer import save_trainer_state
+from tlt.models.eagle import EagleDrafter
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 from tlt.rl.checkpoint import load_checkpoint, read_state, read_tensors, save_checkpoint
 from tlt.rl.replica import PolicyReplica
 
 DRAFTER_FILE = "drafter.safetensors"
+FINAL_DRAFTER_DIR = "drafter"  # RUN_DIR/final/drafter: the run's last drafter, beside the final policy
 
 
 @dataclass
@@ -69,3 +72,17 @@ def read_drafter(checkpoint: Path) -> DrafterSnapshot | None:
         optimizer = unflatten_optimizer(read_tensors(path / DRAFTER_OPTIMIZER_FILE), meta["trainer"]["optimizer"])
         trainer = {"optimizer": optimizer, "steps": meta["trainer"]["steps"]}
     return DrafterSnapshot(meta["version"], read_tensors(path / DRAFTER_FILE), trainer)
+
+
+def save_final_drafter(directory: Path, like: EagleDrafter, snapshot: DrafterSnapshot) -> Path:
+    """The run's latest drafter as a tlt drafter directory (config, weights and, once spot training has run,
+    its trainer state): `tlt drafter export` makes it an EAGLE draft model for vLLM / SGLang, and
+    `run.drafter=` starts the next run's spot training where this one stopped. `like`: a drafter of the same
+    shape (its config and draft vocabulary)."""
+    draft_vocab = None if like.draft_to_target is None else like.draft_to_target.cpu()
+    drafter = EagleDrafter(like.config, draft_vocab)  # unattached, on the CPU: only its own layers are written
+    drafter.load_state_dict(snapshot.weights)
+    drafter.save(directory)
+    if snapshot.trainer_state is not None:
+        save_trainer_state(directory, snapshot.trainer_state)
+    return Path(directory)
