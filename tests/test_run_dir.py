@@ -12,7 +12,7 @@ from test_trainer import make_trainer
 from tlt.cli import main
 from tlt.rl.checkpoint import latest_checkpoint
 from tlt.distributed.run import train
-from tlt.rl.run_dir import RunDirError
+from tlt.rl.run_dir import RunDirError, prepare_run_dir
 
 
 def run(tmp_path, steps=2, resume=False, overwrite=False, **overrides):
@@ -38,7 +38,59 @@ def test_overwrite_starts_over(tmp_path):
     run(tmp_path, steps=1, overwrite=True, **{"optim.lr": 0.02})
     assert metric_steps(tmp_path) == [1]
     assert [p.name for p in tmp_path.glob("step-*")] == ["step-000001"]
+    assert not (tmp_path / ".replaced").exists()  # the old run went once the new one had a checkpoint
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def snapshot(run_dir):
+    """Every file under the run directory (the lock aside) with its bytes."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != ".tlt-lock"}
+
+
+def test_overwrite_that_fails_before_its_first_checkpoint_puts_the_old_run_back(tmp_path, monkeypatch):
+    """--overwrite deleted the old run before the new one had trained a step: a crash in its first step lost
+    both (found by review)."""
+    run(tmp_path, steps=2)
+    before = snapshot(tmp_path)
+    trainer = make_trainer(tmp_path, **{"run.steps": 3, "optim.lr": 0.02, "run.checkpoint_every": 0})
+    logged = trainer.train_step
+
+    def crash_in_second_step():
+        if trainer.step == 1:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return logged()
+
+    monkeypatch.setattr(trainer, "train_step", crash_in_second_step)
+    with pytest.raises(RuntimeError, match="illegal memory"):
+        train(trainer.config, overwrite=True, trainer=trainer)  # only the end would have saved
+    assert snapshot(tmp_path) == before and not (tmp_path / ".replaced").exists()
+
+
+def test_overwrite_killed_before_its_first_checkpoint_is_undone_by_the_next_start(tmp_path):
+    """A SIGKILL leaves the old run in RUN/.replaced: the next tlt train puts it back, then decides as usual."""
+    run(tmp_path, steps=2)
+    before = snapshot(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["optim"]["lr"] = 0.02
+    assert prepare_run_dir(tmp_path, config, resume=False, overwrite=True) is None
+    assert latest_checkpoint(tmp_path) is None and (tmp_path / ".replaced").is_dir()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # the new run's first step, then the kill
+    with pytest.raises(RunDirError, match="already holds a run"):
+        prepare_run_dir(tmp_path, config, resume=False, overwrite=False)
+    assert snapshot(tmp_path) == before
+    assert prepare_run_dir(tmp_path, json.loads((tmp_path / "config.json").read_text()), resume=True,
+                           overwrite=False) == tmp_path / "step-000002"
+
+
+def test_overwrite_killed_after_its_first_checkpoint_drops_the_old_run_at_the_next_start(tmp_path):
+    run(tmp_path, steps=2)
+    trainer = make_trainer(tmp_path, **{"run.steps": 1, "optim.lr": 0.02})
+    prepare_run_dir(tmp_path, trainer.config.to_dict(), resume=False, overwrite=True)
+    trainer.train_step()
+    trainer.save(tmp_path)  # then killed before discarding the old run
+    assert prepare_run_dir(tmp_path, trainer.config.to_dict(), resume=True, overwrite=False) == tmp_path / "step-000001"
+    assert not (tmp_path / ".replaced").exists()
 
 
 def test_a_users_step_named_directories_are_not_checkpoints(tmp_path):

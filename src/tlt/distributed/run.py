@@ -17,7 +17,7 @@ from tlt.rl.checkpoint import latest_checkpoint, prune_checkpoints
 from tlt.rl.config import TrainConfig, validate
 from tlt.rl.preflight import preflight
 from tlt.rl.run_checkpoint import FINAL_DRAFTER_DIR
-from tlt.rl.run_dir import hold_run_dir, prepare_run_dir
+from tlt.rl.run_dir import discard_replaced, hold_run_dir, prepare_run_dir, restore_replaced
 
 METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  len p50/p90/max "
                 "{response_len_p50:.0f}/{response_len_p90:.0f}/{response_len_max}  rollout {rollout_s:.1f}s  "
@@ -43,20 +43,27 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     run_dir = Path(config.run.out_dir)
     with hold_run_dir(run_dir):  # another `tlt train` on this directory is refused until this one ends
         checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite)
-        with console.status(f"loading the policy ({placement.describe() if owned else 'given trainer'})"):
-            trainer = trainer or DistributedGRPO(placed, placement=placement)  # config.json keeps the config as given (e.g. workers=auto)
-            trainer.progress = console.is_terminal
         try:
-            history = _loop(config, trainer, run_dir, checkpoint, console)
-            final = trainer.save_final(run_dir / "final")
-        except KeyboardInterrupt:
-            saved = latest_checkpoint(run_dir)
-            console.print(f"interrupted after {trainer.step} completed step(s): " + (
-                f"`tlt train ... --resume` continues from {saved.name}" if saved else "no checkpoint was saved"))
+            with console.status(f"loading the policy ({placement.describe() if owned else 'given trainer'})"):
+                trainer = trainer or DistributedGRPO(placed, placement=placement)  # config.json keeps the config as given (e.g. workers=auto)
+                trainer.progress = console.is_terminal
+            try:
+                history = _loop(config, trainer, run_dir, checkpoint, console)
+                final = trainer.save_final(run_dir / "final")
+            except KeyboardInterrupt:
+                saved = latest_checkpoint(run_dir)
+                console.print(f"interrupted after {trainer.step} completed step(s): " + (
+                    f"`tlt train ... --resume` continues from {saved.name}" if saved else "no checkpoint was saved"))
+                raise
+            finally:
+                if owned:
+                    trainer.close()
+        except BaseException:
+            if restore_replaced(run_dir):
+                console.print(f"note: the run ended before its first checkpoint: the run it was replacing "
+                              f"(--overwrite) is back in {run_dir}")
             raise
-        finally:
-            if owned:
-                trainer.close()
+        discard_replaced(run_dir)  # a run of zero steps saves no checkpoint, only its final policy
     console.print(f"run saved in {run_dir} (final policy: {final}); see it with: tlt report {run_dir}")
     drafter = Path(final) / FINAL_DRAFTER_DIR
     if drafter.is_dir():
@@ -107,6 +114,7 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         every = config.run.checkpoint_every
         if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
             trainer.save(run_dir)
+            discard_replaced(run_dir)  # the new run can be resumed now: the one --overwrite replaced goes
             prune_checkpoints(run_dir, config.run.keep_checkpoints)
     return history
 

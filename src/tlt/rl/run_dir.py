@@ -1,7 +1,8 @@
 """A run directory: what `tlt train` writes there, and the rules that keep one run from clobbering another.
 
 A fresh run refuses a directory that already holds a run (its history would be lost, and a later `--resume`
-would continue the other run's checkpoint under the new config) unless told `--resume` or `--overwrite`.
+would continue the other run's checkpoint under the new config) unless told `--resume` or `--overwrite` (which keeps the old run aside until the new one has a checkpoint, and
+puts it back if the new run ends or is killed before that).
 `--resume` refuses a config that changes what the run means (model, task, sampling, loss, optimizer and lr
 schedule, seed); operational settings (steps, workers, backend, checkpointing, loggers, speculation: lossless)
 may change, except that run.steps is also the length of a cosine schedule whose optim.decay_steps is 0.
@@ -20,9 +21,12 @@ from tlt.errors import TltError
 from tlt.rl.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs, latest_checkpoint, read_state
 from tlt.rl.config import PATH_KEYS, TrainConfig
 
-# Everything tlt writes into a run directory; --overwrite deletes exactly these, nothing else.
+# Everything tlt writes into a run directory; --overwrite replaces exactly these, nothing else.
 RUN_FILES = ("metrics.jsonl", "config.json", "wandb_id")
 RUN_DIRS = ("timeline", "tensorboard", "wandb", "report", "final")
+# --overwrite moves the old run here and deletes it only once the new run has a checkpoint: a new run that
+# fails (or is killed) before that has lost nothing, the old run is put back.
+REPLACED_DIR = ".replaced"
 LOCK_FILE = ".tlt-lock"  # held by the run writing here (hold_run_dir); not part of the run, never deleted
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
@@ -41,6 +45,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite contradict each other: choose one")
     _make(run_dir)
+    _recover_replaced(run_dir)
     _refuse_foreign_config(run_dir)
     if resume:
         checkpoint = latest_checkpoint(run_dir)
@@ -56,7 +61,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
             raise RunDirError(f"{run_dir} already holds a run ({describe(run_dir)}): {hint}start over with "
                               f"--overwrite (deletes that run), or set another run.out_dir")
         _refuse_inputs_inside(run_dir, config_dict)
-        clear_run(run_dir)
+        set_aside(run_dir)
     _drop_staging(run_dir)
     return None
 
@@ -154,15 +159,46 @@ def _refuse_inputs_inside(run_dir: Path, config_dict: dict) -> None:
                               f"out first, or set another run.out_dir")
 
 
-def clear_run(run_dir: Path) -> None:
-    """Delete what tlt wrote (checkpoints, metrics, timeline, TensorBoard, wandb, report, final; staging copies
-    go in _drop_staging)."""
-    for path in checkpoint_dirs(run_dir):
-        shutil.rmtree(path)
-    for name in RUN_DIRS:
-        shutil.rmtree(run_dir / name, ignore_errors=True)
-    for name in RUN_FILES:
-        (run_dir / name).unlink(missing_ok=True)
+def run_entries(run_dir: Path) -> list[Path]:
+    """What tlt wrote in the run directory (checkpoints, metrics, timeline, TensorBoard, wandb, report, final);
+    staging copies are _drop_staging's."""
+    named = [run_dir / name for name in RUN_DIRS + RUN_FILES]
+    return checkpoint_dirs(run_dir) + [path for path in named if path.exists()]
+
+
+def set_aside(run_dir: Path) -> None:
+    """--overwrite: move the old run into RUN_DIR/.replaced (renames, no copy) until discard_replaced."""
+    aside = run_dir / REPLACED_DIR
+    aside.mkdir()
+    for path in run_entries(run_dir):
+        os.replace(path, aside / path.name)
+
+
+def discard_replaced(run_dir: Path) -> None:
+    """The new run has a checkpoint of its own: the run it replaced goes for good."""
+    shutil.rmtree(Path(run_dir) / REPLACED_DIR, ignore_errors=True)
+
+
+def restore_replaced(run_dir: Path) -> bool:
+    """The new run ended before its first checkpoint (nothing of it can be resumed): delete what it wrote and
+    put the run it replaced back. Returns whether there was one."""
+    aside = Path(run_dir) / REPLACED_DIR
+    if not aside.is_dir():
+        return False
+    for path in run_entries(Path(run_dir)):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in aside.iterdir():
+        os.replace(path, Path(run_dir) / path.name)
+    aside.rmdir()
+    return True
+
+
+def _recover_replaced(run_dir: Path) -> None:
+    """A run started with --overwrite was killed: it kept the old run aside until its first checkpoint."""
+    if latest_checkpoint(run_dir) is None:
+        restore_replaced(run_dir)
+    else:
+        discard_replaced(run_dir)
 
 
 def _make(run_dir: Path) -> None:
