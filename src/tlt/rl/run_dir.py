@@ -4,8 +4,8 @@ A fresh run refuses a directory that already holds a run (its history would be l
 would continue the other run's checkpoint under the new config) unless told `--resume` or `--overwrite` (which keeps the old run aside until the new one has a checkpoint, and
 puts it back if the new run ends or is killed before that).
 `--resume` refuses a config that changes what the run means (model, task, sampling, loss, optimizer and lr
-schedule, seed); operational settings (steps, workers, backend, checkpointing, loggers, speculation: lossless)
-may change, except that run.steps is also the length of a cosine schedule whose optim.decay_steps is 0.
+schedule, seed; paths compare as the files they name); operational settings (steps, workers, backend,
+checkpointing, loggers, speculation: lossless; the device and batch sizes) may change, except that run.steps is also the length of a cosine schedule whose optim.decay_steps is 0.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from tlt.errors import TltError
+from tlt.models.loading import is_default_source
 from tlt.rl.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs, latest_checkpoint, read_state
 from tlt.rl.config import PATH_KEYS, TrainConfig
 
@@ -32,7 +33,10 @@ MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
 # In a meaning section, but only how the run is measured, or how fast (or in how much memory) it computes the same
 # thing (rollout.compile: fused kernels may round differently in bf16; every sample is still the policy's own).
-OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs", "rollout.compile", "optim.grad_checkpointing")
+# The device, and how many rows decode or backpropagate at once, change memory and speed, not what is sampled or
+# the gradient (up to float summation order).
+OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs", "rollout.compile", "optim.grad_checkpointing",
+                    "model.device", "rollout.max_batch_size", "optim.micro_batch_size")
 
 
 class RunDirError(TltError):
@@ -231,16 +235,19 @@ def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
     keys += [("run", key) for key in MEANING_RUN_KEYS]
     before = functools.partial(_saved_value, saved)
     now = functools.partial(_saved_value, config_dict)
-    changed = [f"{section}.{key}" for section, key in keys if f"{section}.{key}" not in OPERATIONAL_KEYS
-               and _meaning(before, section, key) != _meaning(now, section, key)]
+    changed = {f"{section}.{key}": (_meaning(before, section, key), _meaning(now, section, key))
+               for section, key in keys if f"{section}.{key}" not in OPERATIONAL_KEYS}
+    changed = {name: values for name, values in changed.items() if values[0] != values[1]}
     if changed:
         hint = ""
-        if "optim.decay_steps" in changed and _meaning(before, "optim", "decay_steps"):
-            hint = (f"; its cosine schedule decays over {_meaning(before, 'optim', 'decay_steps')} steps: set "
+        if "optim.decay_steps" in changed and changed["optim.decay_steps"][0]:
+            hint = (f"; its cosine schedule decays over {changed['optim.decay_steps'][0]} steps: set "
                     f"optim.decay_steps to that to train longer on the same schedule")
+        shown = "; ".join(f"{name}: {json.dumps(old)} in the run, {json.dumps(new)} now"
+                          for name, (old, new) in changed.items())
         raise RunDirError(f"--resume would continue the run in {run_dir} under a different config "
-                          f"({', '.join(changed)} changed{hint}): keep those values, or start a new run with "
-                          f"--overwrite or another run.out_dir")
+                          f"({shown}{hint}): keep those values, or start a new run with --overwrite or another "
+                          f"run.out_dir")
 
 
 def _saved_value(saved: dict, section: str, key: str):
@@ -258,7 +265,17 @@ def _meaning(value_of, section: str, key: str):
         if value_of("optim", "schedule") != "cosine":
             return 0
         return value_of("optim", "decay_steps") or value_of("run", "steps")
+    if (section, key) in PATH_KEYS:
+        return _same_path(value_of(section, key), section)
     return _norm(value_of(section, key))
+
+
+def _same_path(value, section: str):
+    """A path as the file it names: `./data/x.jsonl`, `data/x.jsonl` and its absolute form are one file, and
+    model.path's default aliases (unset, `smollm2`) are one model."""
+    if section == "model" and is_default_source(value):
+        return None
+    return value if value is None else os.path.abspath(os.path.expanduser(value))
 
 
 def _norm(value):
