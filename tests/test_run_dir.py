@@ -130,6 +130,21 @@ def test_resume_refuses_nothing_to_resume_and_a_changed_run(tmp_path):
     assert len(history) == 1 and metric_steps(tmp_path) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("inside", ["step-000001", "final", "notes/more"])
+def test_a_run_inside_another_runs_directory_is_refused(tmp_path, inside):
+    """`run.out_dir=RUN/step-000001` wrote a run into a checkpoint that pruning then deleted (found by review)."""
+    from tlt.rl.config import TrainConfig
+
+    config = TrainConfig().to_dict()
+    fake_run(tmp_path, config)
+    (tmp_path / "final").mkdir()
+    with pytest.raises(RunDirError, match=f"lies inside the run in {tmp_path}"):
+        prepare_run_dir(tmp_path / inside, config, resume=False, overwrite=False)
+    assert not (tmp_path / "notes").exists()  # refused before anything is made
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # a model directory, not a run: allowed
+    assert prepare_run_dir(tmp_path / inside, config, resume=False, overwrite=False) is None
+
+
 def test_resume_accepts_a_new_device_batch_size_and_path_spelling_and_names_what_changed(tmp_path, monkeypatch):
     """--resume refused model.device, rollout.max_batch_size, optim.micro_batch_size (memory and speed, not
     meaning) and `./data.jsonl` for `data.jsonl`; its error named the keys without their values (found by review)."""

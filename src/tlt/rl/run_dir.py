@@ -48,6 +48,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
     run_dir = Path(run_dir)
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite contradict each other: choose one")
+    _refuse_nested(run_dir)
     _make(run_dir)
     _recover_replaced(run_dir)
     _refuse_foreign_config(run_dir)
@@ -108,6 +109,20 @@ def hold_run_dir(run_dir: Path):
         yield
     finally:
         handle.close()  # releases the lock
+
+
+def _refuse_nested(run_dir: Path) -> None:
+    """A run inside another run's directory (`run.out_dir=runs/a/step-000004`, or `runs/a/final`) is pruned,
+    replaced or overwritten with that run's own files."""
+    for parent in Path(run_dir).resolve().parents:
+        if (parent / "config.json").is_file() and holds_run(parent):
+            try:
+                is_run = _is_tlt_config(json.loads((parent / "config.json").read_text()))
+            except (OSError, ValueError):
+                is_run = False
+            if is_run:
+                raise RunDirError(f"run.out_dir={run_dir} lies inside the run in {parent}, whose checkpoints, "
+                                  f"--overwrite and final policy would take it with them: set another run.out_dir")
 
 
 def _refuse_foreign_config(run_dir: Path) -> None:
