@@ -331,6 +331,18 @@ def test_a_run_with_a_drafter_leaves_it_beside_the_final_policy_ready_to_export_
     assert f"its drafter: {drafter_dir}" in capsys.readouterr().out
 
 
+def test_workers_without_a_drafter_print_their_idle_share_not_drafter_vnone(tmp_path, capsys):
+    from test_distributed import make_controller
+
+    controller = make_controller(tmp_path, **{"run.steps": 1, "run.speculative": "off", "rollout.max_new_tokens": 8})
+    try:
+        train(controller.config, trainer=controller)
+    finally:
+        controller.close()
+    out = capsys.readouterr().out
+    assert "(no drafter: run.speculative=off)" in out and "vNone" not in out and "spot-train" not in out
+
+
 def test_a_run_without_a_drafter_writes_none(tmp_path):
     run(tmp_path, steps=1)
     assert (tmp_path / "final").is_dir() and not (tmp_path / "final" / "drafter").exists()

@@ -25,6 +25,7 @@ METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  l
 EVAL_LINE = "      held-out acc {eval_accuracy:.3f}  reward {eval_reward_mean:.3f}  (greedy, {eval_s:.1f}s)"
 WORKERS_LINE = ("      idle {idle_fraction:.0%}  spot-train {spot_train_share:.0%}  tail-train {tail_train_share:.0%} "
                 "({spot_train_steps} steps)  drafter v{v}")
+IDLE_LINE = "      idle {idle_fraction:.0%}  (no drafter: run.speculative=off)"
 
 
 def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False, console: Console | None = None,
@@ -110,7 +111,9 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
             console.print(EVAL_LINE.format(**metrics))
         if getattr(trainer, "last_timeline", None) is not None:
             save_timeline(run_dir, trainer.last_timeline)
-            console.print(WORKERS_LINE.format(v=metrics.get("drafter_version"), **metrics))
+            version = metrics.get("drafter_version")
+            console.print(WORKERS_LINE.format(v=version, **metrics) if version is not None
+                          else IDLE_LINE.format(**metrics))
         every = config.run.checkpoint_every
         if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
             trainer.save(run_dir)
