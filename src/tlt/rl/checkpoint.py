@@ -72,13 +72,27 @@ def save_final_model(model, tokenizer, directory: Path, *, also=None) -> Path:
     `AutoModelForCausalLM.from_pretrained` loads; written to a staging directory and renamed into place.
     `also(staging)` writes more into it first (the run's drafter), so the final directory is whole or absent."""
     directory = Path(directory)
-    with _staged(directory, ".final-") as staging:
+    with _staged(directory, ".final-") as staging, _no_progress_bars():
         model.save_pretrained(str(staging), safe_serialization=True)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(staging))
         if also is not None:
             also(staging)
     return directory
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers draws a 'Writing model shards' bar for a one-shard save: noise between a run's step lines."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
