@@ -110,7 +110,7 @@ def test_wandb_gets_the_scalars_per_step_and_a_resumed_run_keeps_its_id(tmp_path
     assert calls["log"] == [(1, {"reward_mean": 0.25, "lr": 1e-5}), (2, {"reward_mean": 0.5, "lr": 2e-5})]
     assert calls["finish"] == 1
     assert not (tmp_path / "my-run" / "tensorboard").exists()
-    open_metrics_logger(tmp_path / "my-run", config, resuming=True).close()
+    open_metrics_logger(tmp_path / "my-run", config, resumed_at=3).close()
     open_metrics_logger(tmp_path / "my-run", config).close()  # a new run there (after --overwrite)
     ids = [call["id"] for call in calls["init"]]
     assert ids[1] == ids[0] != ids[2]

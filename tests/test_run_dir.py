@@ -3,6 +3,7 @@ final policy as a Hugging Face model directory."""
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -161,6 +162,24 @@ def test_resume_accepts_a_new_device_batch_size_and_path_spelling_and_names_what
     with pytest.raises(RunDirError, match=rf'task\.path: "{tmp_path}/data\.jsonl" in the run, "{tmp_path}/other\.jsonl" '
                                           r"now; rollout\.temperature: 1\.0 in the run, 0\.7 now\)"):
         prepare_run_dir(tmp_path / "run", other, resume=True, overwrite=False)
+
+
+def test_resume_hides_what_the_crashed_run_logged_past_its_checkpoint(tmp_path):
+    """TensorBoard kept a crashed run's steps past the checkpoint beside the resumed run's (two points per step),
+    and timeline pictures of steps the resumed run never reached again stayed (found by review)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(tmp_path, steps=3, **{"run.checkpoint_every": 2, "run.keep_checkpoints": 0, "run.tensorboard": True})
+    shutil.rmtree(tmp_path / "step-000003")  # as if killed before step 3's checkpoint
+    (tmp_path / "timeline").mkdir()
+    for step in (2, 3):
+        (tmp_path / "timeline" / f"step_{step:04d}.json").write_text("{}")
+    _, history = run(tmp_path, steps=3, resume=True, **{"run.tensorboard": True})
+    assert len(history) == 1 and metric_steps(tmp_path) == [1, 2, 3]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("reward_mean")] == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "timeline").iterdir()) == ["step_0002.json"]
 
 
 @pytest.mark.parametrize("keep,expected", [(2, ["step-000003", "step-000004"]), (0, [f"step-00000{i}" for i in

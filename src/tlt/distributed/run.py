@@ -12,8 +12,8 @@ from tlt.distributed.controller import DistributedGRPO
 from tlt.distributed.placement import resolve
 from tlt.files import write_whole
 from tlt.metrics.logger import open_metrics_logger
-from tlt.metrics.timeline import save_timeline
-from tlt.rl.checkpoint import latest_checkpoint, prune_checkpoints
+from tlt.metrics.timeline import drop_timelines_after, save_timeline
+from tlt.rl.checkpoint import checkpoint_step, latest_checkpoint, prune_checkpoints
 from tlt.rl.config import TrainConfig, validate
 from tlt.rl.preflight import preflight
 from tlt.rl.run_checkpoint import FINAL_DRAFTER_DIR
@@ -74,7 +74,7 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
 
 
 def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
-    logger = open_metrics_logger(run_dir, config, resuming=checkpoint is not None)
+    logger = open_metrics_logger(run_dir, config, resumed_at=None if checkpoint is None else checkpoint_step(checkpoint))
     try:
         return _steps(config, trainer, run_dir, checkpoint, console, logger)
     finally:
@@ -85,6 +85,7 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
     if checkpoint is not None:
         trainer.resume(checkpoint)
         logger.truncate_after(trainer.step)
+        drop_timelines_after(run_dir, trainer.step)
         console.print(f"resumed from {checkpoint.name} (step {trainer.step})")
         if trainer.step >= config.run.steps:
             console.print(f"note: the run is at step {trainer.step} and run.steps={config.run.steps}: nothing to "

@@ -13,11 +13,13 @@ from tlt.metrics.wandb_logger import WandbLogger
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True, sinks=()):
-        """sinks: objects with log(step, scalars) and close(), given each step's finite numeric metrics."""
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, sinks=(), resumed_at: int | None = None):
+        """sinks: objects with log(step, scalars) and close(), given each step's finite numeric metrics.
+        resumed_at: the step a resumed run continues after; TensorBoard hides the events a crashed run wrote
+        past it (the resumed run writes those steps again: the curves would show both)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        writer = _tensorboard_writer(Path(run_dir) / "tensorboard") if tensorboard else None
+        writer = _tensorboard_writer(Path(run_dir) / "tensorboard", resumed_at) if tensorboard else None
         self.sinks = ([_TensorBoard(writer)] if writer is not None else []) + list(sinks)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -40,13 +42,14 @@ class MetricsLogger:
             sink.close()
 
 
-def open_metrics_logger(run_dir: Path, config, *, resuming: bool = False) -> MetricsLogger:
-    """The logger a `tlt train` run's config asks for (run.logger; run.tensorboard=false drops tensorboard)."""
+def open_metrics_logger(run_dir: Path, config, *, resumed_at: int | None = None) -> MetricsLogger:
+    """The logger a `tlt train` run's config asks for (run.logger; run.tensorboard=false drops tensorboard);
+    resumed_at: the checkpoint's step, when resuming."""
     names = logger_names(config.run)
     sinks = []
     if "wandb" in names:
-        sinks.append(WandbLogger.start(run_dir, config, resuming=resuming))
-    return MetricsLogger(run_dir, tensorboard="tensorboard" in names, sinks=sinks)
+        sinks.append(WandbLogger.start(run_dir, config, resuming=resumed_at is not None))
+    return MetricsLogger(run_dir, tensorboard="tensorboard" in names, sinks=sinks, resumed_at=resumed_at)
 
 
 def logger_names(run) -> set[str]:
@@ -100,9 +103,10 @@ class _TensorBoard:
         self.writer.close()
 
 
-def _tensorboard_writer(directory: Path):
+def _tensorboard_writer(directory: Path, resumed_at: int | None = None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is an optional extra
         return None
-    return SummaryWriter(str(directory))
+    # purge_step: TensorBoard drops the events of steps >= it that earlier event files hold
+    return SummaryWriter(str(directory), purge_step=None if resumed_at is None else resumed_at + 1)

@@ -95,6 +95,15 @@ def time_shares(timeline: dict) -> dict:
     return {kind: value / whole if whole > 0 else 0.0 for kind, value in totals.items()}
 
 
+def drop_timelines_after(run_dir: Path, step: int) -> None:
+    """A resumed run's steps past its checkpoint are run again: the crashed run's pictures of them go (a step the
+    resumed run does not reach again, e.g. with fewer run.steps, would otherwise show the other run's)."""
+    for path in sorted((Path(run_dir) / "timeline").glob("step_*.*")):
+        number = path.stem[len("step_"):]
+        if number.isdigit() and int(number) > step:
+            path.unlink()
+
+
 def save_timeline(run_dir: Path, timeline: dict, *, draw: bool = True) -> Path:
     """timeline/step_NNNN.json, plus the Gantt chart beside it when matplotlib is installed."""
     directory = Path(run_dir) / "timeline"

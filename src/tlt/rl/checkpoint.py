@@ -116,7 +116,12 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     `step-000003-good/` backup is neither resumed from, pruned nor cleared."""
     found = [p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*")
              if p.is_dir() and re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", p.name)]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The completed steps a checkpoint holds, from its name (step-NNNNNN)."""
+    return int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):])
 
 
 def _complete_checkpoints(run_dir: Path) -> list[Path]:

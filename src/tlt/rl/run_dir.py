@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tlt.errors import TltError
 from tlt.models.loading import is_default_source
-from tlt.rl.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs, latest_checkpoint, read_state
+from tlt.rl.checkpoint import checkpoint_dirs, checkpoint_step, latest_checkpoint, read_state
 from tlt.rl.config import PATH_KEYS, TrainConfig
 
 # Everything tlt writes into a run directory; --overwrite replaces exactly these, nothing else.
@@ -162,7 +162,7 @@ def describe(run_dir: Path) -> str:
     checkpoints = checkpoint_dirs(run_dir)
     if not checkpoints:
         return "metrics, no checkpoint"
-    return f"{len(checkpoints)} checkpoint(s), the last at step {int(checkpoints[-1].name[len(CHECKPOINT_PREFIX):])}"
+    return f"{len(checkpoints)} checkpoint(s), the last at step {checkpoint_step(checkpoints[-1])}"
 
 
 def _refuse_inputs_inside(run_dir: Path, config_dict: dict) -> None:
