@@ -62,3 +62,56 @@ def test_final_model_directory_loads_with_transformers(tmp_path, tied):
         assert torch.equal(loaded.state_dict()[name], tensor), name
     assert loaded.generation_config.max_new_tokens == 7
     assert AutoTokenizer.from_pretrained(final)("w5 w9 w40").input_ids == tokenizer("w5 w9 w40").input_ids
+
+
+def test_a_full_disk_is_one_error_naming_the_save_and_the_checkpoint_still_whole(tmp_path, monkeypatch):
+    """A full disk while saving gave a raw traceback (a safetensors I/O error) and left its staging copy filling
+    the disk further (found by review)."""
+    import errno
+
+    import tlt.rl.checkpoint as checkpoint
+
+    model = tiny_model()
+    save_checkpoint(tmp_path, 1, model, None)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    with pytest.raises(CheckpointError, match=r"cannot save the checkpoint of step 2 in .*: No space left on device "
+                                              r"\(the last complete checkpoint, step-000001, is intact"):
+        save_checkpoint(tmp_path, 2, model, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]  # no staging copy left
+    assert load_checkpoint(tmp_path / "step-000001", tiny_model(seed=1), None)["step"] == 1
+
+
+def test_a_failed_final_save_keeps_the_previous_final_policy(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    save_final_model(model, tokenizer, tmp_path / "final")
+    before = (tmp_path / "final" / "model.safetensors").read_bytes()
+
+    def rust_io_error(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: Disk quota exceeded (os error 122)")
+
+    monkeypatch.setattr(model, "save_pretrained", rust_io_error)
+    with pytest.raises(CheckpointError, match=r"cannot save the final policy in .*Disk quota exceeded .*no complete "
+                                              r"checkpoint was saved before it"):
+        save_final_model(model, tokenizer, tmp_path / "final")
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_checkpoints_and_the_final_policy_are_readable_as_the_umask_allows(tmp_path):
+    """Staged with mkdtemp, they were 0700: a serving container or a colleague could not read the policy."""
+    import os
+    import stat
+
+    umask = os.umask(0o022)
+    try:
+        final = save_final_model(tiny_model(), tiny_tokenizer(), tmp_path / "final")
+        saved = save_checkpoint(tmp_path, 1, tiny_model(), None)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(final.stat().st_mode) == stat.S_IMODE(saved.stat().st_mode) == 0o755

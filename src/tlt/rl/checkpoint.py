@@ -13,10 +13,11 @@ import os
 import random
 import re
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file, save_model
 
 from tlt.errors import TltError, first_line
@@ -37,7 +38,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | No
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / f"{CHECKPOINT_PREFIX}{step:06d}"
-    with _staged(target, ".ckpt-") as staging:
+    with _staged(target, ".ckpt-", f"the checkpoint of step {step}") as staging:
         save_model(model, str(staging / "policy.safetensors"))
         meta = None
         if optimizer is not None:  # None: a smaller checkpoint; resuming starts a fresh optimizer
@@ -54,17 +55,31 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, extra: dict | No
 
 
 @contextlib.contextmanager
-def _staged(target: Path, prefix: str):
+def _staged(target: Path, prefix: str, what: str):
     """A staging directory beside `target`, renamed onto it when the block succeeds (removed when it fails):
-    a run killed mid-save keeps its last complete copy."""
-    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    a run killed mid-save keeps its last complete copy. A write that fails (a full disk, a quota) is one
+    CheckpointError naming `what` was being saved and the checkpoint that is still whole."""
+    # mkdir, not mkdtemp: the directory becomes the checkpoint or final/, and mkdtemp's 0700 would hide the
+    # trained policy from everyone but its owner (a serving container, a colleague)
+    staging = target.parent / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
+        staging.mkdir()
         yield staging
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
+    except (OSError, SafetensorError) as error:
+        raise _save_error(what, target, error) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_error(what: str, target: Path, error: Exception) -> CheckpointError:
+    kept = latest_checkpoint(target.parent)
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
+    whole = (f"the last complete checkpoint, {kept.name}, is intact: `tlt train ... --resume` continues from it"
+             if kept is not None else "no complete checkpoint was saved before it")
+    return CheckpointError(f"cannot save {what} in {target.parent}: {reason} ({whole})")
 
 
 def save_final_model(model, tokenizer, directory: Path, *, also=None) -> Path:
@@ -72,7 +87,7 @@ def save_final_model(model, tokenizer, directory: Path, *, also=None) -> Path:
     `AutoModelForCausalLM.from_pretrained` loads; written to a staging directory and renamed into place.
     `also(staging)` writes more into it first (the run's drafter), so the final directory is whole or absent."""
     directory = Path(directory)
-    with _staged(directory, ".final-") as staging, _no_progress_bars():
+    with _staged(directory, ".final-", "the final policy") as staging, _no_progress_bars():
         model.save_pretrained(str(staging), safe_serialization=True)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(staging))
