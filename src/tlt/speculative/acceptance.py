@@ -32,39 +32,52 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
     """logprobs [B, N + 1, V]: processed target log-probs at each tree node; greedy [B] bool;
     uniforms [B, 2 * (max_depth + 1)] in [0, 1) from each row's own generator, on logprobs' device.
 
-    sync_free: never read a device value on the host (a CUDA graph): all S + 1 depths are walked and the
-    residual is sampled for every row; otherwise the walk stops when no row is active (same result).
+    The walk down the tree reads only each node's children ([B, K] tables made once for all nodes), and the one
+    final token is drawn after it, at the node each row stopped at, from uniforms[:, 2 * depth + 1]: a draw from
+    p without the children is [B, V] work, which a walk drawing at every depth (as a CUDA graph must, not knowing
+    where rows stop) paid S + 1 times.
+    sync_free: never read a device value on the host (a CUDA graph): all S + 1 depths are walked; otherwise
+    the walk stops when no row is active (same result).
     accept_rule(u, cumulative, child_probs) -> bool [B, K] can replace the exact rule (tests use it to show
     that a biased rule is detected)."""
-    batch = logprobs.shape[0]
-    device = logprobs.device
-    walk = TreeWalk(batch, tree.max_depth, device)
+    children = tree.children                                                      # [B, N + 1, K]
+    child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
+    child_logprobs = logprobs.gather(2, child_tokens)                               # [B, N + 1, K]
+    argmax = logprobs.argmax(-1)                                                    # [B, N + 1]
+    walk = TreeWalk(logprobs.shape[0], tree.max_depth, logprobs.device)
     for step in range(tree.max_depth + 1):
-        node_logprobs = logprobs[walk.rows, walk.current]                          # [B, V]
-        children = tree.children[walk.rows, walk.current]                         # [B, K]
-        valid = children >= 0
-        child_tokens = tree.tokens.gather(1, children.clamp(min=0))
-        child_probs = node_logprobs.gather(1, child_tokens).exp() * valid
+        at = (walk.rows, walk.current)
+        node_children, tokens, node_argmax = children[at], child_tokens[at], argmax[at]
+        valid = node_children >= 0
+        child_probs = child_logprobs[at].exp() * valid
         u = 1.0 - uniforms[:, 2 * step]                                         # (0, 1]: u <= 0 never holds
         cumulative = child_probs.cumsum(-1)
         if accept_rule is None:
             hit = (u[:, None] <= cumulative) & valid
         else:
             hit = accept_rule(u, cumulative, child_probs) & valid
-        argmax = node_logprobs.argmax(-1)
-        greedy_hit = (child_tokens == argmax[:, None]) & valid
+        greedy_hit = (tokens == node_argmax[:, None]) & valid
         hit = torch.where(greedy[:, None], greedy_hit, hit)
         found = hit.any(-1) & walk.active
-        choice = hit.float().argmax(-1)                                           # first hit
-        next_node = children.gather(1, choice[:, None])[:, 0]
-        emitted = child_tokens.gather(1, choice[:, None])[:, 0]                    # accepted rows: the child
-        stop = walk.active & ~found               # rejected (or childless) rows: emit from p without the children
-        if sync_free or bool(stop.any()):
-            final = residual_sample(node_logprobs, child_tokens, valid, uniforms[:, 2 * step + 1], greedy, argmax)
-            emitted = torch.where(stop, final, emitted)
-        walk.record(step, found, next_node, emitted, node_logprobs)
+        choice = hit.float().argmax(-1)[:, None]                                  # first hit
+        # a row that stops here records its chosen child too: `finish` puts the final token over it
+        walk.record(step, found, node_children.gather(1, choice)[:, 0], tokens.gather(1, choice)[:, 0],
+                    child_logprobs[at].gather(1, choice)[:, 0])
         if walk.finished(sync_free):
             break
+    return _finish(walk, tree, logprobs, child_tokens, argmax, greedy, uniforms)
+
+
+def _finish(walk: "TreeWalk", tree: DraftTree, logprobs, child_tokens, argmax, greedy, uniforms) -> Acceptance:
+    """Each row's final token, at the node it stopped at (its depth: its accepted count): a sample of p without
+    that node's children, or p's argmax for a greedy row."""
+    at = (walk.rows, walk.current)
+    stop = walk.accepted[:, None]
+    node_logprobs = logprobs[at]                                                    # [B, V]
+    final = residual_sample(node_logprobs, child_tokens[at], tree.children[at] >= 0,
+                            uniforms.gather(1, 2 * stop + 1)[:, 0], greedy, argmax[at])
+    walk.tokens.scatter_(1, stop, final[:, None])
+    walk.logprobs.scatter_(1, stop, node_logprobs.gather(1, final[:, None]).to(walk.logprobs.dtype))
     return walk.result()
 
 
@@ -82,11 +95,12 @@ class TreeWalk:
         self.logprobs = torch.zeros(batch, max_depth + 2, device=device)
         self.accepted = torch.zeros(batch, dtype=torch.long, device=device)
 
-    def record(self, step: int, found, next_node, emitted, node_logprobs) -> None:
-        """Active rows emitted `emitted` at this depth; rows that `found` an accepted child move to `next_node`,
-        the others stop. No host reads, no boolean-mask indexing."""
+    def record(self, step: int, found, next_node, emitted, emitted_logprobs) -> None:
+        """Active rows emitted `emitted` (log-prob under p at their node `emitted_logprobs`) at this depth; rows
+        that `found` an accepted child move to `next_node`, the others stop. No host reads, no boolean-mask
+        indexing."""
         self.tokens[:, step] = torch.where(self.active, emitted, self.tokens[:, step])
-        self.logprobs[:, step] = torch.where(self.active, node_logprobs.gather(1, emitted[:, None])[:, 0],
+        self.logprobs[:, step] = torch.where(self.active, emitted_logprobs.to(self.logprobs.dtype),
                                              self.logprobs[:, step])
         self.path[:, step + 1] = torch.where(found, next_node, self.path[:, step + 1])
         self.accepted += found.long()

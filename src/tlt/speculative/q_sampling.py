@@ -122,7 +122,7 @@ def accept_q(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistributions
             final = sample_from_logprobs(residual.log(), coins[:, k])
             final = torch.where(greedy, node_logprobs.argmax(-1), final)
             emitted = torch.where(stop, final, emitted)
-        walk.record(step, found, next_node, emitted, node_logprobs)
+        walk.record(step, found, next_node, emitted, node_logprobs.gather(1, emitted[:, None])[:, 0])
         if walk.finished(sync_free):
             break
     return walk.result()
