@@ -322,3 +322,30 @@ def test_request_values_that_were_coerced_or_failed_late(make, message):
     import numpy as np
 
     assert Request(torch.tensor([4, 5]), params=SamplingParams(top_k=np.int64(3))).prompt_ids == (4, 5)
+
+
+def test_an_over_long_dataset_prompt_is_refused_before_the_first_step(tmp_path, monkeypatch):
+    """The engine found it only when a step sampled it, hours into a run (found by review). Only prompts whose
+    byte count leaves them in doubt are tokenized."""
+    import json
+
+    from tlt.rl.config import load_config
+    from tlt.rl.replica import PolicyReplica
+    from tlt.tasks import ChatTask
+
+    model = model_dir(tmp_path, max_position_embeddings=128)
+    data = tmp_path / "data.jsonl"
+    # byte tokens and a template of "content\n": a prompt of L characters takes L + 1 tokens; 128 - 32 = 96 fit
+    questions = ["1 + 1?", "x" * 95, "y" * 96, "2 + 2?"]
+    data.write_text("".join(json.dumps({"question": q, "answer": "#### 2"}) + "\n" for q in questions))
+    settings = [f"model.path={model}", "task.name=jsonl", f"task.path={data}", "rollout.max_new_tokens=32",
+                "run.speculative=off", "rollout.prompts_per_step=2", "run.tensorboard=false"]
+    tokenized = []
+    prompt_ids = ChatTask.prompt_ids
+    monkeypatch.setattr(ChatTask, "prompt_ids", lambda task, e: tokenized.append(e.prompt) or prompt_ids(task, e))
+    with pytest.raises(RequestError, match=rf"{data}, line 3: prompt of 97 tokens \+ max_new_tokens 32 = 129 "
+                                           r"exceeds the model's context of 128"):
+        PolicyReplica.build(load_config(None, settings))
+    assert "1 + 1?" not in tokenized and "x" * 95 in tokenized  # short prompts need no tokenizing
+    data.write_text("".join(json.dumps({"question": q, "answer": "#### 2"}) + "\n" for q in questions[:2]))
+    PolicyReplica.build(load_config(None, settings))  # 95 characters + its newline + 32 = 128: fits exactly

@@ -35,6 +35,7 @@ from tlt.rollout.replay import length_matched, regroup
 from tlt.rollout.request import Request, RolloutResult
 from tlt.sampling import SamplingParams
 from tlt.tasks import DatasetTask
+from tlt.tasks.example import record_label
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +91,6 @@ def rollout(replica: PolicyReplica, examples: list, step: int, *, progress: bool
     if lengths is None:
         return engine.generate(requests, **hooks)
     return regroup(engine.generate(length_matched(requests, lengths), **hooks), requests)
-
-
-RECORD_UNITS = ("line", "row", "record")  # how dataset loaders number an example's record (TaskExample.meta)
-
-
-def record_label(example) -> str | None:
-    """Where an example comes from ("data/x.jsonl, line 6"), for the engine's errors about its request (the
-    engine would say "requests[0]", which tells a training user nothing); None for generated examples."""
-    meta = getattr(example, "meta", None) or {}
-    if "source" not in meta:
-        return None
-    return ", ".join([str(meta["source"]), *(f"{unit} {meta[unit]}" for unit in RECORD_UNITS if unit in meta)])
 
 
 def score(replica: PolicyReplica, examples: list, rollout: RolloutResult, step: int,
@@ -272,7 +261,8 @@ def evaluate(replica: PolicyReplica) -> dict:
     # τ estimates are for the rollout temperature) and its numerics would depend on the drafter version.
     speculation, engine.speculation = engine.speculation, None
     try:
-        result = engine.generate([Request(replica.task.prompt_ids(e), params=params) for e in examples])
+        result = engine.generate([Request(replica.task.prompt_ids(e), params=params, label=record_label(e))
+                                  for e in examples])
     finally:
         engine.speculation = speculation
     texts = [replica.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in result.samples]

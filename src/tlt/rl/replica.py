@@ -23,8 +23,15 @@ from tlt.rl.rewards import build_reward
 from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate, FixedSpeculation
+from tlt.rollout.request import Request, check_fits
+from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
-from tlt.tasks import build_task
+from tlt.tasks import DatasetTask, build_task
+from tlt.tasks.example import TaskExample, record_label
+
+# BPE merges across the chat template's edges could, in principle, cost a token or two more than the two parts
+# counted apart: a margin before trusting the byte bound
+TEMPLATE_SLACK = 8
 
 
 @dataclass(eq=False)
@@ -48,6 +55,8 @@ class PolicyReplica:
         loaded = loaded or load_model(config.model.path, device=config.model.device)
         model = loaded.model
         device = next(model.parameters()).device
+        task = task if task is not None else build_task(config.task, loaded.tokenizer)
+        check_dataset_prompts(task, loaded.spec, config.rollout.max_new_tokens)  # before the cost curve's minute
         engine = build_engine(loaded, config)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config)
@@ -56,8 +65,7 @@ class PolicyReplica:
         reference = _frozen_copy(model) if config.grpo.kl_coef > 0 else None
         return cls(config, loaded, device, engine, optimizer, scheduler,
                    autocast_dtype(config.optim.autocast, device), reference,
-                   task if task is not None else build_task(config.task, loaded.tokenizer),
-                   reward if reward is not None else build_reward(config.task))
+                   task, reward if reward is not None else build_reward(config.task))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -71,6 +79,23 @@ class PolicyReplica:
     def lr(self) -> float:
         """The learning rate the last update used (the schedule's value for its step)."""
         return self.optimizer.param_groups[0]["lr"]
+
+
+def check_dataset_prompts(task, spec, max_new_tokens: int) -> None:
+    """Every dataset prompt (held-out ones too) fits the context with the response budget: the engine checks a
+    request only when a step samples it, which may be hours into the run. A prompt takes at most one token per
+    UTF-8 byte (byte-level and byte-fallback vocabularies) beyond its chat template's own tokens, so only the
+    prompts long enough to be in doubt are tokenized: a million-prompt dataset costs a pass over its strings."""
+    source = getattr(task, "source", None)
+    if not isinstance(source, DatasetTask):
+        return  # a generated task's prompts are made short; a task given in code is its owner's
+    template = len(task.prompt_ids(TaskExample("", "")))
+    room = spec.max_positions - max_new_tokens - template - TEMPLATE_SLACK
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    for example in [*source.examples, *task.eval_examples]:
+        if len(example.prompt.encode()) > room:
+            request = Request(task.prompt_ids(example), params=params)
+            check_fits(request, spec.vocab_size, spec.max_positions, record_label(example) or "a dataset prompt")
 
 
 def build_engine(loaded, config: TrainConfig) -> RolloutEngine:

@@ -23,7 +23,7 @@ from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.graph_runner import GraphRunner
 from tlt.rollout.model_runner import ModelRunner
 from tlt.rollout.policy import SpeculationPolicy, as_policy
-from tlt.rollout.request import Request, RolloutResult, StepTrace
+from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
 from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.sequence import Sequence
 from tlt.speculative.decoder import SpeculativeDecoder
@@ -182,16 +182,7 @@ class RolloutEngine:
         for index, request in enumerate(requests):
             if not isinstance(request, Request):
                 raise RequestError(f"requests[{index}] is a {type(request).__name__}, expected tlt Request")
-            name = request.label or f"requests[{index}]"
-            ids = request.prompt_ids
-            if min(ids) < 0 or max(ids) >= self.spec.vocab_size:
-                raise RequestError(f"{name}: prompt token id out of range [0, {self.spec.vocab_size})")
-            total = len(ids) + request.params.max_new_tokens
-            if total > self.spec.max_positions:
-                raise RequestError(
-                    f"{name}: prompt of {len(ids)} tokens + max_new_tokens "
-                    f"{request.params.max_new_tokens} = {total} exceeds the model's context of "
-                    f"{self.spec.max_positions} tokens (nothing is truncated: shorten the prompt or the budget)")
+            check_fits(request, self.spec.vocab_size, self.spec.max_positions, request.label or f"requests[{index}]")
 
     def _prefill(self, groups: list[list[Sequence]], steps: list[StepTrace]) -> None:
         """The admitted groups take the rows after the running ones, each with its first token."""

@@ -34,6 +34,20 @@ class Request:
             raise RequestError(f"n (samples per prompt) must be an integer >= 1, got {self.n!r}")
 
 
+def check_fits(request: Request, vocab_size: int, context: int, name: str) -> None:
+    """A request the model can serve whole: token ids in its vocabulary, and the prompt with the response
+    budget within its context (nothing is ever truncated)."""
+    ids = request.prompt_ids
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise RequestError(f"{name}: prompt token id out of range [0, {vocab_size})")
+    total = len(ids) + request.params.max_new_tokens
+    if total > context:
+        raise RequestError(
+            f"{name}: prompt of {len(ids)} tokens + max_new_tokens {request.params.max_new_tokens} = {total} "
+            f"exceeds the model's context of {context} tokens (nothing is truncated: shorten the prompt or the "
+            f"budget)")
+
+
 @dataclass
 class SampleOutput:
     """One sampled response."""
