@@ -121,7 +121,7 @@ def measured_arm(loaded, drafter, prompts, strategy: SpecStrategy, params: Sampl
     one when the engine is exact, and below the all-positions figure because a round starts right after a
     rejected draft, at a token the drafter failed to predict, more often than a random position does."""
     engine = RolloutEngine(loaded, max_batch_size=1, drafter=drafter, speculation=strategy,
-                           max_tree_size=strategy.tree_size)
+                           max_tree_size=strategy.cache_slots)
     runs = [engine.generate([Request(p, params=params)]) for p in prompts]  # one row each: its rounds in order
     steps = [step for run in runs for step in run.steps]
     summary = RolloutResult([s for run in runs for s in run.samples], steps, 0.0).speculation_summary()

@@ -32,7 +32,7 @@ LINEARS = {"unpacked": lambda: _onednn_linear, "packed": PackedOneDNNLinear}  # 
 def tokens_per_s(loaded, prompts, batch: int, linear: str, params: SamplingParams, drafter=None,
                  strategy: SpecStrategy | None = None) -> float:
     engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy,
-                           max_tree_size=strategy.tree_size if strategy else 0)
+                           max_tree_size=strategy.cache_slots if strategy else 0)
     engine.forward.linear = LINEARS[linear]()  # the drafter's too: on the CPU it is attached to this very forward
     engine.generate([Request(prompts[0], params=SamplingParams(max_new_tokens=2))])  # packs, warms up
     return engine.generate([Request(p, params=params) for p in prompts]).tokens_per_s

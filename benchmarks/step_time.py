@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     strategy = SpecStrategy.parse(args.strategy)
     plain = RolloutEngine(loaded, max_batch_size=1)
     speculative = RolloutEngine(loaded, max_batch_size=1, drafter=EagleDrafter(loaded.model.config),
-                                speculation=strategy, max_tree_size=strategy.tree_size)
+                                speculation=strategy, max_tree_size=strategy.cache_slots)
     results = {"plain_step_ms": median_step_ms(plain, request, args.repeats),
                "sd_step_ms": median_step_ms(speculative, request, args.repeats), "strategy": strategy.name,
                "tokens": args.tokens, "repeats": args.repeats, "environment": environment()}

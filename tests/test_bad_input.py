@@ -57,11 +57,19 @@ def test_strategy_larger_than_the_reserved_tree_slots():
     from tlt.models.eagle import EagleDrafter
     from tlt.speculative.strategy import SpecStrategy, StrategyError
 
-    model = tiny_model()
-    engine = RolloutEngine(model, drafter=EagleDrafter(model.config), speculation=SpecStrategy(4, 3, 20),
-                           max_tree_size=8)
-    with pytest.raises(RequestError, match="max_tree_size"):
-        engine.generate([Request([5, 6], params=SamplingParams(max_new_tokens=4))])
+    from tlt.rollout.policy import AdaptiveSpeculation, FixedSpeculation
+
+    model, big = tiny_model(), SpecStrategy(4, 3, 20)
+    drafter = EagleDrafter(model.config)
+    too_big = r"strategy S4K3N20 needs 20 cache slots past the committed tokens, more than max_tree_size=8"
+    for policy in (big, FixedSpeculation(big, gate=4), AdaptiveSpeculation([SpecStrategy.chain(3), big])):
+        with pytest.raises(RequestError, match=too_big):  # at construction, not at the first speculative step
+            RolloutEngine(model, drafter=drafter, speculation=policy, max_tree_size=8)
+    engine = RolloutEngine(model, drafter=drafter, speculation=big, max_tree_size=20)
+    with pytest.raises(RequestError, match=too_big):
+        engine.max_tree_size = 8
+    assert engine.max_tree_size == 20  # refused: unchanged
+    assert len(engine.generate([Request([5, 6], params=SamplingParams(max_new_tokens=4))]).samples) == 1
     with pytest.raises(StrategyError, match="tree_size"):
         SpecStrategy(3, 1, 5)
 

@@ -108,8 +108,8 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     trainer.save(out)
 
     engine.set_drafter(drafter)
+    engine.max_tree_size = config.eval_strategy.cache_slots
     engine.speculation = config.eval_strategy
-    engine.max_tree_size = config.eval_strategy.tree_size
     engine.max_batch_size = 1
     eval_requests = [Request(task.prompt_ids(e), n=1, params=params) for e in eval_examples]
     log(f"measuring τ: speculative decoding at batch 1 on {len(eval_requests)} held-out prompts")

@@ -22,7 +22,7 @@ from tlt.models.loading import eos_token_ids as eos_token_ids_of
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.graph_runner import GraphRunner
 from tlt.rollout.model_runner import ModelRunner
-from tlt.rollout.policy import SpeculationPolicy, as_policy
+from tlt.rollout.policy import SpeculationPolicy, as_policy, policy_strategies
 from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
 from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.sequence import Sequence
@@ -94,7 +94,10 @@ class RolloutEngine:
 
     @speculation.setter
     def speculation(self, value) -> None:
-        self._speculation = as_policy(value)
+        policy = as_policy(value)
+        for strategy in policy_strategies(policy):  # too large a tree fails here, not at its first step
+            self.model_runner.check_tree_room(strategy)
+        self._speculation = policy
 
     # -- the model side, as the model runner holds it ----------------------------------------------------------
 
@@ -122,7 +125,13 @@ class RolloutEngine:
 
     @max_tree_size.setter
     def max_tree_size(self, value: int) -> None:
-        self.model_runner.max_tree_size = value
+        previous, self.model_runner.max_tree_size = self.model_runner.max_tree_size, value
+        try:
+            for strategy in policy_strategies(self.speculation):
+                self.model_runner.check_tree_room(strategy)
+        except RequestError:
+            self.model_runner.max_tree_size = previous
+            raise
 
     @property
     def device(self) -> torch.device:

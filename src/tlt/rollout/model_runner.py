@@ -182,11 +182,15 @@ class ModelRunner:
         return StepTrace("decode", len(running), emitted, 0.0, mode="sd", strategy=strategy.name,
                          accepted_hist=tuple(accepted), draft_s=outcome.draft_s, verify_s=outcome.verify_s)
 
+    def check_tree_room(self, strategy: SpecStrategy) -> None:
+        """A strategy whose tree needs more cache slots past the committed tokens than max_tree_size reserves."""
+        if strategy.cache_slots > self.max_tree_size:
+            raise RequestError(f"strategy {strategy.name} needs {strategy.cache_slots} cache slots past the committed "
+                               f"tokens, more than max_tree_size={self.max_tree_size}; raise max_tree_size")
+
     def _check(self, strategy: SpecStrategy) -> None:
         needed = strategy.cache_slots
-        if needed > self.max_tree_size:
-            raise RequestError(f"strategy {strategy.name} needs more than max_tree_size={self.max_tree_size} "
-                               f"cache slots past the committed tokens; raise max_tree_size")
+        self.check_tree_room(strategy)
         if needed > self.tree_slots:  # max_tree_size was raised after this rollout's cache was allocated
             raise RequestError(f"strategy {strategy.name} needs {needed} cache slots past the committed tokens, "
                                f"but this rollout reserved {self.tree_slots}: max_tree_size={self.max_tree_size} "

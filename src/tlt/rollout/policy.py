@@ -110,6 +110,15 @@ def as_policy(speculation) -> SpeculationPolicy | None:
                       f"FixedSpeculation(strategy, gate=8)")
 
 
+def policy_strategies(policy) -> list[SpecStrategy]:
+    """The strategies a built-in policy may pick (a custom policy's are checked when it picks them)."""
+    if isinstance(policy, FixedSpeculation):
+        return [policy.strategy]
+    if isinstance(policy, AdaptiveSpeculation):
+        return [arm for arm in policy.bandit.arms if arm != OFF]
+    return []
+
+
 @dataclass
 class BatchSizeGate:
     """SD is off while the running batch exceeds `threshold`; it turns on once the batch has stayed at or
