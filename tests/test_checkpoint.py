@@ -104,7 +104,8 @@ def test_a_failed_final_save_keeps_the_previous_final_policy(tmp_path, monkeypat
 
 
 def test_checkpoints_and_the_final_policy_are_readable_as_the_umask_allows(tmp_path):
-    """Staged with mkdtemp, they were 0700: a serving container or a colleague could not read the policy."""
+    """Staged with mkdtemp, they were 0700, and safetensors' own files 0600: a serving container or a colleague
+    could not read the policy."""
     import os
     import stat
 
@@ -115,3 +116,22 @@ def test_checkpoints_and_the_final_policy_are_readable_as_the_umask_allows(tmp_p
     finally:
         os.umask(umask)
     assert stat.S_IMODE(final.stat().st_mode) == stat.S_IMODE(saved.stat().st_mode) == 0o755
+    # safetensors >= 0.8 writes its files 0600 whatever the umask (its issue #782): the policy was unreadable
+    files = [*final.iterdir(), *saved.iterdir()]
+    assert {p.name for p in files} >= {"model.safetensors", "policy.safetensors", "config.json"}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o644 for p in files}
+
+
+def test_a_saved_drafter_is_readable_as_the_umask_allows(tmp_path):
+    import os
+    import stat
+
+    from tlt.models.eagle import EagleDrafter
+
+    umask = os.umask(0o027)
+    try:
+        EagleDrafter(tiny_model().config).save(tmp_path)
+    finally:
+        os.umask(umask)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == {
+        "drafter.safetensors": 0o640, "drafter_config.json": 0o640}

@@ -23,6 +23,8 @@ def test_round_trip_and_layout(tmp_path, target, architecture):
     assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
             "layers.0.post_attention_layernorm.weight"} <= names
     assert not any("embed_tokens" in n or "lm_head" in n or "input_layernorm" in n for n in names)
+    mode = lambda name: (tmp_path / name).stat().st_mode & 0o777
+    assert mode("model.safetensors") == mode("config.json")  # not safetensors' own 0600: vLLM may be another user
     back = import_eagle(tmp_path, model)
     tokens, features = torch.randint(0, 97, (2, 5)), torch.randn(2, 5, 64)
     positions = torch.arange(5).expand(2, 5)

@@ -14,9 +14,28 @@ def write_whole(path: Path, write) -> None:
     partial = path.with_name(f".{path.name}.partial")
     try:
         write(partial)
+        share_as_umask(partial)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def share_as_umask(*paths: Path) -> None:
+    """Give files (and every file under a directory) the mode a plain open() would: safetensors >= 0.8 writes
+    through a temporary file that is always 0600 (safetensors issue #782), which hid a trained policy or drafter
+    from a serving container or a colleague while its config.json beside it was readable."""
+    mode = 0o666 & ~_umask()
+    for path in paths:
+        path = Path(path)
+        files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+        for file in files:
+            os.chmod(file, mode)
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it: set, then restore at once
+    os.umask(mask)
+    return mask
 
 
 def refuse_a_file_in_the_way(directory: Path, option: str, error: type[TltError] = TltError) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tlt.errors import TltError
-from tlt.files import refuse_a_file_in_the_way
+from tlt.files import refuse_a_file_in_the_way, share_as_umask
 from tlt.models.eagle import EagleDrafter
 
 ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
@@ -58,6 +58,7 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
         tensors[f"layers.0.{name}"] = tensor.detach()
     save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
+    share_as_umask(out / "model.safetensors")  # the serving engine may run as another user
     config = drafter.config.to_dict()
     config.update(architectures=[ARCHITECTURES[target]], num_hidden_layers=1, tie_word_embeddings=False)
     config.pop("layer_types", None)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tlt.errors import ModelLoadError, first_line
+from tlt.files import share_as_umask
 from tlt.models.spec import check_supported
 
 
@@ -162,6 +163,7 @@ def save_model_dir(model, tokenizer, out: Path) -> None:
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
     save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    share_as_umask(out / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
 

@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file, save_model
 
 from tlt.errors import TltError, first_line
+from tlt.files import share_as_umask
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
 CHECKPOINT_PREFIX = "step-"
@@ -65,6 +66,7 @@ def _staged(target: Path, prefix: str, what: str):
     try:
         staging.mkdir()
         yield staging
+        share_as_umask(staging)
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
