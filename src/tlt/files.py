@@ -33,7 +33,13 @@ def share_as_umask(*paths: Path) -> None:
 
 
 def _umask() -> int:
-    mask = os.umask(0)  # the only portable way to read it: set, then restore at once
+    try:  # Linux reports it; setting it to read it would, for an instant, change it for every thread
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0)  # elsewhere the only way: set, then restore at once
     os.umask(mask)
     return mask
 
