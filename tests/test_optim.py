@@ -106,8 +106,8 @@ def test_resume_refuses_a_longer_run_that_would_stretch_the_cosine(tmp_path):
     (tmp_path / "step-000004").mkdir()
     (tmp_path / "step-000004" / "state.json").write_text("{}")
     longer = load_config(None, [f"run.out_dir={tmp_path}", "optim.schedule=cosine", "run.steps=8"]).to_dict()
-    with pytest.raises(RunDirError, match=r"optim.decay_steps: 4 in the run, 8 now; its cosine schedule decays over 4 steps: set "
-                                          r"optim.decay_steps to that"):
+    with pytest.raises(RunDirError, match=r"optim.decay_steps: 4 in the run, 8 now; its cosine schedule decays "
+                                          r"over 4 steps: set optim.decay_steps to that"):
         prepare_run_dir(tmp_path, longer, resume=True, overwrite=False)
     kept = load_config(None, [f"run.out_dir={tmp_path}", "optim.schedule=cosine", "run.steps=8",
                               "optim.decay_steps=4"]).to_dict()

@@ -159,8 +159,9 @@ def test_resume_accepts_a_new_device_batch_size_and_path_spelling_and_names_what
     assert prepare_run_dir(tmp_path / "run", moved, resume=True, overwrite=False).name == "step-000001"
     other = load_config(None, ["run.out_dir=run", "task.name=jsonl", "task.path=other.jsonl",
                                "rollout.temperature=0.7"]).to_dict()
-    with pytest.raises(RunDirError, match=rf'task\.path: "{tmp_path}/data\.jsonl" in the run, "{tmp_path}/other\.jsonl" '
-                                          r"now; rollout\.temperature: 1\.0 in the run, 0\.7 now\)"):
+    with pytest.raises(RunDirError, match=rf'task\.path: "{tmp_path}/data\.jsonl" in the run, '
+                                          rf'"{tmp_path}/other\.jsonl" now; rollout\.temperature: 1\.0 in the '
+                                          r"run, 0\.7 now\)"):
         prepare_run_dir(tmp_path / "run", other, resume=True, overwrite=False)
 
 
@@ -512,7 +513,8 @@ def _check_against_the_checkpoint(tmp_path):
     state = json.loads(state_path.read_text())
     state["config"]["model"]["device"] = "cpu"
     state_path.write_text(json.dumps(state))
-    with pytest.raises(RunDirError, match=r"\(grpo\.loss: \"grpo\" in the run, \"dapo\" now; optim\.lr: 0\.01 in the run, 0\.5 now\)"):
+    with pytest.raises(RunDirError, match=r"\(grpo\.loss: \"grpo\" in the run, \"dapo\" now; optim\.lr: 0\.01 in "
+                                          r"the run, 0\.5 now\)"):
         run(tmp_path, steps=3, resume=True, **{"optim.lr": 0.5, "grpo.loss": "dapo"})
     _, history = run(tmp_path, steps=3, resume=True)
     assert len(history) == 1

@@ -46,7 +46,8 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite)
         try:
             with console.status(f"loading the policy ({placement.describe() if owned else 'given trainer'})"):
-                trainer = trainer or DistributedGRPO(placed, placement=placement)  # config.json keeps the config as given (e.g. workers=auto)
+                # config.json keeps the config as given (e.g. workers=auto)
+                trainer = trainer or DistributedGRPO(placed, placement=placement)
                 trainer.progress = console.is_terminal
             try:
                 history = _loop(config, trainer, run_dir, checkpoint, console)
@@ -74,7 +75,8 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
 
 
 def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
-    logger = open_metrics_logger(run_dir, config, resumed_at=None if checkpoint is None else checkpoint_step(checkpoint))
+    resumed_at = None if checkpoint is None else checkpoint_step(checkpoint)
+    logger = open_metrics_logger(run_dir, config, resumed_at=resumed_at)
     try:
         return _steps(config, trainer, run_dir, checkpoint, console, logger)
     finally:

@@ -1,11 +1,12 @@
 """A run directory: what `tlt train` writes there, and the rules that keep one run from clobbering another.
 
 A fresh run refuses a directory that already holds a run (its history would be lost, and a later `--resume`
-would continue the other run's checkpoint under the new config) unless told `--resume` or `--overwrite` (which keeps the old run aside until the new one has a checkpoint, and
-puts it back if the new run ends or is killed before that).
-`--resume` refuses a config that changes what the run means (model, task, sampling, loss, optimizer and lr
-schedule, seed; paths compare as the files they name); operational settings (steps, workers, backend,
-checkpointing, loggers, speculation: lossless; the device and batch sizes) may change, except that run.steps is also the length of a cosine schedule whose optim.decay_steps is 0.
+would continue the other run's checkpoint under the new config) unless told `--resume` or `--overwrite` (which
+keeps the old run aside until the new one has a checkpoint, and puts it back if the new run ends or is killed
+before that). `--resume` refuses a config that changes what the run means (model, task, sampling, loss, optimizer
+and lr schedule, seed; paths compare as the files they name); operational settings (steps, workers, backend,
+checkpointing, loggers, speculation: lossless; the device and batch sizes) may change, except that run.steps is
+also the length of a cosine schedule whose optim.decay_steps is 0.
 """
 
 from __future__ import annotations
@@ -205,7 +206,10 @@ def restore_replaced(run_dir: Path) -> bool:
     if not aside.is_dir():
         return False
     for path in run_entries(Path(run_dir)):
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     for path in aside.iterdir():
         os.replace(path, Path(run_dir) / path.name)
     aside.rmdir()
