@@ -364,3 +364,19 @@ def test_a_drafter_save_killed_midway_leaves_the_previous_one_whole(tmp_path, mo
     assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in before.items())
     assert DrafterTrainer.saved_state(tmp_path)["steps"] == 0
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no partial file left
+
+
+@pytest.mark.parametrize("flags,message", [(["--prompts", "1"], "at least 2 prompts"),
+                                           (["--steps", "0"], "--steps must be >= 1"),
+                                           (["--out", "FILE"], "is a file, not a directory")])
+def test_cli_warmup_refuses_bad_flags_before_loading_the_model(tmp_path, monkeypatch, capsys, flags, message):
+    """They were checked only once the model had loaded (the default model's first load takes a minute)."""
+    import tlt.models
+    from tlt.cli import main
+
+    (tmp_path / "FILE").write_text("x")
+    flags = [str(tmp_path / "FILE") if flag == "FILE" else flag for flag in flags]
+    monkeypatch.setattr(tlt.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    out = [] if "--out" in flags else ["--out", str(tmp_path / "drafter")]
+    assert main(["drafter", "warmup", *out, *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -138,7 +138,8 @@ def _add_warmup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--draft-vocab", type=int, default=8192, help="0 = full vocabulary")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="the drafter's output vocabulary: the most "
+                        "frequent tokens of the sampled responses (0, or at least the model's: the full vocabulary)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ce-weight", type=float, default=0.1, help="weight of the soft cross-entropy to the "
                         "target's token distribution (beside the feature loss of weight 1)")
@@ -153,17 +154,17 @@ def _add_warmup(parser: argparse.ArgumentParser) -> None:
 
 def _run_warmup(args) -> int:
     from tlt.drafter.trainer import DrafterTrainConfig
-    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.drafter.warmup import WarmupConfig, check_warmup, warmup
     from tlt.models import load_model
     from tlt.tasks import ArithmeticTask, ChatTask, DatasetTask, load_examples
 
-    loaded = load_model(args.model)
-    source = ArithmeticTask() if args.data == "arithmetic" else DatasetTask(load_examples(args.data))
     config = WarmupConfig(prompts=args.prompts, steps=args.steps, max_new_tokens=args.max_new_tokens,
                           draft_vocab=args.draft_vocab, seed=args.seed, init=args.init, lr_schedule=args.lr_schedule)
-    warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config,
-           DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature),
-           overwrite=args.overwrite)
+    train_config = DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature)
+    check_warmup(args.out, config, train_config, args.overwrite)  # before the model loads
+    source = ArithmeticTask() if args.data == "arithmetic" else DatasetTask(load_examples(args.data))
+    loaded = load_model(args.model)
+    warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config, train_config, overwrite=args.overwrite)
     return 0
 
 

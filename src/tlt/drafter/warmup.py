@@ -63,10 +63,7 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
            train_config: DrafterTrainConfig = DrafterTrainConfig(), log=print, overwrite: bool = False) -> dict:
     """Sample, train, save to `out`, measure. `out` may hold a drafter only when it is `config.init` (going on
     in place) or `overwrite` is set: checked, like the --init drafter, before any sampling."""
-    if config.prompts < 2:
-        raise TltError(f"drafter warm-up needs at least 2 prompts (one is held out), got {config.prompts}")
-    check_settings(config, train_config)
-    check_out(Path(out), config.init, overwrite)
+    check_warmup(out, config, train_config, overwrite)
     started = time.perf_counter()
     examples = task.sample(config.prompts + config.eval_prompts, seed=config.seed)
     train_examples, eval_examples = examples[:config.prompts], examples[config.prompts:]
@@ -130,6 +127,15 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
 def limits_vocab(draft_vocab: int, vocab_size: int) -> bool:
     """Whether a --draft-vocab of `draft_vocab` restricts the drafter (0 or >= the vocabulary: the full one)."""
     return 0 < draft_vocab < vocab_size
+
+
+def check_warmup(out: str | Path, config: WarmupConfig, train_config: DrafterTrainConfig, overwrite: bool) -> None:
+    """Everything about a warm-up that can be refused before the model loads (`tlt drafter warmup` calls it
+    first: the default model's first load takes a minute)."""
+    if config.prompts < 2:
+        raise TltError(f"drafter warm-up needs at least 2 prompts (one is held out), got {config.prompts}")
+    check_settings(config, train_config)
+    check_out(Path(out), config.init, overwrite)
 
 
 def check_settings(config: WarmupConfig, train_config: DrafterTrainConfig) -> None:
