@@ -184,3 +184,20 @@ def test_generate_refuses_bad_speculation_settings(tmp_path, capsys, monkeypatch
     assert main(["generate", "--model", model, "--threads", "1", "--max-new-tokens", "4"] + flags) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command,flags,message", [
+    ("generate", ["--top-k", "-1"], "top_k must be"), ("generate", ["-n", "0"], "-n (samples per prompt)"),
+    ("generate", ["--max-new-tokens", "0"], "max_new_tokens must be"),
+    ("verify", ["--top-p", "0"], "top_p must be in (0, 1]"), ("verify", ["--prompts", "0"], "at least one prompt"),
+    ("verify", ["--temperature", "0"], "needs temperature > 0"),
+    ("verify", ["--drafter", "/nonexistent/drafter"], "is not a tlt drafter")])
+def test_generate_and_verify_refuse_bad_sampling_flags_before_loading_the_model(monkeypatch, capsys, command, flags,
+                                                                                message):
+    """Only the model's load (a minute for the default model's first) came before these errors."""
+    import tlt.models
+
+    monkeypatch.setattr(tlt.models, "load_model", lambda *a, **k: pytest.fail("loaded the model before checking"))
+    assert main([command, "--threads", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

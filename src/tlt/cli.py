@@ -216,14 +216,18 @@ def _run_verify(args) -> int:
     from rich.console import Console
 
     from tlt.models import load_model
-    from tlt.models.eagle import EagleDrafter
+    from tlt.models.eagle import EagleDrafter, check_drafter_dir
     from tlt.sampling import SamplingParams
     from tlt.tasks import ArithmeticTask, ChatTask
     from tlt.threads import pick_threads
-    from tlt.verify import OVER_ACCEPTING, check_alpha, verify
+    from tlt.verify import OVER_ACCEPTING, check_settings, verify
 
     strategy = _parse_strategy(args.strategy)
-    check_alpha(args.alpha)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    check_settings(params, args.prompts, args.samples_per_prompt, args.alpha)  # before the model loads
+    if args.drafter:
+        check_drafter_dir(args.drafter)
     if args.json:  # before the check, whose results would be lost at the end
         _check_writable(Path(args.json), "--json")
     pick_threads(args.threads)
@@ -234,8 +238,6 @@ def _run_verify(args) -> int:
                else EagleDrafter(loaded.model.config).attach(loaded.model))
     task = ChatTask(ArithmeticTask(), loaded.tokenizer)
     prompts = [task.prompt_ids(example) for example in task.sample(args.prompts, args.seed)]
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
     settings = dict(strategy=strategy, prompts=prompts, params=params, samples_per_prompt=args.samples_per_prompt,
                     alpha=args.alpha, seed=args.seed)
     with console.status("checking greedy identity and the sampled distribution"):

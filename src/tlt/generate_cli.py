@@ -32,7 +32,11 @@ def run_generate(args, *, demo: bool) -> int:
 
     console = Console()
     prompts = args.prompts or DEMO_PROMPTS
-    speculation = _speculation(args)  # checked before the model loads
+    speculation = _speculation(args)  # checked before the model loads, as are the sampling settings
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if args.n < 1:
+        raise TltError(f"-n (samples per prompt) must be >= 1, got {args.n}")
     if args.compile != "off" and not torch.cuda.is_available():
         raise TltError(f"--compile {args.compile} compiles the steps CUDA graphs replay: it needs a CUDA device")
     pick_threads(args.threads)
@@ -40,8 +44,6 @@ def run_generate(args, *, demo: bool) -> int:
         loaded = load_model(args.model)
     if loaded.tokenizer is None or not getattr(loaded.tokenizer, "chat_template", None):
         raise TltError(f"{loaded.source} has no tokenizer with a chat template: cannot format the prompts")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
     requests = [Request(_chat_ids(loaded.tokenizer, p), n=args.n, params=params) for p in prompts]
     if speculation is None:
         engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size, compile=args.compile)

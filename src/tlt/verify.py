@@ -79,6 +79,15 @@ def check_alpha(alpha: float) -> None:
         raise TltError(f"alpha (the KS p-value below which the check fails) must be in (0, 1), got {alpha}")
 
 
+def check_settings(params: SamplingParams, prompts: int, samples_per_prompt: int, alpha: float) -> None:
+    """What `verify` refuses, checkable before any model loads (`tlt verify` calls it first)."""
+    if params.greedy:
+        raise TltError("the sampled check needs temperature > 0 (greedy decoding is checked separately)")
+    if prompts < 1 or samples_per_prompt < 1:
+        raise TltError("verify needs at least one prompt and samples_per_prompt >= 1")
+    check_alpha(alpha)
+
+
 def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]], params: SamplingParams,
            samples_per_prompt: int, alpha: float = 1e-3, seed: int = 0, accept_rule=None,
            check_greedy: bool = True) -> VerifyReport:
@@ -87,11 +96,7 @@ def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]],
     accept_rule: replaces the exact acceptance rule on the SD engine (negative controls);
     check_greedy=False skips the greedy check (greedy rows never consult accept_rule, so a negative control
     learns nothing from it)."""
-    if params.greedy:
-        raise TltError("the sampled check needs temperature > 0 (greedy decoding is checked separately)")
-    if not prompts or samples_per_prompt < 1:
-        raise TltError("verify needs at least one prompt and samples_per_prompt >= 1")
-    check_alpha(alpha)
+    check_settings(params, len(prompts), samples_per_prompt, alpha)
     model = loaded.model if isinstance(loaded, LoadedModel) else loaded  # a causal LM has a `.model` too
     params = dataclasses.replace(params, seed=seed if params.seed is None else params.seed)
     spec = _sd_engine(loaded, drafter, strategy, accept_rule)
