@@ -1,14 +1,18 @@
-"""The target-only tree rule draws its final token once, after the walk, at the node each row stopped at; the
-walk it replaced drew one at every depth (as a CUDA graph must) and kept the stopping depth's. Both give the
-same `Acceptance`, field for field: this keeps that walk as the reference and compares them on random trees of
-odd shapes (uneven branching, leaves at every depth, rows of different shapes in one batch), greedy rows mixed
-in, and the negative controls' hook. The lossless tests of trees (test_speculative_lossless.py) run through
-`accept` in the engine."""
+"""Tree acceptance without per-depth [B, V] work, field for field the walk's `Acceptance`.
+
+The target-only rule draws its final token once, after the walk, at the node each row stopped at; the walk it
+replaced drew one at every depth (as a CUDA graph must) and kept the stopping depth's: this keeps that walk as
+the reference. Under q-sampling a graph runs every node's sibling tests at once, then follows the accepted
+children; the eager walk (which stops early) is the reference. Random trees of odd shapes (uneven branching,
+leaves at every depth, rows of different shapes in one batch), greedy rows mixed in, a draft vocabulary, and
+the negative controls' hooks. The lossless tests of trees (test_speculative_lossless.py, test_q_sampling.py)
+run through both paths in the engine."""
 
 import pytest
 import torch
 
 from tlt.speculative.acceptance import Acceptance, TreeWalk, accept, residual_sample
+from tlt.speculative.q_sampling import DraftDistributions, accept_q
 from tlt.speculative.tree import DraftTree
 
 VOCAB = 30
@@ -98,3 +102,46 @@ def test_rows_accept_every_depth_and_the_hook_still_biases():
     result = accept(tree, logprobs, greedy, uniforms, accept_rule=biased)
     assert_same(result, reference_walk(tree, logprobs, greedy, uniforms, accept_rule=biased))
     assert result.accepted.sum() > accept(tree, logprobs, greedy, uniforms).accepted.sum()
+
+
+def draft_distributions(tree, logprobs, seed: int, draft_vocab: bool):
+    """q at every node with children: near p at some nodes (so q-sampling accepts), far at others; over a draft
+    vocabulary of 20 of the 30 tokens when asked (children outside it have q = 0)."""
+    generator = torch.Generator().manual_seed(seed + 100)
+    batch, nodes, vocab = logprobs.shape
+    mapping = torch.randperm(vocab, generator=generator)[:20].sort().values if draft_vocab else None
+    near = torch.rand(batch, nodes, 1, generator=generator) < 0.5
+    logits = torch.where(near, logprobs + 0.3 * torch.randn(batch, nodes, vocab, generator=generator),
+                         torch.randn(batch, nodes, vocab, generator=generator))
+    dists = (logits if mapping is None else logits[..., mapping]).log_softmax(-1)
+    slot = torch.where((tree.children >= 0).any(-1), torch.arange(nodes), -1)
+    uniforms = torch.rand(batch, (tree.max_depth + 1) * (tree.children.shape[-1] + 1), generator=generator)
+    return DraftDistributions(dists, slot), mapping, uniforms
+
+
+@pytest.mark.parametrize("draft_vocab", [True, False])
+@pytest.mark.parametrize("shape", [(4, 2, 14), (3, 3, 12), (2, 4, 8), (5, 2, 6), (1, 4, 4)],
+                         ids=lambda s: "S{}K{}N{}".format(*s))
+@pytest.mark.parametrize("seed", range(4))
+def test_q_sampling_every_node_at_once_equals_the_walk(seed, shape, draft_vocab):
+    tree, logprobs, greedy, _ = random_tree(seed, *shape)
+    drafts, mapping, uniforms = draft_distributions(tree, logprobs, seed, draft_vocab)
+    walk = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms)
+    assert_same(accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True), walk)
+
+
+def test_q_sampling_cases_stop_at_every_depth_and_the_hooks_reach_every_node():
+    """The cases exercise rows stopping at each depth; each negative control's hook (an over-accepting rule, a
+    residual that is p again instead of (p - q)+) changes what both paths emit, and changes it alike."""
+    stops, changed = set(), {"accept_rule": False, "residual_rule": False}
+    biased = {"accept_rule": lambda u, r, q: u * q <= 2.0 * r, "residual_rule": lambda r, q: r}
+    for seed in range(4):
+        tree, logprobs, greedy, _ = random_tree(seed, 4, 2, 14)
+        drafts, mapping, uniforms = draft_distributions(tree, logprobs, seed, True)
+        exact = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
+        stops |= set(exact.accepted.tolist())
+        for name, hook in biased.items():
+            result = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True, **{name: hook})
+            assert_same(result, accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, **{name: hook}))
+            changed[name] |= not torch.equal(result.tokens, exact.tokens)
+    assert stops == {0, 1, 2, 3, 4} and all(changed.values()), (stops, changed)

@@ -102,6 +102,9 @@ def accept_q(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistributions
     sync_free: as in `acceptance.accept` (a CUDA graph: every depth walked, nothing read on the host).
     accept_rule(u, r_c, q_c) -> bool [B] and residual_rule(r, q) -> the next residual can replace the exact
     rule's parts (tests use them to show that a biased rule is detected)."""
+    if sync_free:
+        return _accept_q_every_node(tree, logprobs, drafts, draft_to_target, greedy, uniforms, accept_rule,
+                                    residual_rule)
     batch, _, vocab = logprobs.shape
     device = logprobs.device
     k = tree.children.shape[-1]
@@ -126,6 +129,50 @@ def accept_q(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistributions
         if walk.finished(sync_free):
             break
     return walk.result()
+
+
+def _accept_q_every_node(tree: DraftTree, logprobs, drafts: DraftDistributions, draft_to_target, greedy, uniforms,
+                         accept_rule, residual_rule) -> Acceptance:
+    """`accept_q` for a CUDA graph. A graph cannot stop where rows stop, so a walk runs every sibling's residual
+    update ([B, V] work, a dozen kernels) at each of the S + 1 depths. But a node's test needs only its own p,
+    q, children and its depth's uniforms: so every node's test and final draw run at once, over [B (N + 1), V]
+    (the verify's logits are that size already), and the walk then only follows the accepted children. The
+    arithmetic of each node is the walk's, on the same uniforms: the same `Acceptance` (tested)."""
+    batch, nodes, vocab = logprobs.shape
+    k, depth = tree.children.shape[-1], tree.max_depth
+    children = tree.children                                                        # [B, N + 1, K]
+    child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
+    coins = uniforms.to(logprobs.device).view(batch, depth + 1, k + 1).gather(
+        1, tree.depths[..., None].expand(-1, -1, k + 1))                          # a node's depth's uniforms
+    node_greedy = greedy[:, None].expand(-1, nodes).reshape(-1)
+    node_logprobs = logprobs.reshape(-1, vocab)
+    choice, residual = _verify_children(node_logprobs, _every_draft_probs(drafts, draft_to_target, vocab),
+                                        (children >= 0).reshape(-1, k), child_tokens.reshape(-1, k),
+                                        coins.reshape(-1, k + 1), node_greedy, accept_rule, residual_rule, True)
+    final = sample_from_logprobs(residual.log(), coins.reshape(-1, k + 1)[:, k])
+    final = torch.where(node_greedy, node_logprobs.argmax(-1), final).view(batch, nodes)
+    choice = choice.view(batch, nodes)
+    walk = TreeWalk(batch, depth, logprobs.device)
+    for step in range(depth + 1):
+        at = (walk.rows, walk.current)
+        picked = choice[at].clamp(min=0)[:, None]
+        found = (choice[at] >= 0) & walk.active
+        emitted = torch.where(found, child_tokens[at].gather(1, picked)[:, 0], final[at])
+        walk.record(step, found, children[at].gather(1, picked)[:, 0], emitted, logprobs[at + (emitted,)])
+    return walk.result()
+
+
+def _every_draft_probs(drafts: DraftDistributions, draft_to_target, vocab: int) -> torch.Tensor:
+    """q at every node over the target vocabulary [B (N + 1), V] (zeros at a leaf)."""
+    slot = drafts.slot                                                              # [B, N + 1]
+    draft_vocab = drafts.dists.shape[-1]
+    probs = drafts.dists.gather(1, slot.clamp(min=0)[..., None].expand(-1, -1, draft_vocab)).exp() \
+        * (slot >= 0)[..., None]                                                    # [B, N + 1, Vd]
+    probs = probs.reshape(-1, draft_vocab)
+    if draft_to_target is None:
+        return probs
+    return torch.zeros(probs.shape[0], vocab, dtype=probs.dtype, device=probs.device).index_copy_(
+        1, draft_to_target, probs)
 
 
 def _draft_probs(drafts: DraftDistributions, rows, current, draft_to_target, vocab: int) -> torch.Tensor:
