@@ -47,9 +47,10 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
     walk = TreeWalk(logprobs.shape[0], tree.max_depth, logprobs.device)
     for step in range(tree.max_depth + 1):
         at = (walk.rows, walk.current)
-        node_children, tokens, node_argmax = children[at], child_tokens[at], argmax[at]
+        node_children, tokens, node_argmax, node_child_logprobs = children[at], child_tokens[at], argmax[at], \
+            child_logprobs[at]
         valid = node_children >= 0
-        child_probs = child_logprobs[at].exp() * valid
+        child_probs = node_child_logprobs.exp() * valid
         u = 1.0 - uniforms[:, 2 * step]                                         # (0, 1]: u <= 0 never holds
         cumulative = child_probs.cumsum(-1)
         if accept_rule is None:
@@ -60,9 +61,9 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
         hit = torch.where(greedy[:, None], greedy_hit, hit)
         found = hit.any(-1) & walk.active
         choice = hit.float().argmax(-1)[:, None]                                  # first hit
-        # a row that stops here records its chosen child too: `finish` puts the final token over it
+        # a row that stops here records its chosen child too: `_finish` puts the final token over it
         walk.record(step, found, node_children.gather(1, choice)[:, 0], tokens.gather(1, choice)[:, 0],
-                    child_logprobs[at].gather(1, choice)[:, 0])
+                    node_child_logprobs.gather(1, choice)[:, 0])
         if walk.finished(sync_free):
             break
     return _finish(walk, tree, logprobs, child_tokens, argmax, greedy, uniforms)
