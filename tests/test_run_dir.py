@@ -364,8 +364,17 @@ def test_workers_without_a_drafter_print_their_idle_share_not_drafter_vnone(tmp_
 
 
 def test_a_run_without_a_drafter_writes_none(tmp_path):
+    from test_distributed import make_controller
+
     run(tmp_path, steps=1)
     assert (tmp_path / "final").is_dir() and not (tmp_path / "final" / "drafter").exists()
+    (tmp_path / "untrained").mkdir()
+    controller = make_controller(tmp_path / "untrained")  # speculative, but its drafter never trained (v0)
+    try:
+        controller.save_final(tmp_path / "untrained" / "final")
+    finally:
+        controller.close()
+    assert not (tmp_path / "untrained" / "final" / "drafter").exists()
 
 
 def test_cli_refuses_an_occupied_run_dir_in_one_line_and_overwrite_is_a_flag(tmp_path, capsys):

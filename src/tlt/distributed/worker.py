@@ -281,8 +281,11 @@ class RolloutWorker:
 
     def save_final(self, directory: str) -> str:
         """The policy as a Hugging Face model directory (replicas are identical: rank 0's copy) and, in a run
-        with a drafter, the drafter's latest version in its `drafter/` folder: the deployable byproduct."""
+        with a trained drafter (spot-trained, or given as run.drafter), the drafter's latest version in its
+        `drafter/` folder: the deployable byproduct."""
         snapshot = self._drafter_snapshot()
+        if snapshot is not None and snapshot.version == 0 and not self.config.run.drafter:
+            snapshot = None  # the untrained drafter the run started from: nothing worth serving
         also = None if snapshot is None else (
             lambda staging: save_final_drafter(staging / FINAL_DRAFTER_DIR, self.drafter, snapshot))
         return str(save_final_model(self.replica.model, self.replica.tokenizer, directory, also=also))
