@@ -377,6 +377,25 @@ def test_a_run_without_a_drafter_writes_none(tmp_path):
     assert not (tmp_path / "untrained" / "final" / "drafter").exists()
 
 
+def test_a_given_drafter_is_kept_beside_the_final_policy_even_untrained_by_the_run(tmp_path):
+    """run.drafter=DIR (a warmed drafter) that spot training never improved is still the run's drafter."""
+    from safetensors.torch import load_file
+    from test_distributed import long_tail_model, make_controller
+    from tlt.models.eagle import EagleDrafter
+
+    torch.manual_seed(3)
+    EagleDrafter(long_tail_model().config).save(tmp_path / "warmed")
+    (tmp_path / "run").mkdir()
+    controller = make_controller(tmp_path / "run", **{"run.drafter": str(tmp_path / "warmed")})
+    try:
+        controller.save_final(tmp_path / "run" / "final")
+    finally:
+        controller.close()
+    saved = load_file(str(tmp_path / "run" / "final" / "drafter" / "drafter.safetensors"))
+    given = load_file(str(tmp_path / "warmed" / "drafter.safetensors"))
+    assert saved.keys() == given.keys() and all(torch.equal(saved[k], given[k]) for k in saved)
+
+
 def test_cli_refuses_an_occupied_run_dir_in_one_line_and_overwrite_is_a_flag(tmp_path, capsys):
     from test_bad_input import model_dir
     from tlt.rl.config import TrainConfig
