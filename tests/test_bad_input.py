@@ -357,3 +357,19 @@ def test_an_over_long_dataset_prompt_is_refused_before_the_first_step(tmp_path, 
     assert "1 + 1?" not in tokenized and "x" * 95 in tokenized  # short prompts need no tokenizing
     data.write_text("".join(json.dumps({"question": q, "answer": "#### 2"}) + "\n" for q in questions[:2]))
     PolicyReplica.build(load_config(None, settings))  # 95 characters + its newline + 32 = 128: fits exactly
+
+
+def test_a_budget_leaving_no_room_for_the_generated_prompts_is_refused_before_the_first_step(tmp_path, monkeypatch):
+    """The default model is a GGUF, whose context preflight does not read: the engine refused the first prompt
+    only at step 1, after the model's load and the cost curve."""
+    from tlt.rl.config import load_config
+    from tlt.rl.replica import PolicyReplica, build_engine
+
+    model = model_dir(tmp_path, max_position_embeddings=512)  # byte tokens: an arithmetic prompt is ~160
+    monkeypatch.setattr("tlt.rl.replica.build_engine", lambda *a: pytest.fail("built the engine first"))
+    settings = [f"model.path={model}", "run.speculative=off"]
+    with pytest.raises(RequestError, match=r"a task prompt: prompt of \d+ tokens \+ max_new_tokens 400 = \d+ "
+                                           r"exceeds the model's context of 512"):
+        PolicyReplica.build(load_config(None, [*settings, "rollout.max_new_tokens=400"]))
+    monkeypatch.setattr("tlt.rl.replica.build_engine", build_engine)
+    PolicyReplica.build(load_config(None, [*settings, "rollout.max_new_tokens=8"]))

@@ -26,12 +26,13 @@ from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate, FixedSpeculat
 from tlt.rollout.request import Request, check_fits
 from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
-from tlt.tasks import DatasetTask, build_task
+from tlt.tasks import ChatTask, DatasetTask, build_task
 from tlt.tasks.example import TaskExample, record_label
 
 # BPE merges across the chat template's edges could, in principle, cost a token or two more than the two parts
 # counted apart: a margin before trusting the byte bound
 TEMPLATE_SLACK = 8
+GENERATED_SAMPLE = 16  # prompts of a generated task checked before step 1
 
 
 @dataclass(eq=False)
@@ -56,7 +57,7 @@ class PolicyReplica:
         model = loaded.model
         device = next(model.parameters()).device
         task = task if task is not None else build_task(config.task, loaded.tokenizer)
-        check_dataset_prompts(task, loaded.spec, config.rollout.max_new_tokens)  # before the cost curve's minute
+        check_prompts_fit(task, loaded.spec, config.rollout.max_new_tokens)  # before the cost curve's minute
         engine = build_engine(loaded, config)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config)
@@ -81,21 +82,27 @@ class PolicyReplica:
         return self.optimizer.param_groups[0]["lr"]
 
 
-def check_dataset_prompts(task, spec, max_new_tokens: int) -> None:
-    """Every dataset prompt (held-out ones too) fits the context with the response budget: the engine checks a
-    request only when a step samples it, which may be hours into the run. A prompt takes at most one token per
-    UTF-8 byte (byte-level and byte-fallback vocabularies) beyond its chat template's own tokens, so only the
-    prompts long enough to be in doubt are tokenized: a million-prompt dataset costs a pass over its strings."""
+def check_prompts_fit(task, spec, max_new_tokens: int) -> None:
+    """Prompts fit the context with the response budget before step 1: the engine checks a request only when a
+    step samples it, which may be hours into the run (or a minute, after the cost curve). A dataset's every
+    prompt (held-out ones too); a generated task's sample of them, which shows a budget that leaves no room.
+    A prompt takes at most one token per UTF-8 byte (byte-level and byte-fallback vocabularies) beyond its chat
+    template's own tokens, so only the prompts long enough to be in doubt are tokenized: a million-prompt dataset
+    costs a pass over its strings."""
     source = getattr(task, "source", None)
-    if not isinstance(source, DatasetTask):
-        return  # a generated task's prompts are made short; a task given in code is its owner's
+    if isinstance(source, DatasetTask):
+        examples = [*source.examples, *task.eval_examples]
+    elif isinstance(task, ChatTask):
+        examples = task.sample(GENERATED_SAMPLE, seed=0)
+    else:
+        return  # a task given in code: its prompts are its owner's, and the engine checks each request
     template = len(task.prompt_ids(TaskExample("", "")))
     room = spec.max_positions - max_new_tokens - template - TEMPLATE_SLACK
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    for example in [*source.examples, *task.eval_examples]:
+    for example in examples:
         if len(example.prompt.encode()) > room:
             request = Request(task.prompt_ids(example), params=params)
-            check_fits(request, spec.vocab_size, spec.max_positions, record_label(example) or "a dataset prompt")
+            check_fits(request, spec.vocab_size, spec.max_positions, record_label(example) or "a task prompt")
 
 
 def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
