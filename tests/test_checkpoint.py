@@ -102,6 +102,14 @@ def test_a_failed_final_save_keeps_the_previous_final_policy(tmp_path, monkeypat
     assert (tmp_path / "final" / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
+    def not_the_disk(*args, **kwargs):
+        raise SafetensorError("You are trying to save a non contiguous tensor")
+
+    monkeypatch.setattr(model, "save_pretrained", not_the_disk)
+    with pytest.raises(SafetensorError, match="non contiguous"):  # a bug is not reported as a failed write
+        save_final_model(model, tokenizer, tmp_path / "final")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
 
 def test_checkpoints_and_the_final_policy_are_readable_as_the_umask_allows(tmp_path):
     """Staged with mkdtemp, they were 0700, and safetensors' own files 0600: a serving container or a colleague

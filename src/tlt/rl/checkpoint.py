@@ -70,7 +70,11 @@ def _staged(target: Path, prefix: str, what: str):
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
-    except (OSError, SafetensorError) as error:
+    except OSError as error:
+        raise _save_error(what, target, error) from None
+    except SafetensorError as error:
+        if "I/O error" not in str(error):
+            raise  # not the disk: a tensor safetensors cannot store is a bug to see whole
         raise _save_error(what, target, error) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
