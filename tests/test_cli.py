@@ -97,6 +97,7 @@ def test_options_may_sit_between_overrides(capsys):
                                 "--config)"),
     (["--config", "missing.yaml"], "config file not found: missing.yaml"),
     (["optim.schedule=linear"], "optim.schedule must be one of constant, cosine, got 'linear'"),
+    (["run.steps=0"], "run.steps must be >= 1, got 0"),  # it trained nothing, then pointed at a report of nothing
 ])
 def test_bad_train_arguments_are_one_line(capsys, argv, message):
     assert main(["train", "--print-config", *argv]) == 2

@@ -265,6 +265,18 @@ def fake_run(run_dir, config_dict, checkpoint=True):
         (run_dir / "step-000001" / "state.json").write_text("{}")
 
 
+def test_a_run_without_checkpoints_is_described_by_what_it_holds(tmp_path):
+    from tlt.rl.config import TrainConfig
+    from tlt.rl.run_dir import describe
+
+    (tmp_path / "final").mkdir()
+    assert describe(tmp_path) == "final, no checkpoint"  # it said "metrics", which were not there
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert describe(tmp_path) == "metrics.jsonl and final, no checkpoint"
+    with pytest.raises(RunDirError, match=r"already holds a run \(metrics\.jsonl and final, no checkpoint\)"):
+        prepare_run_dir(tmp_path, TrainConfig().to_dict(), resume=False, overwrite=False)
+
+
 def test_resume_of_a_run_that_never_saved_points_at_overwrite(tmp_path):
     from tlt.rl.config import TrainConfig
     from tlt.rl.run_dir import prepare_run_dir

@@ -252,7 +252,8 @@ def validate(config: TrainConfig) -> TrainConfig:
         raise ConfigError(f"run.strategy: {error}") from None
     _check(run.gate == "auto" or (isinstance(run.gate, int) and run.gate >= 1),
            f"run.gate must be auto or an integer >= 1 (a batch size), got {run.gate!r}")
-    for key in ("steps", "checkpoint_every", "keep_checkpoints", "threads_per_worker"):
+    _at_least("run.steps", run.steps, 1)  # 0 would train nothing and save the starting model as the final policy
+    for key in ("checkpoint_every", "keep_checkpoints", "threads_per_worker"):
         _at_least(f"run.{key}", getattr(run, key), 0)
     _check(run.workers == "auto" or (isinstance(run.workers, int) and run.workers >= 1),
            f"run.workers must be >= 1 (or auto), got {run.workers!r}")

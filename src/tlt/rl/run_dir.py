@@ -162,7 +162,8 @@ def _start_instead(run_dir: Path) -> str:
 def describe(run_dir: Path) -> str:
     checkpoints = checkpoint_dirs(run_dir)
     if not checkpoints:
-        return "metrics, no checkpoint"
+        found = [name for name in ("metrics.jsonl", "final") if (run_dir / name).exists()]
+        return f"{' and '.join(found) or 'its files'}, no checkpoint"
     return f"{len(checkpoints)} checkpoint(s), the last at step {checkpoint_step(checkpoints[-1])}"
 
 
