@@ -43,7 +43,8 @@ def test_threads_leave_busy_cores_alone(monkeypatch, load, expected):
 # -- tlt train --print-config / --config ------------------------------------------------------------------------
 
 TRICKY = ["optim.schedule=cosine", "optim.warmup_steps=1", "optim.lr=3e-6", "run.logger=jsonl,wandb",
-          "task.system_prompt=off", "task.split=train[:10%]", "optim.betas=[0.8, 0.95]", "run.drafter=null"]
+          "task.system_prompt=off", "task.name=hf", "task.path=data/gsm8k", "task.split=train[:10%]",
+          "optim.betas=[0.8, 0.95]", "run.drafter=null"]
 
 
 def test_print_config_is_the_full_resolved_config_and_loads_back_equal(tmp_path, monkeypatch, capsys):
@@ -98,6 +99,17 @@ def test_options_may_sit_between_overrides(capsys):
     (["--config", "missing.yaml"], "config file not found: missing.yaml"),
     (["optim.schedule=linear"], "optim.schedule must be one of constant, cosine, got 'linear'"),
     (["run.steps=0"], "run.steps must be >= 1, got 0"),  # it trained nothing, then pointed at a report of nothing
+    # each ran the built-in arithmetic task (a missing file unnoticed), or the dataset without a word
+    (["task.path=data.jsonl"], "task.path is set, but task.name=arithmetic does not use it (a dataset: task.name="
+                               "jsonl, parquet or hf)"),
+    (["task.prompt_field=problem", "task.split=test"], "task.split, task.prompt_field are set, but task.name="
+                                                       "arithmetic does not use them (a dataset: task.name=jsonl, "
+                                                       "parquet or hf)"),
+    (["task.name=jsonl", "task.path=d.jsonl", "task.split=test"], "task.split is set, but task.name=jsonl does not "
+                                                                  "use it"),
+    (["task.name=hf", "task.path=d", "task.max_operations=6"], "task.max_operations is set, but task.name=hf does "
+                                                               "not use it"),
+    (["optim.betas=0.9"], "optim.betas must be a list of 2 numbers (e.g. optim.betas=0.9,0.99), got 0.9"),
 ])
 def test_bad_train_arguments_are_one_line(capsys, argv, message):
     assert main(["train", "--print-config", *argv]) == 2
@@ -202,3 +214,11 @@ def test_generate_and_verify_refuse_bad_sampling_flags_before_loading_the_model(
     assert main([command, "--threads", "1", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_betas_take_the_comma_form_like_the_loggers(capsys):
+    """`optim.betas=0.9,0.99` was refused as not "a list of 2 numbers" (found by review)."""
+    import yaml
+
+    assert main(["train", "--print-config", "optim.betas=0.8,0.95"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["optim"]["betas"] == [0.8, 0.95]

@@ -202,6 +202,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check_device(config.model.device)
     check_choice("task.name", task.name, TASK_NAMES)
     _check(task.name == "arithmetic" or bool(task.path), f"task.name={task.name} needs task.path (a dataset file)")
+    _check_task_keys_used(task)
     _check(task.reward in BUILTIN_REWARDS or ":" in task.reward,
            f"task.reward must be one of {', '.join(BUILTIN_REWARDS)} or 'package.module:function', "
            f"got {task.reward!r}")
@@ -297,6 +298,24 @@ def _check(ok: bool, message: str) -> None:
 
 def check_choice(key: str, value, choices: tuple) -> None:
     _check(value in choices, f"{key} must be one of {', '.join(choices)}, got {value!r}")
+
+
+DATASET_KEYS = ("path", "split", "prompt_field", "answer_field")
+ARITHMETIC_KEYS = ("min_operations", "max_operations")
+
+
+def _check_task_keys_used(task: TaskConfig) -> None:
+    """A key the chosen task ignores is a mistake that trains on the wrong data without a word (task.path with
+    the default task.name=arithmetic ran the built-in task, and a missing file went unnoticed)."""
+    defaults = TaskConfig()
+    unused = DATASET_KEYS if task.name == "arithmetic" else ARITHMETIC_KEYS
+    if task.name in ("jsonl", "parquet"):
+        unused = unused + ("split",)  # a file is its own split
+    given = [f"task.{key}" for key in unused if getattr(task, key) != getattr(defaults, key)]
+    if given:
+        hint = " (a dataset: task.name=jsonl, parquet or hf)" if task.name == "arithmetic" else ""
+        raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set, but task.name="
+                          f"{task.name} does not use {'it' if len(given) == 1 else 'them'}{hint}")
 
 
 def _at_least(key: str, value, low, low_name: str | None = None) -> None:
@@ -437,8 +456,10 @@ def _coerce(key: str, value, annotation):
             raise ConfigError(f"{key} expects a list of names or a comma string, got {value!r}")
         return tuple(item.strip() for item in items if item.strip())
     if origin is tuple:
+        if isinstance(value, str) and "," in value:  # `optim.betas=0.9,0.99`, as `run.logger=jsonl,wandb`
+            value = [item.strip() for item in value.strip("[]() ").split(",")]
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key} must be a list of {len(args)} numbers, got {value!r}")
+            raise ConfigError(f"{key} must be a list of {len(args)} numbers (e.g. {key}=0.9,0.99), got {value!r}")
         return tuple(_coerce(key, v, a) for v, a in zip(value, args))
     if annotation is bool:
         if isinstance(value, bool):
