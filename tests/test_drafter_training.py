@@ -380,3 +380,20 @@ def test_cli_warmup_refuses_bad_flags_before_loading_the_model(tmp_path, monkeyp
     out = [] if "--out" in flags else ["--out", str(tmp_path / "drafter")]
     assert main(["drafter", "warmup", *out, *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_warmup_refuses_a_dataset_smaller_than_its_prompts_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """A 20-record dataset with the default --prompts 64 left τ's measurement no prompt: "no requests to generate",
+    after the sampling, with a drafter already in --out (found by helper-24's adversarial pass)."""
+    import json
+
+    import tlt.models
+    from tlt.cli import main
+
+    data = tmp_path / "d20.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    monkeypatch.setattr(tlt.models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    assert main(["drafter", "warmup", "--data", str(data), "--out", str(tmp_path / "d")]) == 2
+    assert ("the dataset has 20 record(s); --prompts 64 and the 8 prompts that measure τ need 72: lower --prompts "
+            "to at most 12") in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

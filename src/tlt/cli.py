@@ -154,7 +154,7 @@ def _add_warmup(parser: argparse.ArgumentParser) -> None:
 
 def _run_warmup(args) -> int:
     from tlt.drafter.trainer import DrafterTrainConfig
-    from tlt.drafter.warmup import WarmupConfig, check_warmup, warmup
+    from tlt.drafter.warmup import WarmupConfig, check_enough_examples, check_warmup, warmup
     from tlt.models import load_model
     from tlt.tasks import ArithmeticTask, ChatTask, DatasetTask, load_examples
 
@@ -163,6 +163,7 @@ def _run_warmup(args) -> int:
     train_config = DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature)
     check_warmup(args.out, config, train_config, args.overwrite)  # before the model loads
     source = ArithmeticTask() if args.data == "arithmetic" else DatasetTask(load_examples(args.data))
+    check_enough_examples(source, config)
     loaded = load_model(args.model)
     warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config, train_config, overwrite=args.overwrite)
     return 0

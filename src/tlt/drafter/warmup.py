@@ -64,6 +64,7 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     """Sample, train, save to `out`, measure. `out` may hold a drafter only when it is `config.init` (going on
     in place) or `overwrite` is set: checked, like the --init drafter, before any sampling."""
     check_warmup(out, config, train_config, overwrite)
+    check_enough_examples(getattr(task, "source", task), config)
     started = time.perf_counter()
     examples = task.sample(config.prompts + config.eval_prompts, seed=config.seed)
     train_examples, eval_examples = examples[:config.prompts], examples[config.prompts:]
@@ -136,6 +137,18 @@ def check_warmup(out: str | Path, config: WarmupConfig, train_config: DrafterTra
         raise TltError(f"drafter warm-up needs at least 2 prompts (one is held out), got {config.prompts}")
     check_settings(config, train_config)
     check_out(Path(out), config.init, overwrite)
+
+
+def check_enough_examples(source, config: WarmupConfig) -> None:
+    """A dataset draws each record once: one smaller than the training and τ prompts together left the τ
+    measurement no prompt ("no requests to generate"), or the training none ("the feature buffer is empty"),
+    after the sampling and with a drafter already in --out."""
+    examples = getattr(source, "examples", None)
+    needed = config.prompts + config.eval_prompts
+    if isinstance(examples, list) and len(examples) < needed:
+        raise TltError(f"the dataset has {len(examples)} record(s); --prompts {config.prompts} and the "
+                       f"{config.eval_prompts} prompts that measure τ need {needed}: lower --prompts to at most "
+                       f"{max(0, len(examples) - config.eval_prompts)}")
 
 
 def check_settings(config: WarmupConfig, train_config: DrafterTrainConfig) -> None:
