@@ -59,3 +59,20 @@ def test_export_refuses_to_replace_a_model_directory_unless_told(tmp_path, capsy
     (tmp_path / "file").write_text("x")
     with pytest.raises(ExportError, match="is a file"):
         export_eagle(EagleDrafter(tiny_model("llama").config), tmp_path / "file")
+
+
+def test_export_without_model_names_the_default_it_loaded(tmp_path, monkeypatch, capsys):
+    """Without --model the shape error never said the default smollm2 had been loaded (found by review)."""
+    import tlt.models
+    from tlt.cli import main
+    from tlt.models import LoadedModel, ModelSpec
+
+    other = tiny_model("llama", vocab_size=257, hidden_size=32, intermediate_size=64)
+    monkeypatch.setattr(tlt.models, "load_model", lambda *a, **k: LoadedModel(other, None, ModelSpec.from_config(
+        other.config), "smollm2"))  # a stand-in for the default model: another shape
+    EagleDrafter(tiny_model("llama", vocab_size=257).config).save(tmp_path / "drafter")
+    assert main(["drafter", "export", str(tmp_path / "drafter"), "--out", str(tmp_path / "eagle")]) == 2
+    err = capsys.readouterr().err
+    assert "do not fit the target's" in err and "no --model: the default smollm2 was loaded; pass --model" in err
+    assert main(["drafter", "export", str(tmp_path / "nothing"), "--out", str(tmp_path / "eagle")]) == 2
+    assert "is not a tlt drafter" in capsys.readouterr().err  # before any model loads

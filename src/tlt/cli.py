@@ -172,11 +172,19 @@ def _run_warmup(args) -> int:
 def _run_export(args) -> int:
     from tlt.drafter.export import check_export_out, export_eagle
     from tlt.models import load_model
-    from tlt.models.eagle import EagleDrafter
+    from tlt.models.eagle import DrafterError, EagleDrafter, check_drafter_dir
 
     check_export_out(args.out, args.overwrite)  # before the model loads
+    check_drafter_dir(args.directory)
     loaded = load_model(args.model)
-    out = export_eagle(EagleDrafter.load(args.directory, loaded.model), args.out, args.target, args.overwrite)
+    try:
+        drafter = EagleDrafter.load(args.directory, loaded.model)
+    except DrafterError as error:
+        if args.model is not None:
+            raise
+        raise DrafterError(f"{error} (no --model: the default smollm2 was loaded; pass --model, the model the "
+                           f"drafter was trained for)") from None
+    out = export_eagle(drafter, args.out, args.target, args.overwrite)
     print(f"wrote {out} ({args.target}); embed_tokens and lm_head stay with the target")
     return 0
 
