@@ -501,8 +501,41 @@ def test_a_reward_function_that_raises_is_said_on_the_console(tmp_path, capsys, 
     trainer = make_trainer(tmp_path, **{"run.steps": 1})
     trainer.reward = Reward(broken)
     train(trainer.config, trainer=trainer)
-    assert "warning: the reward function raised on 32 of 32 samples (scored 0)" in capsys.readouterr().out
+    assert "warning: the reward function failed on 32 of 32 samples (scored 0)" in capsys.readouterr().out
     assert caplog.text.count("the reward function broken raised KeyError: 'answer_field'") == 1
+
+
+def test_a_reward_function_failing_on_every_sample_stops_the_run_after_three_steps(tmp_path, capsys, caplog):
+    """A reward returning a string scored 0 on every sample of every step, said 'raised ValueError: could not
+    convert string to float', and the run trained on nothing to the end and exited 0 (found by review)."""
+    from tlt.rl.rewards import Reward, RewardError
+
+    def returns_text(completion, example):
+        return "high"
+
+    trainer = make_trainer(tmp_path, **{"run.steps": 5, "run.checkpoint_every": 1})
+    trainer.reward = Reward(returns_text)
+    with pytest.raises(RewardError, match=r"failed on every sample of 3 steps in a row .* fix it and continue "
+                                          r"with --resume"):
+        train(trainer.config, trainer=trainer)
+    assert metric_steps(tmp_path) == [1, 2, 3] and latest_checkpoint(tmp_path).name == "step-000003"
+    assert "the reward function returns_text returned 'high', not a number" in caplog.text
+
+
+def test_a_reward_failing_on_some_samples_does_not_stop_the_run(tmp_path):
+    from tlt.rl.rewards import Reward
+
+    calls = []
+
+    def flaky(completion, example):
+        calls.append(1)
+        if len(calls) % 2:
+            raise ValueError("unparseable")
+        return 1.0
+
+    trainer = make_trainer(tmp_path, **{"run.steps": 4})
+    trainer.reward = Reward(flaky)
+    assert len(train(trainer.config, trainer=trainer)) == 4
 
 
 def test_ctrl_c_says_where_to_resume_and_leaves_no_traceback(tmp_path, capsys, monkeypatch):

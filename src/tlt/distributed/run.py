@@ -16,6 +16,7 @@ from tlt.metrics.timeline import drop_timelines_after, save_timeline
 from tlt.rl.checkpoint import checkpoint_step, latest_checkpoint, prune_checkpoints
 from tlt.rl.config import TrainConfig, validate
 from tlt.rl.preflight import preflight
+from tlt.rl.rewards import RewardError
 from tlt.rl.run_checkpoint import FINAL_DRAFTER_DIR
 from tlt.rl.run_dir import discard_replaced, hold_run_dir, prepare_run_dir, restore_replaced
 
@@ -25,6 +26,9 @@ METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  l
 EVAL_LINE = "      held-out acc {eval_accuracy:.3f}  reward {eval_reward_mean:.3f}  (greedy, {eval_s:.1f}s)"
 WORKERS_LINE = ("      idle {idle_fraction:.0%}  spot-train {spot_train_share:.0%}  tail-train {tail_train_share:.0%} "
                 "({spot_train_steps} steps)  drafter v{v}")
+# Steps in a row whose every reward call failed before the run stops: a broken reward function (a wrong
+# signature, a string returned) gives all-zero rewards, so the run would spend its compute learning nothing
+FAILED_REWARD_STEPS = 3
 IDLE_LINE = "      idle {idle_fraction:.0%}  (no drafter: run.speculative=off)"
 
 
@@ -95,7 +99,7 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
     # Whole or not at all: --resume compares the config it is given with this one.
     text = json.dumps(config.to_dict(), indent=1)
     write_whole(run_dir / "config.json", lambda path: path.write_text(text))
-    history = []
+    history, failed_steps = [], 0
     status = _PhaseStatus(console)
     trainer.on_phase = status
     while trainer.step < config.run.steps:
@@ -108,8 +112,11 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         console.print(METRICS_LINE.format(step=trainer.step, **metrics))
         if metrics.get("reward_failures"):
             samples = config.rollout.prompts_per_step * config.rollout.samples_per_prompt
-            console.print(f"      warning: the reward function raised on {metrics['reward_failures']} of {samples} "
+            console.print(f"      warning: the reward function failed on {metrics['reward_failures']} of {samples} "
                           f"samples (scored 0)")
+            failed_steps = failed_steps + 1 if metrics["reward_failures"] >= samples else 0
+        else:
+            failed_steps = 0
         if "eval_accuracy" in metrics:
             console.print(EVAL_LINE.format(**metrics))
         if getattr(trainer, "last_timeline", None) is not None:
@@ -122,6 +129,10 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
             trainer.save(run_dir)
             discard_replaced(run_dir)  # the new run can be resumed now: the one --overwrite replaced goes
             prune_checkpoints(run_dir, config.run.keep_checkpoints)
+        if failed_steps >= FAILED_REWARD_STEPS:
+            raise RewardError(f"the reward function {config.task.reward} failed on every sample of {failed_steps} "
+                              f"steps in a row (its first error is logged above): a bug in it, not hard samples; "
+                              f"fix it and continue with --resume")
     return history
 
 

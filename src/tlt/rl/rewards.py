@@ -1,8 +1,9 @@
 """Verifiable rewards: extract the final answer, check it, optionally reward the format.
 
 Exact integer match for the built-in task; math-verify (symbolic/numeric equivalence) for general math answers;
-or any function `fn(completion, example) -> float` given by dotted path. A reward function that raises gives
-that sample reward 0; the failures are counted and reported, and the run goes on.
+or any function `fn(completion, example) -> float` given by dotted path. A reward function that raises (or
+returns no finite number) gives that sample reward 0; the failures are counted and reported, and the run goes
+on, unless every sample of several steps in a row failed (a bug, not hard samples: distributed/run.py stops it).
 """
 
 from __future__ import annotations
@@ -98,20 +99,34 @@ class Reward:
         rewards, correct, failures = [], [], 0
         for completion, example in zip(completions, examples):
             try:
-                value = float(self.check(completion, example))
-                if not math.isfinite(value):  # a NaN/inf advantage would turn every weight into NaN in one update
-                    raise ValueError(f"returned {value}, not a finite number")
+                value = _finite(self.check(completion, example))
             except Exception as error:  # noqa: BLE001 — a user's reward bug must not kill a long run; counted
                 value, failures = 0.0, failures + 1
                 if not self._told:
                     self._told = True
-                    log.warning("the reward function %s raised %s: %s (that sample scores 0; the run goes on and "
-                                "counts such samples as reward_failures)", getattr(self.check, "__name__", "?"),
-                                type(error).__name__, first_line(error))
+                    what = first_line(error) if isinstance(error, BadReward) else \
+                        f"raised {type(error).__name__}: {first_line(error)}"
+                    log.warning("the reward function %s %s (that sample scores 0; the run goes on and counts such "
+                                "samples as reward_failures)", getattr(self.check, "__name__", "?"), what)
             bonus = self.format_reward if extract_answer(completion) is not None else 0.0
             rewards.append(value + bonus)
             correct.append(value >= 1.0)
         return RewardScores(rewards, correct, failures)
+
+
+class BadReward(ValueError):
+    """A reward function returned something that is not a finite number."""
+
+
+def _finite(value) -> float:
+    """A reward as a float; a NaN/inf advantage would turn every weight into NaN in one update."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise BadReward(f"returned {value!r}, not a number") from None
+    if not math.isfinite(number):
+        raise BadReward(f"returned {number}, not a finite number")
+    return number
 
 
 def build_reward(config) -> Reward:
