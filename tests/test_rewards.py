@@ -51,6 +51,18 @@ def test_dotted_path_loading():
         load_reward_function("nodots")
 
 
+def test_a_reward_module_in_the_current_directory_gets_a_pythonpath_hint(tmp_path, monkeypatch):
+    """`task.reward=myrew:score` with myrew.py beside the user said only "No module named 'myrew'": the console
+    script does not import from the current directory (found by review)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "myrew_tlt_test.py").write_text("def score(completion, example):\n    return 1.0\n")
+    with pytest.raises(RewardError, match=r"No module named 'myrew_tlt_test' \(myrew_tlt_test\.py is in the current "
+                                          r"directory, which tlt does not import from: run with PYTHONPATH=\.\)"):
+        load_reward_function("myrew_tlt_test:score")
+    with pytest.raises(RewardError, match=r"No module named 'elsewhere'\Z"):  # no hint when no such file is here
+        load_reward_function("elsewhere:score")
+
+
 def test_build_reward_auto():
     assert build_reward(TaskConfig()).check is integer_match
     assert build_reward(TaskConfig(name="jsonl", path="x")).check is math_verify_match

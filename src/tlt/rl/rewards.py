@@ -13,6 +13,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from tlt.errors import TltError, first_line
@@ -77,7 +78,12 @@ def load_reward_function(path: str) -> Callable[[str, TaskExample], float]:
     try:
         function = getattr(importlib.import_module(module_name), attribute)
     except Exception as error:  # noqa: BLE001 - importing user code: a syntax error or its own exception too
-        raise RewardError(f"cannot load reward function {path!r}: {type(error).__name__}: {error}") from None
+        hint = ""
+        top = module_name.split(".")[0]
+        if isinstance(error, ModuleNotFoundError) and error.name == top and Path(f"{top}.py").exists():
+            # `tlt` is a console script: the current directory is not on its import path (as it is for python -m)
+            hint = f" ({top}.py is in the current directory, which tlt does not import from: run with PYTHONPATH=.)"
+        raise RewardError(f"cannot load reward function {path!r}: {type(error).__name__}: {error}{hint}") from None
     if not callable(function):
         raise RewardError(f"reward {path!r} is not callable")
     return function
