@@ -56,6 +56,10 @@ def test_export_refuses_to_replace_a_model_directory_unless_told(tmp_path, capsy
     out = tmp_path / "eagle"
     for flags in ([], ["--overwrite"]):  # an earlier export is replaced when asked
         assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(out), *flags]) == 0
+    assert "draft vocabulary" not in capsys.readouterr().out
+    EagleDrafter(tiny_model("llama", vocab_size=257).config, draft_vocab=torch.arange(40)).save(drafter)
+    assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(out), "--overwrite"]) == 0
+    assert "note: its draft vocabulary (40 of 257 tokens) is not exported" in capsys.readouterr().out  # said, not silent
     (tmp_path / "file").write_text("x")
     with pytest.raises(ExportError, match="is a file"):
         export_eagle(EagleDrafter(tiny_model("llama").config), tmp_path / "file")

@@ -186,6 +186,10 @@ def _run_export(args) -> int:
                            f"drafter was trained for)") from None
     out = export_eagle(drafter, args.out, args.target, args.overwrite)
     print(f"wrote {out} ({args.target}); embed_tokens and lm_head stay with the target")
+    if drafter.draft_to_target is not None:
+        print(f"note: its draft vocabulary ({drafter.draft_vocab_size} of {drafter.config.vocab_size} tokens) is not "
+              f"exported: EAGLE-1 in vLLM and SGLang drafts over the target's whole lm_head (for a warmed drafter "
+              f"a small change: docs/benchmarks.md, section 5)")
     return 0
 
 
