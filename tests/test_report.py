@@ -116,3 +116,22 @@ def test_a_file_as_run_dir_or_out_is_one_line(run_dir, tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == [f"tlt: error: --out {tmp_path / 'file'}: it, or a directory above it, is a file",
                    f"tlt: error: {tmp_path / 'file'}: a file, not a run directory"]
+
+
+def test_out_holding_another_index_html_is_refused_and_tlts_own_is_replaced(run_dir, tmp_path):
+    """`tlt report RUN --out DIR` replaced DIR/index.html whoever wrote it (found by review)."""
+    from tlt.errors import TltError
+    from tlt.report import write_report
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("<html>precious</html>")
+    with pytest.raises(TltError, match="already holds an index.html that tlt report did not write"):
+        write_report(run_dir, site)
+    assert (site / "index.html").read_text() == "<html>precious</html>"
+    out = tmp_path / "ours"
+    first = write_report(run_dir, out).read_text()
+    assert write_report(run_dir, out).read_text() == first  # its own page: replaced again
+    (run_dir / "report").mkdir(exist_ok=True)
+    (run_dir / "report" / "index.html").write_text("<html>a report from before the marker</html>")
+    assert "generator" in write_report(run_dir).read_text()  # RUN_DIR/report is tlt's own

@@ -31,6 +31,20 @@ CSS = ("body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-col
        "td.k{text-align:left}img{max-width:100%;display:block;margin:0.5em 0}")
 
 
+GENERATOR = "<meta name='generator' content='tlt report'>"  # marks a page this module may replace
+
+
+def _refuse_a_foreign_page(path: Path) -> None:
+    """--out DIR holding someone else's index.html (a site, another tool's report) would lose it."""
+    try:
+        page = path.read_text(errors="replace")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return
+    if GENERATOR not in page:
+        raise TltError(f"--out {path.parent} already holds an index.html that tlt report did not write: choose "
+                       f"another --out (or delete it)")
+
+
 def write_report(run_dir, out=None) -> Path:
     """Write `index.html` and its PNGs to `out` (default RUN_DIR/report) and return the HTML path."""
     run_dir = Path(run_dir)
@@ -39,6 +53,8 @@ def write_report(run_dir, out=None) -> Path:
     metrics = read_metrics(run_dir)
     if not metrics:
         raise TltError(f"{run_dir / 'metrics.jsonl'}: missing or empty; is {run_dir} a `tlt train` run directory?")
+    if out is not None:  # RUN_DIR/report is tlt's own (a page there from before the marker is replaced too)
+        _refuse_a_foreign_page(Path(out) / "index.html")
     out = Path(out) if out is not None else run_dir / "report"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -49,7 +65,7 @@ def write_report(run_dir, out=None) -> Path:
     sections = [_config_section(run_dir), "<h2>Steps</h2>" + _step_table(metrics),
                 "<h2>Curves</h2>" + "".join(_img(name, title) for title, name in curves),
                 timelines, _sd_section(metrics[-1])]
-    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(run_dir.name)}</title>"
+    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'>{GENERATOR}<title>{_e(run_dir.name)}</title>"
             f"<style>{CSS}</style></head><body><h1>Run {_e(run_dir.resolve().name)}</h1>"
             f"<p>{_e(str(run_dir))}, {len(metrics)} step(s)</p>{''.join(sections)}</body></html>\n")
     path = out / "index.html"
