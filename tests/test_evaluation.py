@@ -91,7 +91,8 @@ def test_the_trainer_never_trains_on_held_out_prompts(tmp_path, monkeypatch, sou
     data.write_text("".join(json.dumps({"question": f"what is {i} + 0?", "answer": str(i)}) + "\n" for i in range(10)))
     model = tiny_model("llama", vocab_size=16)
     loaded = LoadedModel(model, TextTokenizer(), ModelSpec.from_config(model.config), "tiny")
-    config = load_config(None, [f"task.name={source}", f"task.path={data}", "task.eval_size=4", "run.steps=3",
+    task = [f"task.name={source}"] + ([f"task.path={data}"] if source == "jsonl" else [])
+    config = load_config(None, [*task, "task.eval_size=4", "run.steps=3",
                                 "run.speculative=off", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
                                 "rollout.max_new_tokens=4", f"run.out_dir={tmp_path / 'run'}",
                                 "run.tensorboard=false"])
