@@ -155,6 +155,8 @@ def bad_inputs(root):
     (reshaped / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     (root / "old-run").mkdir()
     (root / "old-run" / "metrics.jsonl").write_text("{}\n")  # a run that ended before its first checkpoint
+    from tlt.rl.config import TrainConfig
+    (root / "old-run" / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
     out = ["run.out_dir=" + str(root / "run")]
     data = lambda f: ["task.name=jsonl", f"task.path={root / f}"]  # noqa: E731
     return [

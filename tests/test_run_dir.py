@@ -265,10 +265,39 @@ def fake_run(run_dir, config_dict, checkpoint=True):
         (run_dir / "step-000001" / "state.json").write_text("{}")
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_folders_with_tlts_names_that_no_run_wrote_are_refused_not_deleted(tmp_path, overwrite):
+    """A directory holding a user's final/ and timeline/ and some metrics.jsonl, but no tlt run: the refusal said
+    "already holds a run ... --overwrite (deletes that run)", and --overwrite deleted them (found by review)."""
+    from tlt.rl.config import TrainConfig
+
+    for folder in ("final", "timeline"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "keep.txt").write_text("mine")
+    (tmp_path / "metrics.jsonl").write_text("not tlt's\n")
+    with pytest.raises(RunDirError, match=r"holds timeline/, final/, metrics\.jsonl but no tlt run \(no config\.json "
+                                          r"of one beside them\)"):
+        prepare_run_dir(tmp_path, TrainConfig().to_dict(), resume=False, overwrite=overwrite)
+    assert (tmp_path / "final" / "keep.txt").read_text() == (tmp_path / "timeline" / "keep.txt").read_text() == "mine"
+    assert not (tmp_path / "config.json").exists() and not (tmp_path / ".replaced").exists()
+
+
+def test_a_run_that_died_before_its_first_step_is_still_tlts(tmp_path):
+    """A fresh run writes config.json before anything loads: what a failed load leaves (a TensorBoard directory)
+    lies beside it, so a retry is not taken for someone else's files."""
+    from tlt.rl.config import TrainConfig
+
+    assert prepare_run_dir(tmp_path, TrainConfig().to_dict(), resume=False, overwrite=False) is None
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads(json.dumps(TrainConfig().to_dict()))
+    (tmp_path / "tensorboard").mkdir()  # then the policy failed to load
+    assert prepare_run_dir(tmp_path, TrainConfig().to_dict(), resume=False, overwrite=False) is None
+
+
 def test_a_run_without_checkpoints_is_described_by_what_it_holds(tmp_path):
     from tlt.rl.config import TrainConfig
     from tlt.rl.run_dir import describe
 
+    (tmp_path / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
     (tmp_path / "final").mkdir()
     assert describe(tmp_path) == "final, no checkpoint"  # it said "metrics", which were not there
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from tlt.errors import TltError
+from tlt.files import write_whole
 from tlt.models.loading import is_default_source
 from tlt.rl.checkpoint import checkpoint_dirs, checkpoint_step, latest_checkpoint, read_state
 from tlt.rl.config import PATH_KEYS, TrainConfig
@@ -60,6 +61,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
         _check_same_run(run_dir, config_dict, checkpoint)
         _drop_staging(run_dir)
         return checkpoint
+    _refuse_foreign_entries(run_dir)
     if holds_run(run_dir):
         if not overwrite:
             # --resume only where there is a checkpoint: without one it would fail with "nothing to resume"
@@ -69,7 +71,23 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
         _refuse_inputs_inside(run_dir, config_dict)
         set_aside(run_dir)
     _drop_staging(run_dir)
+    # First, before anything loads: whatever this run leaves (a TensorBoard directory from a load that failed)
+    # then lies beside a tlt config.json, which is how the next run knows it as tlt's (_refuse_foreign_entries)
+    text = json.dumps(config_dict, indent=1)
+    write_whole(run_dir / "config.json", lambda path: path.write_text(text))
     return None
+
+
+def _refuse_foreign_entries(run_dir: Path) -> None:
+    """Folders and files with tlt's names (final/, timeline/, metrics.jsonl...) that no tlt run wrote: no tlt
+    config.json and no checkpoint beside them. A run would write into them, and --overwrite delete them."""
+    if (run_dir / "config.json").exists() or latest_checkpoint(run_dir) is not None:
+        return  # a tlt run's (_refuse_foreign_config has refused any other config.json)
+    found = [path.name + ("/" if path.is_dir() else "") for path in run_entries(run_dir)]
+    if found:
+        raise RunDirError(f"run.out_dir={run_dir} holds {', '.join(found)} but no tlt run (no config.json of one "
+                          f"beside them): tlt would write into them, and --overwrite delete them; set another "
+                          f"run.out_dir, or move them")
 
 
 def _drop_staging(run_dir: Path) -> None:
