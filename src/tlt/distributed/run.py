@@ -131,7 +131,7 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
             prune_checkpoints(run_dir, config.run.keep_checkpoints)
         if failed_steps >= FAILED_REWARD_STEPS:
             raise RewardError(f"the reward function {config.task.reward} failed on every sample of {failed_steps} "
-                              f"steps in a row (its first error is logged above): a bug in it, not hard samples; "
+                              f"steps in a row (its first error is in the log): a bug in it, not hard samples; "
                               f"fix it and continue with --resume")
     return history
 
