@@ -99,10 +99,24 @@ def check_prompts_fit(task, spec, max_new_tokens: int) -> None:
     template = len(task.prompt_ids(TaskExample("", "")))
     room = spec.max_positions - max_new_tokens - template - TEMPLATE_SLACK
     params = SamplingParams(max_new_tokens=max_new_tokens)
+    byte_length = _normalized_byte_length(task.tokenizer)
     for example in examples:
-        if len(example.prompt.encode()) > room:
+        if byte_length is None or byte_length(example.prompt) > room:
             request = Request(task.prompt_ids(example), params=params)
             check_fits(request, spec.vocab_size, spec.max_positions, record_label(example) or "a task prompt")
+
+
+def _normalized_byte_length(tokenizer):
+    """The byte bound holds for the text the tokenizer's model sees, after its normalizer, and a normalizer can
+    lengthen text (NFKC turns one 3-byte ligature into 33 bytes; NFC recomposes some scripts longer). None when
+    the normalizer cannot be read (a slow tokenizer): then every prompt is tokenized."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    normalizer = backend.normalizer
+    if normalizer is None:
+        return lambda text: len(text.encode())
+    return lambda text: len(normalizer.normalize_str(text).encode())
 
 
 def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
