@@ -1,5 +1,6 @@
 """Bad rollout input gets one clear error naming the problem, never a torch stack trace."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,9 +49,22 @@ def test_no_requests_and_wrong_types(engine):
         engine.generate([[5, 6]])
 
 
-def test_invalid_batch_size():
-    with pytest.raises(RequestError, match="max_batch_size"):
-        RolloutEngine(tiny_model(), max_batch_size=0)
+@pytest.mark.parametrize("value", [0, -1, "8", 2.5, True])
+def test_invalid_batch_size(value):
+    with pytest.raises(RequestError, match="max_batch_size must be an integer >= 1"):
+        RolloutEngine(tiny_model(), max_batch_size=value)
+
+
+@pytest.mark.parametrize("value", [-8, "8", 2.5, True])
+def test_invalid_max_tree_size(value):
+    """-8 failed inside the cache allocation at the first rollout, "8" and 2.5 with a TypeError, and True
+    passed as 1 (found by review). Refused at construction and in the setter, which keeps the old value."""
+    with pytest.raises(RequestError, match="max_tree_size must be an integer >= 0"):
+        RolloutEngine(tiny_model(), max_tree_size=value)
+    engine = RolloutEngine(tiny_model(), max_tree_size=np.int64(4))
+    with pytest.raises(RequestError, match="max_tree_size must be an integer >= 0"):
+        engine.max_tree_size = value
+    assert engine.max_tree_size == 4 and type(engine.max_tree_size) is int
 
 
 def test_strategy_larger_than_the_reserved_tree_slots():
@@ -359,6 +373,33 @@ def test_an_over_long_dataset_prompt_is_refused_before_the_first_step(tmp_path, 
     assert "1 + 1?" not in tokenized and "x" * 95 in tokenized  # short prompts need no tokenizing
     data.write_text("".join(json.dumps({"question": q, "answer": "#### 2"}) + "\n" for q in questions[:2]))
     PolicyReplica.build(load_config(None, settings))  # 95 characters + its newline + 32 = 128: fits exactly
+
+
+def test_a_prompt_its_tokenizer_normalizes_longer_is_refused_before_the_first_step(tmp_path):
+    """The byte bound counted the raw prompt, but the tokenizer's normalizer can lengthen it: under NFKC one
+    3-byte ligature (U+FDFA) becomes 33 bytes, so a 30-byte prompt took 331 tokens and passed the check
+    (found by review). Negative control: without the normalizer the same prompt fits."""
+    from tokenizers import normalizers
+
+    from tlt.rl.config import load_config
+    from tlt.rl.replica import PolicyReplica
+
+    tokenizer = byte_tokenizer()
+    tokenizer.backend_tokenizer.normalizer = normalizers.NFKC()
+    assert len(tokenizer("\ufdfa" * 10)["input_ids"]) == 330  # byte tokens of the normalized text
+    model = tmp_path / "model"
+    save_model_dir(tiny_model("llama", vocab_size=257, eos_token_id=256, max_position_embeddings=256),
+                   tokenizer, model)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question": "\ufdfa" * 10, "answer": "#### 2"}) + "\n")
+    settings = [f"model.path={model}", "task.name=jsonl", f"task.path={data}", "rollout.max_new_tokens=32",
+                "run.speculative=off", "rollout.prompts_per_step=1", "run.tensorboard=false"]
+    with pytest.raises(RequestError, match=rf"{data}, line 1: prompt of 331 tokens \+ max_new_tokens 32"):
+        PolicyReplica.build(load_config(None, settings))
+    tokenizer.backend_tokenizer.normalizer = None
+    save_model_dir(tiny_model("llama", vocab_size=257, eos_token_id=256, max_position_embeddings=256),
+                   tokenizer, tmp_path / "plain")
+    PolicyReplica.build(load_config(None, [*settings, f"model.path={tmp_path / 'plain'}"]))
 
 
 def test_a_budget_leaving_no_room_for_the_generated_prompts_is_refused_before_the_first_step(tmp_path, monkeypatch):

@@ -26,6 +26,7 @@ from tlt.rollout.policy import SpeculationPolicy, as_policy, policy_strategies
 from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
 from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.sequence import Sequence
+from tlt.sampling import is_integer
 from tlt.speculative.decoder import SpeculativeDecoder
 
 
@@ -51,8 +52,8 @@ class RolloutEngine:
         tokenizer = None
         if isinstance(model, LoadedModel):
             model, tokenizer = model.model, model.tokenizer
-        if max_batch_size < 1:
-            raise RequestError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if not (is_integer(max_batch_size) and max_batch_size >= 1):
+            raise RequestError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.policy_forward = LeanForward(model)  # the master weights: training features, drafter training
         dtype = resolve_rollout_dtype(dtype, self.policy_forward.device, self.policy_forward.dtype)
         self.rollout_copy = RolloutCopy(model, dtype) if dtype != self.policy_forward.dtype else None

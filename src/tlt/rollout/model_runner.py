@@ -17,7 +17,7 @@ from tlt.models.lean_forward import LeanForward
 from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity
 from tlt.rollout.request import StepTrace
 from tlt.rollout.sequence import Sequence
-from tlt.sampling import RowSampling, draw_uniforms, sample_next
+from tlt.sampling import RowSampling, draw_uniforms, is_integer, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
 
@@ -40,6 +40,18 @@ class ModelRunner:
         self.cache: KVCache | None = None
         self.spec_decoder: SpeculativeDecoder | None = None
         self._rebuilds = 0  # speculative steps that rebuilt some row's drafter state from nothing
+
+    @property
+    def max_tree_size(self) -> int:
+        return self._max_tree_size
+
+    @max_tree_size.setter
+    def max_tree_size(self, value: int) -> None:
+        # a float or a string failed later, deep inside the cache allocation, or a bool passed as 1
+        if not (is_integer(value) and value >= 0):
+            raise RequestError(f"max_tree_size must be an integer >= 0 (cache slots for a verified tree), "
+                               f"got {value!r}")
+        self._max_tree_size = int(value)
 
     @property
     def warmups(self) -> int:
