@@ -292,6 +292,10 @@ def test_warmup_refuses_an_init_drafter_of_another_vocabulary_before_sampling(tm
     with pytest.raises(TltError, match=r"draft vocabulary of 10 tokens, not the 12 asked for: pass --draft-vocab 10"):
         warmup(loaded, TargetTokenTask(vocab_size=16), tmp_path / "b",
                WarmupConfig(prompts=4, draft_vocab=12, init=str(tmp_path / "a")), log=lambda line: None)
+    from tlt.drafter.warmup import initial_drafter
+
+    config = WarmupConfig(prompts=4, init=str(tmp_path / "a"))  # --draft-vocab not given: the drafter's own
+    assert initial_drafter(loaded, loaded.model, config)[0].draft_vocab_size == 10
     with pytest.raises(TltError, match="lr_schedule must be 'constant' or 'cosine', got 'linear'"):
         WarmupConfig(lr_schedule="linear")
 
@@ -311,6 +315,7 @@ def test_warmup_refuses_an_out_directory_holding_a_drafter_before_sampling(tmp_p
 @pytest.mark.parametrize("settings,train,message", [
     ({"steps": -1}, {}, "--steps must be >= 1"), ({"draft_vocab": -5}, {}, "--draft-vocab must be >= 0"),
     ({}, {"lr": 0.0}, "--lr must be a finite number > 0"), ({}, {"ce_weight": -1.0}, "--ce-weight must be"),
+    ({"draft_vocab": 1}, {}, "--draft-vocab 1 is smaller than the 2 children per node of S4K2N14q"),
     ({}, {}, "is a file, not a directory"), ({"init": "damaged"}, {}, "cannot read the drafter's optimizer state")])
 def test_warmup_refuses_bad_settings_and_outs_before_sampling(tmp_path, monkeypatch, settings, train, message):
     """These trained nothing (steps -1, lr 0), the wrong thing (a negative ce weight maximizes the cross-entropy)

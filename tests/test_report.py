@@ -26,7 +26,7 @@ def _metrics(step: int) -> dict:
     record = {"step": step, "reward_mean": 0.25 * step, "accuracy": 0.125 * step, "response_len_p50": 40 + step,
               "response_len_p90": 90 + step, "response_len_max": 120 + step, "rollout_s": 1.5, "train_s": 0.5,
               "rollout_tok_s": 321.5, "train/loss": 0.1, "sd/tau": 2.5 + step / 10, "sd/sd_step_share": 0.75,
-              "sd/arm/<k4>/tau": 3.0}
+              "sd/arm/<k4>/tau": 3.0, "drafter/pairs": 200000}
     if step > 1:  # newer keys appear part-way, as in a resumed run on a newer version
         record.update({"idle_fraction": 0.15, "step_s": 2.0, "drafter_versions": [step]})
     return record
@@ -49,6 +49,7 @@ def test_report_page_tables_and_figures(run_dir):
     for text in ("0.750", "0.375", "123", "93", "321.5", "2.80", "15.0%", "rollout", "grpo", "optim"):
         assert text in page
     assert "&lt;k4&gt;" in page and "<k4>" not in page  # metric names are escaped
+    assert "200000" in page and "2e+05" not in page  # counts are written out
     images = re.findall(r"<img src='([^']+)'", page)
     assert {"curves_reward.png", "curves_length.png", "curves_time.png", "curves_tau.png",
             "timeline_step_0003.png"} <= set(images)
@@ -135,3 +136,21 @@ def test_out_holding_another_index_html_is_refused_and_tlts_own_is_replaced(run_
     (run_dir / "report").mkdir(exist_ok=True)
     (run_dir / "report" / "index.html").write_text("<html>a report from before the marker</html>")
     assert "generator" in write_report(run_dir).read_text()  # RUN_DIR/report is tlt's own
+
+
+def test_a_step_without_speculative_steps_logs_no_tau():
+    """τ is a mean over SD steps: a step with none logged 0.0, which the τ curve and table drew as a collapse
+    (found by review). A step with one SD step logs its τ."""
+    import torch
+
+    from tlt.metrics.step import step_metrics
+    from tlt.rollout.request import RolloutResult, SampleOutput, StepTrace
+
+    samples = [SampleOutput(0, 0, (5,), [4, 6, 7], [0.0, 0.0, 0.0], "length")]
+    plain = [StepTrace("prefill", 1, 1, 0.1), StepTrace("decode", 1, 1, 0.1), StepTrace("decode", 1, 1, 0.1)]
+    sd = [StepTrace("prefill", 1, 1, 0.1), StepTrace("decode", 1, 2, 0.1, mode="sd", accepted_hist=(0, 1))]
+    rewards = torch.ones(1)
+    metrics = [step_metrics(RolloutResult(samples, steps, 0.3), rewards, rewards > 0, {}, 0.3, 0.1, 0)
+               for steps in (plain, sd)]
+    assert "sd/tau" not in metrics[0] and metrics[0]["sd/sd_step_share"] == 0.0
+    assert metrics[1]["sd/tau"] == 2.0

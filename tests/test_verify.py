@@ -124,10 +124,27 @@ def test_verify_covers_q_sampling_and_its_negative_control():
     assert not control.sampled_passed, control.to_dict()
 
 
+def test_verify_that_ran_no_speculative_step_is_an_error_not_a_pass():
+    """max_new_tokens 1, or responses that all stop at their first token: SD never ran, and verify printed PASS
+    (found by review). Negative control: the same check with one more token allowed and no stop token runs SD."""
+    from tlt.errors import TltError
+
+    model, _ = markov_model(16, sharpness=1.5, context=0.05, seed=1)
+    settings = dict(strategy=SpecStrategy.chain(2), prompts=random_prompts([3, 4], vocab_size=16),
+                    samples_per_prompt=4, check_greedy=False)
+    with pytest.raises(TltError, match="no speculative step ran"):
+        verify(model, oracle_drafter(model), params=SamplingParams(temperature=1.0, max_new_tokens=8,
+                                                                   stop_token_ids=tuple(range(16))), **settings)
+    report = verify(model, oracle_drafter(model), params=SamplingParams(temperature=1.0, max_new_tokens=8,
+                                                                         stop_token_ids=()), **settings)
+    assert report.tau is not None and report.tau > 1
+
+
 @pytest.mark.parametrize("args,message", [
     (["--alpha", "2"], "alpha (the KS p-value below which the check fails) must be in (0, 1), got 2.0"),
     (["--json", "{tmp}"], "is a directory; give a file name"),
-    (["--json", "{tmp}/file/out.json"], "is a file, not a directory")])
+    (["--json", "{tmp}/file/out.json"], "is a file, not a directory"),
+    (["--max-new-tokens", "1"], "verify needs max_new_tokens >= 2, got 1")])
 def test_cli_verify_refuses_a_bad_alpha_or_json_path_before_loading(tmp_path, capsys, args, message):
     """--alpha 2 printed 'FAIL: speculative decoding is NOT lossless' (every p-value is below 2); a --json path
     that cannot be written raised a traceback after the whole check, its results lost. Both fail before the

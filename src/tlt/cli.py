@@ -138,8 +138,9 @@ def _add_warmup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--draft-vocab", type=int, default=8192, help="the drafter's output vocabulary: the most "
-                        "frequent tokens of the sampled responses (0, or at least the model's: the full vocabulary)")
+    parser.add_argument("--draft-vocab", type=int, default=None, help="the drafter's output vocabulary: the most "
+                        "frequent tokens of the sampled responses (0, or at least the model's: the full vocabulary; "
+                        "default: 8192 for a new drafter, the --init drafter's own)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ce-weight", type=float, default=0.1, help="weight of the soft cross-entropy to the "
                         "target's token distribution (beside the feature loss of weight 1)")

@@ -158,6 +158,8 @@ def _fmt(value, spec: str = "{:.4g}") -> str:
     if value is None:
         return "–"
     if is_number(value):
+        if spec == "{:.4g}" and isinstance(value, int):
+            return str(value)  # 200000, not 2e+05
         try:
             return spec.format(value)
         except ValueError:  # e.g. "{:d}" given a float

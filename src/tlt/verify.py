@@ -85,6 +85,9 @@ def check_settings(params: SamplingParams, prompts: int, samples_per_prompt: int
         raise TltError("the sampled check needs temperature > 0 (greedy decoding is checked separately)")
     if prompts < 1 or samples_per_prompt < 1:
         raise TltError("verify needs at least one prompt and samples_per_prompt >= 1")
+    if params.max_new_tokens < 2:  # it passed, having checked nothing
+        raise TltError(f"verify needs max_new_tokens >= 2, got {params.max_new_tokens}: a response's first token "
+                       f"comes from the prefill, speculative steps emit the rest")
     check_alpha(alpha)
 
 
@@ -102,12 +105,15 @@ def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]],
     spec = _sd_engine(loaded, drafter, strategy, accept_rule)
     mismatches, first = _greedy_identity(loaded, spec, prompts, params) if check_greedy else (0, None)
     sampled = spec.generate([Request(p, samples_per_prompt, params) for p in prompts])
+    tau = sampled.speculation_summary()["tau"]
+    if tau is None:
+        raise TltError("no speculative step ran: every sampled response ended at its first token, so nothing was "
+                       "checked; use other prompts (or a model that does not stop at once)")
     generator = torch.Generator().manual_seed(seed)
     u = torch.cat([pit_values(model, s.prompt_ids, s.token_ids, params, generator) for s in sampled.samples])
     statistic = ks_statistic(u)
     return VerifyReport(strategy.name, len(prompts), alpha, len(prompts) if check_greedy else 0, mismatches, first,
-                        len(sampled.samples), int(u.numel()), statistic, ks_pvalue(statistic, u.numel()),
-                        sampled.speculation_summary()["tau"])
+                        len(sampled.samples), int(u.numel()), statistic, ks_pvalue(statistic, u.numel()), tau)
 
 
 def _sd_engine(loaded, drafter, strategy: SpecStrategy, accept_rule) -> RolloutEngine:

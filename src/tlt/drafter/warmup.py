@@ -31,6 +31,9 @@ from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
 
 
+DEFAULT_DRAFT_VOCAB = 8192  # a new drafter's output vocabulary: the responses' most frequent tokens
+
+
 @dataclass(frozen=True)
 class WarmupConfig:
     prompts: int = 64               # training prompts
@@ -39,7 +42,7 @@ class WarmupConfig:
     max_new_tokens: int = 256
     temperature: float = 1.0        # the RL rollout temperature: the drafter learns what it will face
     steps: int = 300                # optimizer steps
-    draft_vocab: int = 8192         # 0 = full vocabulary
+    draft_vocab: int | None = None  # 0 = full vocabulary; None: --init's own, or DEFAULT_DRAFT_VOCAB for a new one
     eval_strategy: SpecStrategy = SpecStrategy(4, 2, rule="q")  # the measured τ under the rule that pays at T=1
     seed: int = 0                   # the prompts drawn and the sampling: another seed, other prompts
     init: str | None = None         # continue from this drafter (weights, draft vocabulary, optimizer state)
@@ -155,12 +158,20 @@ def check_settings(config: WarmupConfig, train_config: DrafterTrainConfig) -> No
     """Values that would train nothing, or the wrong thing, without a word: refused before any sampling."""
     if config.steps < 1:
         raise TltError(f"--steps must be >= 1 (optimizer steps), got {config.steps}")
-    if config.draft_vocab < 0:
+    if config.draft_vocab is not None and config.draft_vocab < 0:
         raise TltError(f"--draft-vocab must be >= 0 (0 = the full vocabulary), got {config.draft_vocab}")
+    branching = config.eval_strategy.branching
+    if config.draft_vocab is not None and 0 < config.draft_vocab < branching:  # found only after the training
+        raise TltError(f"--draft-vocab {config.draft_vocab} is smaller than the {branching} children per node of "
+                       f"{config.eval_strategy.name}, the strategy that measures τ: use at least {branching}")
     if not 0 < train_config.lr < math.inf:
         raise TltError(f"--lr must be a finite number > 0, got {train_config.lr}")
     if not 0 <= train_config.ce_weight < math.inf:
         raise TltError(f"--ce-weight must be a finite number >= 0, got {train_config.ce_weight}")
+
+
+def _tau_text(tau: float | None) -> str:
+    return "none (every response ended at its first token: no speculative step ran)" if tau is None else f"{tau:.2f}"
 
 
 def check_out(out: Path, init: str | None, overwrite: bool) -> None:
@@ -179,6 +190,8 @@ def initial_drafter(loaded, forward, config: WarmupConfig) -> tuple[EagleDrafter
     drafter = EagleDrafter.load(config.init, forward)
     state = DrafterTrainer.saved_state(config.init) if DrafterTrainer.has_saved_state(config.init) else None
     vocab = loaded.spec.vocab_size
+    if config.draft_vocab is None:  # not asked: the drafter keeps its own
+        return drafter, state
     wanted = config.draft_vocab if limits_vocab(config.draft_vocab, vocab) else vocab
     if drafter.draft_vocab_size != wanted:
         raise TltError(f"--init {config.init} has a draft vocabulary of {drafter.draft_vocab_size} tokens, not the "
@@ -196,8 +209,8 @@ def new_trainer(loaded, drafter: EagleDrafter | None, state: dict | None, forwar
             trainer.load_optimizer(config.init, state)
         return trainer
     vocab = loaded.spec.vocab_size
-    limited = limits_vocab(config.draft_vocab, vocab)
-    draft_vocab = frequent_tokens(responses, config.draft_vocab, vocab) if limited else None
+    size = DEFAULT_DRAFT_VOCAB if config.draft_vocab is None else config.draft_vocab
+    draft_vocab = frequent_tokens(responses, size, vocab) if limits_vocab(size, vocab) else None
     return DrafterTrainer(EagleDrafter(loaded.model.config, draft_vocab).attach(forward), buffer, train_config)
 
 
@@ -216,6 +229,6 @@ def summary_lines(report: dict, config: WarmupConfig) -> list[str]:
         (f"  predicted τ of a greedy depth-{chain['depth']} chain, target-only rule, T={temp}: {chain['tau']:.2f} "
          f"(reaches depth 1..{chain['depth']} with probability {reach}; {chain['chains']} chains)"),
         (f"measured τ of SD in the engine ({report['eval_strategy']}, {rule} rule, T={temp}, batch 1, "
-         f"{config.eval_prompts} other held-out prompts): {report['measured_tau']:.2f}; warm-up took "
+         f"{config.eval_prompts} other held-out prompts): {_tau_text(report['measured_tau'])}; warm-up took "
          f"{report['total_s'] / 60:.1f} min"),
     ]

@@ -34,7 +34,8 @@ def step_metrics(rollout, rewards, correct, update: dict, rollout_s: float, trai
         "tail_steps_fraction": (sum(b <= int(TAIL_FRACTION * max(decode_batches)) for b in decode_batches)
                                 / len(decode_batches) if decode_batches else 0.0),
         "reward_failures": reward_failures,
-        **{f"sd/{k}": v for k, v in rollout.speculation_summary().items() if not isinstance(v, list)},
+        # τ is left out of a step without SD steps: a mean of nothing, which a curve drawn at 0 would misread
+        **{f"sd/{k}": v for k, v in rollout.speculation_summary().items() if isinstance(v, (int, float))},
         **{f"train/{k}": v for k, v in update.items()},
     }
 

@@ -104,7 +104,7 @@ class RolloutResult:
         reached = [sum(hist[d:]) for d in range(depth)]  # rows that accepted at least d draft tokens
         return {
             "sd_step_share": len(sd) / len(decode) if decode else 0.0,
-            "tau": sum(s.new_tokens for s in sd) / row_steps if row_steps else 0.0,
+            "tau": sum(s.new_tokens for s in sd) / row_steps if row_steps else None,  # None: no SD step ran
             "acceptance_by_depth": [reached[d] / reached[d - 1] if reached[d - 1] else 0.0
                                     for d in range(1, depth)],
             "draft_s": sum(s.draft_s for s in sd),
