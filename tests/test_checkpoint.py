@@ -1,6 +1,8 @@
 """Checkpoint files: tied embeddings resume whichever name of the pair safetensors kept, a checkpoint that lacks a
 weight is refused, and the final policy is a Hugging Face model directory with its tokenizer."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -109,6 +111,38 @@ def test_a_failed_final_save_keeps_the_previous_final_policy(tmp_path, monkeypat
     with pytest.raises(SafetensorError, match="non contiguous"):  # a bug is not reported as a failed write
         save_final_model(model, tokenizer, tmp_path / "final")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_a_save_killed_while_replacing_final_leaves_the_earlier_copy_for_the_next_start(tmp_path, monkeypatch):
+    """Re-saving final/ (a run resumed for more steps) deleted the old copy in place, then renamed the new one
+    in: a kill during the delete left a half-deleted model directory (found by review). Now the old copy is
+    renamed aside first; `recover_retired` (each run start) puts it back, or drops it once the new one is in."""
+    import os
+
+    from tlt.rl.checkpoint import recover_retired
+
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    save_final_model(model, tokenizer, tmp_path / "final")
+    before = (tmp_path / "final" / "model.safetensors").read_bytes()
+    replace = os.replace
+
+    def killed_between_the_renames(source, destination):
+        if Path(destination) == tmp_path / "final":
+            raise KeyboardInterrupt  # the process ends here: nothing after it runs
+        replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", killed_between_the_renames)
+    with pytest.raises(KeyboardInterrupt):
+        save_final_model(tiny_model(seed=1), tokenizer, tmp_path / "final")
+    monkeypatch.setattr(os, "replace", replace)
+    assert not (tmp_path / "final").exists() and len(list(tmp_path.glob(".old-final-*"))) == 1
+    recover_retired(tmp_path)
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    (tmp_path / ".old-final-0badf00d").mkdir()  # killed while deleting it, the new copy already in place
+    recover_retired(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == before
 
 
 def test_checkpoints_and_the_final_policy_are_readable_as_the_umask_allows(tmp_path):

@@ -25,6 +25,7 @@ from tlt.files import share_as_umask
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
 CHECKPOINT_PREFIX = "step-"
+RETIRED_PREFIX = ".old-"  # an earlier copy renamed aside while its replacement moves in (_swap_in)
 log = logging.getLogger(__name__)
 
 
@@ -67,9 +68,7 @@ def _staged(target: Path, prefix: str, what: str):
         staging.mkdir()
         yield staging
         share_as_umask(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        _swap_in(staging, target)
     except OSError as error:
         raise _save_error(what, target, error) from None
     except SafetensorError as error:
@@ -78,6 +77,31 @@ def _staged(target: Path, prefix: str, what: str):
         raise _save_error(what, target, error) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    """Rename `staging` onto `target`. An earlier copy there (final/ of a run resumed for more steps) is renamed
+    aside first and deleted last: deleting it in place, a kill could leave a half-deleted model directory; now
+    a kill leaves it whole under its retired name, and `recover_retired` puts it back."""
+    retired = None
+    if target.exists():
+        retired = target.parent / f"{RETIRED_PREFIX}{target.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(target, retired)
+    os.replace(staging, target)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def recover_retired(run_dir: Path) -> None:
+    """What a save killed mid-swap left (see _swap_in): an earlier copy whose replacement never arrived goes
+    back in place; one whose replacement did (or a half-deleted one) is deleted."""
+    for retired in sorted(Path(run_dir).glob(f"{RETIRED_PREFIX}*-*")):
+        target = retired.with_name(retired.name[len(RETIRED_PREFIX):].rsplit("-", 1)[0])
+        if target.exists() or not retired.is_dir():
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(retired, target)
+            log.warning("put back %s: a save killed while replacing it had renamed it aside", target)
 
 
 def _save_error(what: str, target: Path, error: Exception) -> CheckpointError:
