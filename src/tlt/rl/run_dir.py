@@ -19,9 +19,9 @@ import shutil
 from pathlib import Path
 
 from tlt.errors import TltError
-from tlt.files import write_whole
+from tlt.files import refuse_a_file_in_the_way, write_whole
 from tlt.models.loading import is_default_source
-from tlt.rl.checkpoint import checkpoint_dirs, checkpoint_step, latest_checkpoint, read_state
+from tlt.rl.checkpoint import checkpoint_dirs, checkpoint_step, latest_checkpoint, read_state, recover_retired
 from tlt.rl.config import PATH_KEYS, TrainConfig
 
 # Everything tlt writes into a run directory; --overwrite replaces exactly these, nothing else.
@@ -53,6 +53,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
     _refuse_nested(run_dir)
     _make(run_dir)
     _recover_replaced(run_dir)
+    recover_retired(run_dir)  # before anything reads final/ or the checkpoints
     _refuse_foreign_config(run_dir)
     if resume:
         checkpoint = latest_checkpoint(run_dir)
@@ -244,15 +245,11 @@ def _recover_replaced(run_dir: Path) -> None:
 
 
 def _make(run_dir: Path) -> None:
+    refuse_a_file_in_the_way(run_dir, "cannot use run.out_dir", RunDirError)  # names the file, maybe a parent
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as error:
-        raise RunDirError(f"cannot use run.out_dir={run_dir}: {error.filename or run_dir} is a file, "
-                          f"not a directory") from None
     except OSError as error:
         raise RunDirError(f"cannot create run.out_dir={run_dir}: {error.strerror}") from None
-
-
 
 
 def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
