@@ -140,3 +140,31 @@ def test_bf16_engine_keeps_the_callers_drafter_in_fp32_and_decodes():
     assert engine.spec_decoder.drafter.fc.weight.dtype == torch.bfloat16
     assert all(len(s.token_ids) == 10 for s in result.samples)
     assert engine.forward.dtype == torch.bfloat16 and engine.policy_forward.dtype == torch.float32
+
+
+def test_a_drafter_inference_copy_runs_fused_projections_and_follows_a_hot_swap(arch):
+    """The serving copy of a drafter (CUDA graphs, a bf16 rollout) runs q/k/v and gate/up as one GEMM each, as
+    the target's rollout copy does; same output as the drafter it copies, and a hot-swap's in-place weight load
+    reaches the fused tensors (the copy's parameters are views of them)."""
+    model = tiny_model(arch)
+    lean = LeanForward(model)
+    drafter, swapped = (EagleDrafter(model.config).attach(lean) for _ in range(2))
+    with torch.no_grad():  # unlike an initialization: every projection and bias matters
+        for param in [*drafter.parameters(), *swapped.parameters()]:
+            param.add_(torch.randn_like(param) * 0.1)
+    serving = drafter.inference_copy(lean)
+    fused = serving._fused_projections
+    for proj in (serving.layer.self_attn.q_proj, serving.layer.self_attn.v_proj, serving.layer.mlp.up_proj):
+        assert proj.weight.untyped_storage().data_ptr() in (fused.qkv_weight.untyped_storage().data_ptr(),
+                                                              fused.gate_up_weight.untyped_storage().data_ptr())
+    tokens = torch.tensor(random_prompts([6, 6], seed=4))
+    features = torch.randn(2, 6, model.config.hidden_size)
+
+    def draft(d):
+        cache = d.new_cache(2, 32)
+        return d.step(tokens, features, cache.rows(0, 2), torch.arange(6).expand(2, 6))
+
+    torch.testing.assert_close(draft(serving), draft(drafter), atol=1e-5, rtol=1e-5)
+    serving.load_state_dict(swapped.state_dict())  # what ModelRunner.set_drafter does under CUDA graphs
+    torch.testing.assert_close(draft(serving), draft(swapped), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(draft(serving), draft(drafter))

@@ -22,6 +22,7 @@ from tlt.files import write_whole
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import (LeanForward, aligned_span, attention_mask, grouped_attention_bias,
                                     mask_capacity)
+from tlt.models.rollout_copy import FusedLayer, fuse_layer
 from tlt.models.spec import ModelSpec, check_supported
 
 CONFIG_FILE = "drafter_config.json"
@@ -105,6 +106,7 @@ class EagleDrafter(nn.Module):
             self.draft_to_target = None
         self._target: LeanForward | None = None
         self._head_cache: tuple | None = None
+        self._fused_projections: FusedLayer | None = None  # an inference copy's q/k/v and gate/up GEMMs
 
     # -- the target's frozen tensors: referenced, never owned -------------------------------------------
 
@@ -124,9 +126,13 @@ class EagleDrafter(nn.Module):
     def inference_copy(self, target: LeanForward) -> "EagleDrafter":
         """A copy of this drafter's weights attached to `target` in its dtype (e.g. a bf16 rollout), leaving this
         one (maybe an fp32 drafter in training) as it is."""
-        copy_ = EagleDrafter(self.config, self.draft_to_target)
+        copy_ = EagleDrafter(self.config, self.draft_to_target).attach(target)
+        # never trained: its q/k/v and gate/up projections become views of one weight each, one GEMM instead of
+        # three and two per draft pass (as the rollout copy of the target). After attach, whose dtype or device
+        # move would replace the views; before the weights load, which fill them.
+        copy_._fused_projections = fuse_layer(copy_.layer)
         copy_.load_state_dict(self.state_dict())
-        return copy_.attach(target)
+        return copy_
 
     @property
     def target(self) -> LeanForward:
@@ -193,14 +199,15 @@ class EagleDrafter(nn.Module):
         lean = self.target
         x = self.fuse(tokens, features)
         if tables is not None:
-            return lean.layer(self.layer, 0, x, x, tables[2], tables[3], cache, tables[0], tables[1])
+            return lean.layer(self.layer, 0, x, x, tables[2], tables[3], cache, tables[0], tables[1],
+                              fused=self._fused_projections)
         num_new = tokens.shape[1]
         lengths = cache.lengths if lengths is None else lengths
         slots = lengths.to(x.device)[:, None] + torch.arange(num_new, device=x.device)[None, :]
         mask = attention_mask(lengths, num_new, new_token_mask, x.device, kv_len, capacity=mask_capacity(cache))
         bias = grouped_attention_bias(mask, lean.spec.num_heads // lean.spec.num_kv_heads, x.dtype)
         cos, sin = lean.rope(x, positions.to(x.device))
-        return lean.layer(self.layer, 0, x, x, cos, sin, cache, slots, bias)
+        return lean.layer(self.layer, 0, x, x, cos, sin, cache, slots, bias, fused=self._fused_projections)
 
     def chain_tables(self, cache: CacheRows, base: torch.Tensor, passes: int, kv_len: int | None) -> "ChainTables":
         """What a chain's drafting passes need besides their pair, for all of them at once: pass p feeds one pair

@@ -297,19 +297,21 @@ class LeanForward:
         return cos[:, None], signed_sin(sin[:, None])
 
     def layer(self, layer, index: int, residual: torch.Tensor, normed: torch.Tensor, cos, sin,
-              cache: CacheRows, slots: torch.Tensor, bias: torch.Tensor, *, rows: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              cache: CacheRows, slots: torch.Tensor, bias: torch.Tensor, *, rows: torch.Tensor | None = None,
+              fused=None) -> torch.Tensor:
         """One decoder layer: residual + attention(normed), then + MLP. The EAGLE drafter reuses it with an
-        identity input norm (normed = residual) and its own cache; bias comes from `grouped_attention_bias`;
-        cos, sin from `rope`; rows: arange(B)[:, None] on the device (see `CacheRows.write`)."""
-        x = residual + self._attention(layer, index, normed, cos, sin, cache, slots, bias, rows)
-        return x + self._mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm), self._fused.get(id(layer)))
+        identity input norm (normed = residual), its own cache and its own `FusedLayer` (fused; default: this
+        model's, if it has one); bias comes from `grouped_attention_bias`; cos, sin from `rope`;
+        rows: arange(B)[:, None] on the device (see `CacheRows.write`)."""
+        fused = self._fused.get(id(layer)) if fused is None else fused
+        x = residual + self._attention(layer, index, normed, cos, sin, cache, slots, bias, rows, fused)
+        return x + self._mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm), fused)
 
-    def _attention(self, layer, index: int, h: torch.Tensor, cos, sin, cache: CacheRows, slots, bias, rows):
+    def _attention(self, layer, index: int, h: torch.Tensor, cos, sin, cache: CacheRows, slots, bias, rows,
+                   fused=None):
         attn, spec = layer.self_attn, self.spec
         batch, num_new, _ = h.shape
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        fused = self._fused.get(id(layer))
         if fused is not None:
             qkv = self.linear(h, fused.qkv_weight, fused.qkv_bias).view(batch, num_new, heads + 2 * kv_heads, dim)
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=2)

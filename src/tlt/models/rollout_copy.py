@@ -37,7 +37,7 @@ class RolloutCopy:
         model = model.to(dtype).to_empty(device=device)
         model.model.rotary_emb = master.model.rotary_emb  # fp32 buffers computed at init: share, never train
         model.lm_head.weight = nn.Parameter(torch.empty_like(master.lm_head.weight, dtype=torch.float32))
-        self.fused = [_fuse_layer(layer) for layer in model.model.layers]
+        self.fused = [fuse_layer(layer) for layer in model.model.layers]
         model.requires_grad_(False).eval()
         self.model = model
         self._pairs = self._match_parameters()
@@ -64,8 +64,9 @@ class RolloutCopy:
             target.copy_(source, non_blocking=True)
 
 
-def _fuse_layer(layer: nn.Module) -> FusedLayer:
-    """Re-point q/k/v and gate/up parameters at slices of one fused tensor each (in place on the copy)."""
+def fuse_layer(layer: nn.Module) -> FusedLayer:
+    """Re-point q/k/v and gate/up parameters at slices of one fused tensor each (in place on the copy). The
+    fused tensors are new and uninitialized: load the weights into the parameters after (they are views)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
     qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "bias") if attn.q_proj.bias is not None else None
