@@ -167,6 +167,8 @@ def bad_inputs(root):
     reshaped = model_dir(root, "reshaped")
     config = json.loads((reshaped / "config.json").read_text())
     (reshaped / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    untokenized = model_dir(root, "untokenized")
+    (untokenized / "tokenizer.json").unlink()  # the message was cut at "from one of:" (found by review)
     (root / "old-run").mkdir()
     (root / "old-run" / "metrics.jsonl").write_text("{}\n")  # a run that ended before its first checkpoint
     from tlt.rl.config import TrainConfig
@@ -192,6 +194,7 @@ def bad_inputs(root):
          "cannot read the drafter's optimizer state"),
         ("truncated weights", [f"model.path={truncated_model(root)}"], "cannot load the weights"),
         ("weights of another shape", [f"model.path={reshaped}"], "needs [64, 96]"),
+        ("tokenizer.json missing", [f"model.path={untokenized}"], "but no tokenizer.json"),
         ("budget fills the context", [f"model.path={good}", "rollout.max_new_tokens=512"], "leaves no room"),
         ("reward module typo", [f"model.path={good}", "task.reward=no_such_pkg.rewards:score"],
          "cannot load reward function 'no_such_pkg.rewards:score'"),
@@ -414,5 +417,25 @@ def test_a_budget_leaving_no_room_for_the_generated_prompts_is_refused_before_th
     with pytest.raises(RequestError, match=r"a task prompt: prompt of \d+ tokens \+ max_new_tokens 400 = \d+ "
                                            r"exceeds the model's context of 512"):
         PolicyReplica.build(load_config(None, [*settings, "rollout.max_new_tokens=400"]))
+    long_system = ["task.system_prompt=" + "s" * 510]  # blamed "a task prompt" (found by review)
+    with pytest.raises(RequestError, match=r"task.system_prompt: an empty prompt already takes 512 tokens, "
+                                           r"\+ max_new_tokens 8 = 520 exceeds the model's context of 512"):
+        PolicyReplica.build(load_config(None, [*settings, "rollout.max_new_tokens=8", *long_system]))
     monkeypatch.setattr("tlt.rl.replica.build_engine", build_engine)
     PolicyReplica.build(load_config(None, [*settings, "rollout.max_new_tokens=8"]))
+
+
+def test_settings_a_run_cannot_use_here_are_named_not_dropped_silently(tmp_path, caplog):
+    """rollout.compile on the CPU and run.drafter with run.speculative=off were ignored without a word; both
+    stay accepted (one config serves the GPU and CPU machines, and A/B configs differ in run.speculative only)."""
+    from tlt.models import load_model
+    from tlt.rl.config import load_config
+    from tlt.rl.replica import build_engine
+
+    loaded = load_model(model_dir(tmp_path))
+    config = load_config(None, ["run.speculative=off", "rollout.compile=inductor", f"run.drafter={tmp_path}"])
+    with caplog.at_level("WARNING", logger="tlt.rl.replica"):
+        engine = build_engine(loaded, config)
+    assert engine.spec_decoder is None
+    assert "rollout.compile=inductor is ignored on cpu" in caplog.text
+    assert f"run.drafter={tmp_path} is not used: run.speculative=off" in caplog.text

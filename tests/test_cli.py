@@ -16,7 +16,7 @@ def test_version(capsys):
 
 
 @pytest.mark.parametrize("command,expected", [(["generate"], ["(default: 0.7)", "(default: 128)"]),
-                                              (["drafter", "warmup"], ["(default: 300)", "(default: 8192)"]),
+                                              (["drafter", "warmup"], ["(default: 300)", "default: 8192 for a new drafter"]),
                                               (["verify"], ["(default: S4K2N8)", "(default: 0.001)"])])
 def test_help_shows_defaults(capsys, command, expected):
     with pytest.raises(SystemExit):
@@ -172,10 +172,16 @@ def test_generate_with_a_drafter_speculates_while_the_batch_is_within_the_gate(t
     out = " ".join(capsys.readouterr().out.split())
     assert code == 0, out
     assert "speculative decoding (S3K1N3q, while ≤ 6 rows ran)" in out and "τ" in out
+    assert "the long tail that speculative decoding targets" in out  # 6 rows drain
     # a tree whose drafted frontier ((4 - 1) x 3 nodes) outnumbers the nodes it keeps (5) gets its cache slots
     code = main(["generate", "--model", model, "--drafter", drafter, "--strategy", "S4K3N5", "--gate", "6",
                  "-n", "2", "--max-new-tokens", "8", "--threads", "1", "hello"])
-    assert code == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 0, err
+    # one row: every step was called "the long tail" (found by review)
+    assert main(["generate", "--model", model, "-n", "1", "--max-new-tokens", "4", "--threads", "1", "hello"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no long tail" in out and "speculative decoding targets" not in out
 
 
 @pytest.mark.parametrize("flags,message", [(["--strategy", "deep"], "strategy must look like"),

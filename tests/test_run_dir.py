@@ -215,7 +215,7 @@ def test_cli_out_dir_under_a_file_is_one_line_before_loading(tmp_path, capsys):
     from test_bad_input import model_dir
     code = main(["train", f"run.out_dir={tmp_path / 'file' / 'run'}", f"model.path={model_dir(tmp_path)}"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "is a file, not a directory" in err[0], err
+    assert code == 2 and len(err) == 1 and f"{tmp_path / 'file'} is a file, not a directory" in err[0], err
 
 
 def test_config_change_of_the_seed_is_refused_but_speculation_is_not(tmp_path):
@@ -654,3 +654,5 @@ def test_resume_of_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsy
     _, history = run(tmp_path, steps=2, resume=True)
     assert history == [] and metric_steps(tmp_path) == [1, 2]
     assert "nothing to train (raise run.steps to go on)" in capsys.readouterr().out
+    _, history = run(tmp_path, steps=1, resume=True)  # config.json kept run.steps=2 (it was rewritten to 1)
+    assert history == [] and json.loads((tmp_path / "config.json").read_text())["run"]["steps"] == 2

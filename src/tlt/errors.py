@@ -16,5 +16,9 @@ class RequestError(TltError):
 def first_line(error: Exception, limit: int = 300) -> str:
     """The first line of an exception's message (or its type's name), at most `limit` characters: what a
     one-line error quotes."""
-    lines = str(error).strip().splitlines()
-    return lines[0][:limit] if lines else type(error).__name__
+    lines = [line.strip() for line in str(error).strip().splitlines()]
+    if not lines:
+        return type(error).__name__
+    # a first line ending in ":" ("... from one of:") announces the lines that follow: cut there, it says nothing
+    text = " ".join(line for line in lines if line) if lines[0].endswith(":") else lines[0]
+    return text if len(text) <= limit else text[:limit - 1] + "…"

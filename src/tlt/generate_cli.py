@@ -105,7 +105,9 @@ def _print_trace(console, result) -> None:
     batches = [s.batch_size for s in decode]
     console.print(f"[bold]{result.generated_tokens}[/] tokens in {result.wall_s:.1f}s "
                   f"= [bold]{result.tokens_per_s:.1f} tok/s[/] over {len(decode)} decode steps")
-    if batches:
+    if batches and max(batches) == 1:
+        console.print("one row ran at a time: no batch to drain, so no long tail (sample more with -n or prompts)")
+    elif batches:
         tail = sum(1 for b in batches if b <= max(1, int(TAIL_FRACTION * max(batches))))
         console.print(f"running batch: {batches[0]} at the start → {batches[-1]} at the end; "
                       f"{tail} of {len(batches)} steps ({100 * tail / len(batches):.0f}%) ran at ≤ 1/4 of the peak "

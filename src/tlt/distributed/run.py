@@ -93,9 +93,10 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         logger.truncate_after(trainer.step)
         drop_timelines_after(run_dir, trainer.step)
         console.print(f"resumed from {checkpoint.name} (step {trainer.step})")
-        if trainer.step >= config.run.steps:
+        if trainer.step >= config.run.steps:  # config.json keeps the run's own run.steps
             console.print(f"note: the run is at step {trainer.step} and run.steps={config.run.steps}: nothing to "
                           f"train (raise run.steps to go on)")
+            return []
     # Whole or not at all: --resume compares the config it is given with this one.
     text = json.dumps(config.to_dict(), indent=1)
     write_whole(run_dir / "config.json", lambda path: path.write_text(text))

@@ -117,6 +117,10 @@ def _load_tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as error:
+        if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: it has a tokenizer_config.json but no "
+                                 f"tokenizer.json (nor tokenizer.model or vocab.json); copy the model's tokenizer "
+                                 f"files there") from None
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {first_line(error)}") from None
 
 

@@ -17,6 +17,7 @@ import torch
 
 from tlt.models.eagle import EagleDrafter
 from tlt.models.loading import LoadedModel, load_model
+from tlt.errors import RequestError
 from tlt.rl.config import TrainConfig, check_speculation
 from tlt.rl.optim import autocast_dtype, build_optimizer, build_scheduler, enable_grad_checkpointing
 from tlt.rl.rewards import build_reward
@@ -33,6 +34,8 @@ from tlt.tasks.example import TaskExample, record_label
 # counted apart: a margin before trusting the byte bound
 TEMPLATE_SLACK = 8
 GENERATED_SAMPLE = 16  # prompts of a generated task checked before step 1
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -97,6 +100,11 @@ def check_prompts_fit(task, spec, max_new_tokens: int) -> None:
     else:
         return  # a task given in code: its prompts are its owner's, and the engine checks each request
     template = len(task.prompt_ids(TaskExample("", "")))
+    if template + max_new_tokens > spec.max_positions:  # no prompt fits: it is not any one prompt's fault
+        what = "task.system_prompt" if task.system_prompt else "the chat template"
+        raise RequestError(f"{what}: an empty prompt already takes {template} tokens, + max_new_tokens "
+                           f"{max_new_tokens} = {template + max_new_tokens} exceeds the model's context of "
+                           f"{spec.max_positions}: no prompt fits")
     room = spec.max_positions - max_new_tokens - template - TEMPLATE_SLACK
     params = SamplingParams(max_new_tokens=max_new_tokens)
     byte_length = _normalized_byte_length(task.tokenizer)
@@ -125,9 +133,14 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     check_speculation(run)  # load_config checked it already; a config built in code may not have been
     # cuda_graphs=None: the engine captures graphs when its model is on CUDA (false: never)
     precision = {"dtype": config.rollout.dtype, "cuda_graphs": None if config.rollout.cuda_graphs else False}
-    if config.rollout.compile != "off" and loaded.model.device.type == "cuda":  # on the CPU: no graphs to compile
+    if config.rollout.compile != "off" and loaded.model.device.type == "cuda":
         precision["compile"] = config.rollout.compile
+    elif config.rollout.compile != "off":  # kept, not refused: one config serves the GPU and the CPU machines
+        log.warning("rollout.compile=%s is ignored on %s: it compiles the steps CUDA graphs replay",
+                    config.rollout.compile, loaded.model.device.type)
     if run.speculative == "off":
+        if run.drafter:  # not refused: an A/B pair of configs may differ in run.speculative alone
+            log.warning("run.drafter=%s is not used: run.speculative=off decodes without a drafter", run.drafter)
         return RolloutEngine(loaded, max_batch_size=batch, **precision)
     if run.drafter:
         drafter = EagleDrafter.load(run.drafter, loaded.model)
@@ -165,7 +178,6 @@ def _gate_and_arms(engine: RolloutEngine, run, arms: list) -> tuple[int, list]:
     engine.cost_curve = curve
     kept = [a for a in arms if a.name in curve.arms()]
     gate = curve.gate() if kept else 0
-    log = logging.getLogger(__name__)
     if gate == 0:
         log.warning("run.gate=auto: on %s no speculation arm is expected to pay (a step of the cheapest costs "
                     "%.2fx a plain step at batch 1, expected tau %.1f): decoding without speculation; set run.gate "
