@@ -68,8 +68,11 @@ def count_speculative_step(model, strategy: SpecStrategy) -> int:
     """Operations of one speculative step at batch 1 through the non-capturing graph runner (the body a CUDA graph
     captures). The master is bf16 and the rollout copy fp32, so the engine decodes from the fused layout it
     uses on a GPU (fp32: CPU bf16 ops decompose differently)."""
-    engine = RolloutEngine(model, max_batch_size=1, dtype="float32", drafter=EagleDrafter(model.config),
+    # the drafter in the master's dtype: the engine serves a copy of it in the rollout's, as a GPU engine with
+    # graphs does (the fused serving copy, EagleDrafter.inference_copy)
+    engine = RolloutEngine(model, max_batch_size=1, dtype="float32", drafter=EagleDrafter(model.config).attach(model),
                            speculation=strategy, max_tree_size=32)
+    assert engine.spec_decoder.drafter._fused_projections is not None
     engine.runner = GraphRunner(engine.forward, capture=False)
     engine.forward.linear = torch.nn.functional.linear
     counts, run = [], SpeculativeDecoder.run
