@@ -154,3 +154,10 @@ def test_a_step_without_speculative_steps_logs_no_tau():
                for steps in (plain, sd)]
     assert "sd/tau" not in metrics[0] and metrics[0]["sd/sd_step_share"] == 0.0
     assert metrics[1]["sd/tau"] == 2.0
+
+
+def test_a_run_without_speculative_steps_says_so_instead_of_a_table_of_zeros(run_dir):
+    plain = {"step": 1, "reward_mean": 0.5, "sd/sd_step_share": 0.0, "sd/draft_s": 0.0, "sd/verify_s": 0.0}
+    (run_dir / "metrics.jsonl").write_text(json.dumps(plain) + "\n")
+    page = write_report(run_dir).read_text()
+    assert "no speculative step ran" in page and "sd/draft_s" not in page

@@ -136,8 +136,10 @@ def _sd_section(latest: dict) -> str:
     keys = sorted(k for k in latest if k.startswith(("sd/", "drafter/")) or k == "drafter_versions")
     if not keys:
         return ""
-    rows = [[key, _fmt(latest[key])] for key in keys]
     title = f"<h2>Speculative decoding, step {_e(str(latest.get('step', '?')))}</h2>"
+    if not latest.get("sd/sd_step_share") and not any(k.startswith(("sd/arm/", "sd/gate", "drafter/")) for k in keys):
+        return title + "<p>no speculative step ran (run.speculative=off, or the batch never drained to the gate)</p>"
+    rows = [[key, _fmt(latest[key])] for key in keys]
     return title + _table(["metric", "value"], rows, keyed=True)
 
 
