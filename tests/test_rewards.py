@@ -74,3 +74,33 @@ def test_a_nan_or_inf_reward_scores_0_as_a_failure():
     values = iter([float("nan"), 1.0, float("inf"), float("-inf")])
     scores = Reward(lambda completion, ex: next(values)).score(["a", "b", "c", "d"], [example(3)] * 4)
     assert scores.rewards == [0.0, 1.0, 0.0, 0.0] and scores.failures == 3
+
+
+def test_math_verify_scores_on_worker_threads_as_on_the_main_thread():
+    """math-verify's timeouts use signal.alarm, main thread only: on the in-process backend's worker threads
+    every call raised, so every answer scored 0 and counted as a failure (found by review). Off the main thread
+    it now runs in a child process. The same completions score the same on both."""
+    import threading
+
+    completions = ["\\boxed{0.5}", "so \\boxed{\\frac{2}{4}}", "\\boxed{3}", "no answer"]
+    examples = [TaskExample("q", "\\frac{1}{2}")] * len(completions)
+    on_main = Reward(math_verify_match).score(completions, examples)
+    scored = {}
+    worker = threading.Thread(target=lambda: scored.update(r=Reward(math_verify_match).score(completions, examples)))
+    worker.start()
+    worker.join()
+    assert on_main.rewards == scored["r"].rewards == [1.0, 1.0, 0.0, 0.0]
+    assert on_main.failures == scored["r"].failures == 0
+
+
+def test_a_math_verify_check_past_its_hard_timeout_is_a_failure_and_the_child_is_replaced(monkeypatch):
+    import tlt.rl.rewards as rewards
+
+    checker = rewards._MathVerifyProcess()
+    monkeypatch.setattr(rewards, "MATH_VERIFY_HARD_TIMEOUT_S", 0.01)  # the child's start alone takes longer
+    with pytest.raises(TimeoutError, match="math-verify took over 0.01 s on '1/2'"):
+        checker("0.5", "1/2")
+    assert checker._child is None  # killed, to be started again
+    monkeypatch.setattr(rewards, "MATH_VERIFY_HARD_TIMEOUT_S", 60.0)
+    assert checker("0.5", "1/2") == 1.0
+    checker._stop()

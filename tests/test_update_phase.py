@@ -168,6 +168,25 @@ def test_several_updates_per_step_still_compute_the_old_logprobs(tmp_path, rollo
     assert abs(stats["ratio_mean"] - 1.0) > 1e-4
 
 
+def test_update_metrics_do_not_move_with_micro_batch_size_nor_add_up_over_passes(tmp_path, rollout, kl=0.1):
+    """The logged loss summed the update passes (2 passes: twice the loss), and clip_fraction, ratio_mean and kl
+    were unweighted means over micro-batches, so they changed with optim.micro_batch_size (found by review).
+    One pass: the loss equals the full-batch loss whatever the micro-batch size; the per-token metrics too."""
+    examples, result = rollout
+    stats = {}
+    for micro, passes in ((1, 1), (5, 1), (12, 1), (5, 2)):
+        # dapo: a token mean, whose on-policy loss is not 0 as a sequence mean of zero-mean advantages is
+        trainer = make_trainer(tmp_path / f"{micro}-{passes}", **{"optim.micro_batch_size": micro,
+                                                                  "grpo.updates_per_step": passes,
+                                                                  "grpo.kl_coef": kl, "grpo.loss": "dapo"})
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)  # every pass sees one policy
+        stats[micro, passes] = trainer.update(trainer.score(examples, result))
+    assert abs(stats[12, 1]["loss"]) > 1e-4
+    for micro, passes in ((1, 1), (5, 1), (5, 2)):
+        for key in ("loss", "ratio_mean", "clip_fraction", "tokens", "kl"):
+            assert stats[micro, passes][key] == pytest.approx(stats[12, 1][key], rel=1e-5, abs=1e-7), (micro, key)
+
+
 def test_a_batch_without_old_logprobs_refuses_several_updates(tmp_path, rollout):
     examples, result = rollout
     trainer = make_trainer(tmp_path)
@@ -267,3 +286,31 @@ def test_a_prompt_too_long_for_the_context_is_named_by_its_record(tmp_path):
     with pytest.raises(RequestError, match=r"data/long\.jsonl, line 6: prompt of 250 tokens \+ "
                                            r"max_new_tokens 9 = 259 exceeds the model's context of 256"):
         rollout(trainer.replica, [example], 1)
+
+
+def test_workers_update_metrics_merge_into_the_steps():
+    """The distributed driver logged worker 0's update metrics: half the loss with two workers, and its shard's
+    clip fraction. Each worker's loss is its shard's share of the global loss: they add; per-token metrics
+    weigh by tokens; the gradient norm is of the all-reduced gradient, the same on every worker."""
+    from tlt.rl.phases import merge_worker_updates
+
+    workers = [{"loss": 0.25, "tokens": 30.0, "clip_fraction": 0.1, "ratio_mean": 1.0, "grad_norm": 2.0},
+               {"loss": -0.5, "tokens": 10.0, "clip_fraction": 0.5, "ratio_mean": 1.2, "grad_norm": 2.0}]
+    merged = merge_worker_updates(workers)
+    assert merged == pytest.approx({"loss": -0.25, "tokens": 40.0, "clip_fraction": 0.2, "ratio_mean": 1.05,
+                                    "grad_norm": 2.0})
+
+
+def test_the_policys_dropout_is_disabled_for_rl(caplog):
+    """Old log-probs come from an eval-mode forward and the update from a train-mode one: with the model's
+    attention_dropout on, the first pass's ratio was 0.98-1.0 before any update (found by review). Negative
+    control: two train-mode forwards differ before, not after."""
+    from tlt.rl.optim import disable_dropout
+
+    model = tiny_model("qwen2", attention_dropout=0.3).train()
+    ids = torch.tensor([[3, 5, 7, 9, 11, 2]])
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, model(ids).logits)
+        assert disable_dropout(model) and not disable_dropout(model)  # on once, then off
+        assert torch.equal(model(ids).logits, model(ids).logits)
+        assert torch.equal(model(ids).logits, model.eval()(ids).logits)

@@ -24,7 +24,7 @@ from tlt.errors import TltError, first_line
 from tlt.metrics.step import step_metrics, tail_time_share
 from tlt.metrics.timeline import merge_step, time_shares
 from tlt.rl.checkpoint import latest_checkpoint
-from tlt.rl.phases import evaluation_due
+from tlt.rl.phases import evaluation_due, merge_worker_updates
 from tlt.rollout.request import RolloutResult
 
 
@@ -158,7 +158,7 @@ class DistributedGRPO:
         self.last_rollout = merged
         rewards = torch.cat([prepared[r]["rewards"] for r in ranks])
         correct = torch.cat([prepared[r]["correct"] for r in ranks])
-        update = updates[0]["update"]
+        update = merge_worker_updates([updates[r]["update"] for r in ranks])
         metrics = step_metrics(merged, rewards, correct, update, rollout_s, train_s,
                                sum(prepared[r]["reward_failures"] for r in ranks))
         shares = time_shares(timeline)

@@ -13,10 +13,14 @@ import torch
 def group_advantages(rewards: torch.Tensor, *, scale_rewards: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """rewards [P, n] (n samples of each of P prompts) -> advantages [P, n].
 
-    GRPO: (r - mean_group) / (std_group + eps). Dr. GRPO (scale_rewards=False): r - mean_group, since dividing by
-    the std up-weights prompts that are nearly always solved or failed.
+    GRPO: (r - mean_group) / (std_group + eps), with the population std (TRL and verl divide by the sample std, n - 1:
+    a constant factor sqrt(n / (n - 1)) on every advantage, which the lr absorbs; the population std is defined for
+    groups of one). Dr. GRPO (scale_rewards=False): r - mean_group, since dividing by the std up-weights prompts
+    that are nearly always solved or failed. A group of equal rewards gets exactly 0: its float mean may differ
+    from the rewards by rounding (1.1 averaged over 12 samples), which the division by a ~0 std blew up to ±0.1.
     """
     centered = rewards - rewards.mean(dim=1, keepdim=True)
+    centered = centered.masked_fill((rewards == rewards[:, :1]).all(dim=1, keepdim=True), 0.0)
     if not scale_rewards:
         return centered
     return centered / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
@@ -73,5 +77,5 @@ def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dic
         count = mask.sum().clamp(min=1)
         clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
         parts.update(loss=float(loss), clip_fraction=float((clipped * mask).sum() / count),
-                     ratio_mean=float((ratio * mask).sum() / count))
+                     ratio_mean=float((ratio * mask).sum() / count), tokens=float(mask.sum()))
     return loss, parts

@@ -66,6 +66,22 @@ def enable_grad_checkpointing(model) -> None:
     enable({"use_reentrant": False})
 
 
+def disable_dropout(model) -> bool:
+    """Zero every dropout of the policy; True when one was on. The rollout samples and the old log-probs come from
+    dropout-free forwards, the update's from a train-mode one: with dropout on, the first pass's ratio is not 1
+    and the gradient is of a perturbed policy (TRL's `disable_dropout`; Llama/Qwen checkpoints ship 0)."""
+    found = False
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p, found = 0.0, True
+        rate = getattr(module, "attention_dropout", None)  # transformers' attention keeps the config's as a float
+        if isinstance(rate, float) and rate > 0:
+            module.attention_dropout, found = 0.0, True
+    if getattr(model.config, "attention_dropout", 0.0):
+        model.config.attention_dropout, found = 0.0, True
+    return found
+
+
 def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     """optim.autocast resolved for the policy's device: bf16, or None (no autocast)."""
     if setting == "off" or (setting == "auto" and torch.device(device).type != "cuda"):

@@ -177,14 +177,13 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
         raise ValueError("a batch scored without old log-probs allows one update per step only")
     totals = totals or loss_totals(replica.config, batch)
     model.train()
-    stats: dict[str, list[float]] = {}
+    parts: list[dict] = []  # each micro-batch's loss parts, every pass
     grad_norms, skipped = [], 0
     advance_schedule(replica.scheduler, batch.step)  # this step's lr (all its passes share it)
     for _ in range(grpo.updates_per_step):
         replica.optimizer.zero_grad(set_to_none=True)
         for index, chunk in enumerate(micro_batches(replica.config, batch.packed)):
-            for key, value in _micro_batch_backward(replica, batch, index, chunk, totals).items():
-                stats.setdefault(key, []).append(float(value))
+            parts.append(_micro_batch_backward(replica, batch, index, chunk, totals))
         if reduce_gradients is not None:
             reduce_gradients([p for p in model.parameters() if p.requires_grad])
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0
@@ -203,13 +202,33 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
             batch.features_done = None
     replica.optimizer.zero_grad(set_to_none=True)
     model.eval()
-    summary = {key: statistics.fmean(values) for key, values in stats.items()}
-    summary["loss"] = sum(stats.get("loss", [0.0]))
+    summary = combine_loss_parts(parts, passes=grpo.updates_per_step)
     if grad_norms:
         summary["grad_norm"] = statistics.fmean(grad_norms)
     if skipped:
         summary["skipped_updates"] = skipped
     return summary
+
+
+def combine_loss_parts(parts: list[dict], passes: int = 1) -> dict:
+    """The update's loss metrics from its micro-batches' (or, data parallel, its workers') parts: `loss` is the
+    step's loss (each part is its share of it), averaged over the update passes; the per-token metrics
+    (clip_fraction, ratio_mean, kl) are weighted by each part's tokens, so neither moves with micro_batch_size
+    or the number of workers. `tokens`: the response tokens of one pass."""
+    tokens = sum(part["tokens"] for part in parts)
+    summary = {"loss": sum(part["loss"] for part in parts) / passes, "tokens": tokens / passes}
+    for key in parts[0].keys() - {"loss", "tokens"}:
+        summary[key] = sum(part[key] * part["tokens"] for part in parts) / max(tokens, 1.0)
+    return summary
+
+
+def merge_worker_updates(summaries: list[dict]) -> dict:
+    """Data parallel: the workers' update summaries as the step's. The loss parts combine (each worker's loss is
+    its shard's share of the global loss); grad_norm and skipped_updates are of the all-reduced gradients, the
+    same on every worker."""
+    shared = {key: value for key, value in summaries[0].items() if key in ("grad_norm", "skipped_updates")}
+    parts = [{key: value for key, value in summary.items() if key not in shared} for summary in summaries]
+    return {**combine_loss_parts(parts), **shared}
 
 
 def _micro_batch_backward(replica: PolicyReplica, batch: StepBatch, index: int, chunk: list[int],

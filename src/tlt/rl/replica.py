@@ -19,7 +19,8 @@ from tlt.models.eagle import EagleDrafter
 from tlt.models.loading import LoadedModel, load_model
 from tlt.errors import RequestError
 from tlt.rl.config import TrainConfig, check_speculation
-from tlt.rl.optim import autocast_dtype, build_optimizer, build_scheduler, enable_grad_checkpointing
+from tlt.rl.optim import (autocast_dtype, build_optimizer, build_scheduler, disable_dropout,
+                          enable_grad_checkpointing)
 from tlt.rl.rewards import build_reward
 from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine
@@ -61,6 +62,8 @@ class PolicyReplica:
         device = next(model.parameters()).device
         task = task if task is not None else build_task(config.task, loaded.tokenizer)
         check_prompts_fit(task, loaded.spec, config.rollout.max_new_tokens)  # before the cost curve's minute
+        if disable_dropout(model):
+            log.warning("the policy's dropout is set to 0 for RL: its old and new log-probs come from one forward")
         engine = build_engine(loaded, config)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config)
