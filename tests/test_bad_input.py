@@ -290,11 +290,25 @@ def test_branching_wider_than_the_draft_vocabulary():
     from tlt.models.eagle import EagleDrafter
     from tlt.speculative.strategy import SpecStrategy
 
+    """Refused where it is set — at construction, in the speculation setter, in set_drafter (a hot-swap) — not
+    at the first speculative step, mid-rollout, or when the bandit first picks the wide arm (found by review)."""
+    from tlt.rollout.policy import AdaptiveSpeculation
+
     model = tiny_model()
-    drafter = EagleDrafter(model.config, draft_vocab=torch.tensor([4, 5]))
-    engine = RolloutEngine(model, drafter=drafter, speculation=SpecStrategy(3, 3, 9), max_tree_size=16)
-    with pytest.raises(RequestError, match="drafter's vocabulary has only 2 tokens"):
-        engine.generate([Request([5, 6], params=SamplingParams(max_new_tokens=4))])
+    small = EagleDrafter(model.config, draft_vocab=torch.tensor([4, 5]))
+    wide = SpecStrategy(3, 3, 9)
+    too_wide = "strategy S3K3N9 drafts 3 children per node, but the drafter's vocabulary has only 2 tokens"
+    with pytest.raises(RequestError, match=too_wide):
+        RolloutEngine(model, drafter=small, speculation=AdaptiveSpeculation([SpecStrategy.chain(2), wide]),
+                      max_tree_size=16)
+    engine = RolloutEngine(model, drafter=small, speculation=SpecStrategy.chain(2), max_tree_size=16)
+    with pytest.raises(RequestError, match=too_wide):
+        engine.speculation = wide
+    engine = RolloutEngine(model, drafter=EagleDrafter(model.config), speculation=wide, max_tree_size=16)
+    with pytest.raises(RequestError, match=too_wide):
+        engine.set_drafter(small)
+    assert engine.drafter is not small  # refused: the serving drafter stays
+    assert len(engine.generate([Request([5, 6], params=SamplingParams(max_new_tokens=4))]).samples) == 1
 
 
 @pytest.mark.parametrize("ids,match", [([4, 7, 4], "repeats token ids"), ([[4, 5]], "1-D"), ([], "at least one"),

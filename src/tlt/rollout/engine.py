@@ -21,7 +21,7 @@ from tlt.models.loading import LoadedModel
 from tlt.models.loading import eos_token_ids as eos_token_ids_of
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.graph_runner import GraphRunner
-from tlt.rollout.model_runner import ModelRunner
+from tlt.rollout.model_runner import ModelRunner, check_branching
 from tlt.rollout.policy import SpeculationPolicy, as_policy, policy_strategies
 from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
 from tlt.rollout.scheduler import Scheduler
@@ -84,6 +84,8 @@ class RolloutEngine:
         rebuilt from the target features kept per slot, so no target forward is repeated. An engine built without a
         drafter keeps no such features: a drafter attached to it mid-rollout serves from the next generate().
         `version` is recorded in each sample's `drafter_versions` when this drafter serves it."""
+        for strategy in policy_strategies(self.speculation):  # refused here, not at the bandit's first wide arm
+            check_branching(strategy, drafter)
         self.drafter_version = version
         self.drafter = drafter  # the caller's, in its own dtype: what a worker reloads and publishes
         self.model_runner.set_drafter(drafter)
@@ -98,6 +100,8 @@ class RolloutEngine:
         policy = as_policy(value)
         for strategy in policy_strategies(policy):  # too large a tree fails here, not at its first step
             self.model_runner.check_tree_room(strategy)
+            if getattr(self, "drafter", None) is not None:
+                check_branching(strategy, self.drafter)
         self._speculation = policy
 
     # -- the model side, as the model runner holds it ----------------------------------------------------------

@@ -207,9 +207,7 @@ class ModelRunner:
             raise RequestError(f"strategy {strategy.name} needs {needed} cache slots past the committed tokens, "
                                f"but this rollout reserved {self.tree_slots}: max_tree_size={self.max_tree_size} "
                                f"takes effect at the next generate()")
-        if strategy.branching > self.spec_decoder.drafter.draft_vocab_size:
-            raise RequestError(f"strategy {strategy.name} drafts {strategy.branching} children per node, but the "
-                               f"drafter's vocabulary has only {self.spec_decoder.drafter.draft_vocab_size} tokens")
+        check_branching(strategy, self.spec_decoder.drafter)
 
     def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         settings = RowSampling.from_params([s.request.params for s in seqs], self.device)
@@ -262,3 +260,10 @@ def _same_layout(serving, drafter) -> bool:
     if (serving.draft_to_target is None) != (drafter.draft_to_target is None):
         return False
     return serving.draft_to_target is None or torch.equal(serving.draft_to_target.cpu(), drafter.draft_to_target.cpu())
+
+
+def check_branching(strategy: SpecStrategy, drafter) -> None:
+    """A strategy drafting more children per node than the drafter's vocabulary has tokens."""
+    if strategy.branching > drafter.draft_vocab_size:
+        raise RequestError(f"strategy {strategy.name} drafts {strategy.branching} children per node, but the "
+                           f"drafter's vocabulary has only {drafter.draft_vocab_size} tokens")
