@@ -8,10 +8,12 @@ expectation bound plus t for a false-alarm rate of 1e-4. The negative control ru
 accepts drafted tokens too often; it must fail.
 """
 
+import dataclasses
 import itertools
 import math
 
 import pytest
+import torch
 
 from conftest import assert_logprobs_match_target, markov_model, oracle_drafter, random_prompts, tiny_model
 from tlt.models.eagle import EagleDrafter
@@ -75,19 +77,23 @@ def test_greedy_rows_with_a_filter_agree_with_plain_decoding_on_tied_logits(top)
     assert all(math.isfinite(x) for result in (plain, spec) for s in result.samples for x in s.logprobs)
 
 
-def exact_joint(transition, last_token, params):
-    """Exact probability of every 3-token continuation of a context-free Markov target."""
+def exact_joint(transition, last_token, params, start=0):
+    """Exact probability of every 3-token window, tokens start..start + 2 of the response, of a context-free
+    Markov target."""
     vocab = transition.shape[0]
     probs = processed_logprobs(transition, RowSampling.from_params([params] * vocab, "cpu")).exp().double()
-    return {(a, b, c): float(probs[last_token, a] * probs[a, b] * probs[b, c])
+    first = probs[last_token]
+    for _ in range(start):
+        first = first @ probs
+    return {(a, b, c): float(first[a] * probs[a, b] * probs[b, c])
             for a, b, c in itertools.product(range(vocab), repeat=3)}
 
 
-def tv_and_bound(samples, exact, delta=1e-4):
+def tv_and_bound(samples, exact, delta=1e-4, start=0):
     n = len(samples)
     counts = {}
     for sample in samples:
-        key = tuple(sample.token_ids[:3])
+        key = tuple(sample.token_ids[start:start + 3])
         counts[key] = counts.get(key, 0) + 1
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
     expected = 0.5 * sum(math.sqrt(p * (1 - p) / n) for p in exact.values())
@@ -111,6 +117,28 @@ def test_sampled_distribution_matches_the_target(params, strategy):
     assert result.speculation_summary()["tau"] > 1.2  # drafts were accepted: the test exercised acceptance
 
 
+@pytest.mark.parametrize("strategy,params,vocab", [
+    (SpecStrategy(3, 2, 6), SamplingParams(temperature=1.0), None),
+    (SpecStrategy.parse("S3K2q"), SamplingParams(temperature=1.3, top_p=0.8), [0, 2, 3, 5, 7])], ids=str)
+def test_later_tokens_follow_the_target_too(strategy, params, vocab):
+    """Tokens 4-6 come from the second and later SD steps: after rejections, the drafter's catch-up on the tokens
+    its last step did not draft, and the tree's cache commit. The window 0-2 above sees one SD step at most
+    (found by review). A noisy drafter (q != p) with a draft vocabulary: rejections and residuals happen."""
+    from test_q_sampling import noisy_drafter
+
+    model, transition = markov_model(8, sharpness=1.5, seed=1)
+    drafter = noisy_drafter(model, 0.3)
+    if vocab is not None:
+        limited = EagleDrafter(model.config, draft_vocab=torch.tensor(vocab))
+        limited.load_state_dict(drafter.state_dict(), strict=False)
+        drafter = limited
+    settings = dataclasses.replace(params, max_new_tokens=7, stop_token_ids=(), seed=21)
+    _, result = run(model, [Request([2, 5], n=12_000, params=settings)], drafter, strategy, batch=4000)
+    tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, settings, start=4), start=4)
+    assert tv < bound, (tv, bound)
+    assert result.speculation_summary()["sd_step_share"] > 0.6  # most tokens past the first came from SD steps
+
+
 def test_plain_sampling_passes_the_same_test():
     model, transition = markov_model(8, sharpness=1.5, seed=1)
     settings = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=12)
@@ -127,6 +155,10 @@ def test_negative_control_a_biased_acceptance_rule_is_detected():
     engine.spec_decoder.accept_rule = lambda u, cumulative, probs: u[:, None] <= cumulative * 1.3  # accepts too often
     result = engine.generate([Request([2, 5], n=12_000, params=settings)])
     tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, settings))
+    assert tv > bound, (tv, bound)
+    later = dataclasses.replace(settings, max_new_tokens=7)  # the later window has the same power
+    result = engine.generate([Request([2, 5], n=12_000, params=later)])
+    tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, later, start=4), start=4)
     assert tv > bound, (tv, bound)
 
 
