@@ -85,12 +85,13 @@ def test_warm_ups_are_not_charged_to_the_budget(monkeypatch):
     def slow_first_call(scratch, strategy):
         if (scratch.batch, strategy.name) not in warmed:
             warmed.add((scratch.batch, strategy.name))
-            time.sleep(0.3)
+            time.sleep(1.6)
         return sd_step(scratch, strategy)
 
     monkeypatch.setattr(cost_curve._Scratch, "sd_step", slow_first_call)
-    curve = measure(engine, ARMS[:1], batches=(1, 2, 4), repeats=1, tau=1e9, budget_s=0.25)
-    assert curve.batches == [1, 2, 4] and not curve.notes["truncated"] and curve.notes["warmup_s"] >= 0.9
+    # a budget the timed steps stay well within even on a loaded machine (0.25 s was not, once, in CI-like load)
+    curve = measure(engine, ARMS[:1], batches=(1, 2, 4), repeats=1, tau=1e9, budget_s=1.5)
+    assert curve.batches == [1, 2, 4] and not curve.notes["truncated"] and curve.notes["warmup_s"] >= 4.8
 
 
 def test_measuring_stops_where_no_arm_can_pay():
