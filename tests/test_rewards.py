@@ -103,4 +103,9 @@ def test_a_math_verify_check_past_its_hard_timeout_is_a_failure_and_the_child_is
     assert checker._child is None  # killed, to be started again
     monkeypatch.setattr(rewards, "MATH_VERIFY_HARD_TIMEOUT_S", 60.0)
     assert checker("0.5", "1/2") == 1.0
+    checker._child.kill()  # a child that died (out of memory): one failure, then a new child
+    checker._child.wait()
+    with pytest.raises(RuntimeError, match="math-verify's process ended"):
+        checker("0.5", "1/2")
+    assert checker("0.5", "1/3") == 0.0
     checker._stop()

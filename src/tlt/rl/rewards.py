@@ -101,14 +101,18 @@ class _MathVerifyProcess:
     def __call__(self, gold: str, answer: str) -> float:
         with self._lock:
             child = self._child or self._start()
-            child.stdin.write(json.dumps([gold, answer]) + "\n")
-            child.stdin.flush()
+            try:
+                child.stdin.write(json.dumps([gold, answer]) + "\n")
+                child.stdin.flush()
+            except OSError:  # it died (killed, out of memory): the next call starts another
+                self._stop()
+                raise RuntimeError("math-verify's process ended (its error, if any, is above)") from None
             ready, _, _ = select.select([child.stdout], [], [], MATH_VERIFY_HARD_TIMEOUT_S)
             line = child.stdout.readline() if ready else ""
             if not line:
                 self._stop()
                 raise TimeoutError(f"math-verify took over {MATH_VERIFY_HARD_TIMEOUT_S:g} s on {answer[:80]!r}"
-                                   if not ready else "math-verify's process ended (its error is above)")
+                                   if not ready else "math-verify's process ended (its error, if any, is above)")
         reply = json.loads(line)
         if "error" in reply:
             raise RuntimeError(f"math-verify raised {reply['error']}")
