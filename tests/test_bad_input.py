@@ -216,6 +216,9 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("run.speculative=turbo", "run.speculative must be one of"), ("grpo.loss=ppo", "grpo.loss must be one of"),
     ("run.strategy=deep", "run.strategy"), ("run.backend=mpi", "run.backend must be one of"),
     ("rollout.temperature=-1", "rollout.temperature must be > 0"), ("rollout.top_p=0", "rollout.top_p"),
+    # every feature buffer drain failed, and the drafter never trained (found by review)
+    ("run.speculative=adaptive run.drafter_buffer_tokens=4",
+     "run.drafter_buffer_tokens=4 cannot hold one sample's features (rollout.max_new_tokens=4 + 1 tokens)"),
     ("rollout.max_batch_size=0", "rollout.max_batch_size must be >= 1"),
     ("rollout.samples_per_prompt=1", "samples_per_prompt must be >= 2"), ("task.name=csv", "task.name"),
     ("optim.lr=0", "optim.lr must be > 0"), ("run.workers=0", "run.workers must be >= 1"),

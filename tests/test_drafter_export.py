@@ -13,12 +13,15 @@ from tlt.models.eagle import EagleDrafter
 
 @pytest.mark.parametrize("target,architecture", [("vllm", "LlamaForCausalLM"), ("sglang", "LlamaForCausalLMEagle")])
 def test_round_trip_and_layout(tmp_path, target, architecture):
-    model = tiny_model("llama")
+    model = tiny_model("llama", rope_theta=100_000.0)  # SmolLM2's
     torch.manual_seed(1)
     drafter = EagleDrafter(model.config, draft_vocab=torch.arange(40)).attach(model)
     export_eagle(drafter, tmp_path, target)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == [architecture] and config["num_hidden_layers"] == 1
+    # the loaders read transformers 4's spellings (rope_theta defaulted to 10,000 without it; found by review)
+    assert config["rope_theta"] == model.config.rope_parameters["rope_theta"] != 10_000
+    assert config["torch_dtype"] == config["dtype"] and "rope_scaling" not in config
     names = set(load_file(str(tmp_path / "model.safetensors")))
     assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
             "layers.0.post_attention_layernorm.weight"} <= names

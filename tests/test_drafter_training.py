@@ -402,3 +402,53 @@ def test_cli_warmup_refuses_a_dataset_smaller_than_its_prompts_before_loading_th
     assert ("the dataset has 20 record(s); --prompts 64 and the 8 prompts that measure τ need 72: lower --prompts "
             "to at most 12") in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_a_drafters_saved_optimizer_state_carries_its_moments_not_its_hyperparameters(tmp_path):
+    """load_optimizer brought back the saved run's lr, betas and weight decay: run.drafter_lr was ignored when
+    run.drafter held a warm-up's state (found by review). Moments of a drafter of another shape (torch matches
+    by count only) loaded, and the first step failed after the sampling: refused at load."""
+    model = markov_model(16, sharpness=1.5, seed=1)[0]
+    old = DrafterTrainer(EagleDrafter(model.config).attach(model), FeatureBuffer(1000),
+                         DrafterTrainConfig(lr=1e-4, betas=(0.8, 0.99), weight_decay=0.1))
+    old.optimizer.step()  # (no gradients: state stays empty; give it moments)
+    for param in old.drafter.parameters():
+        old.optimizer.state[param] = {"step": torch.tensor(7.0), "exp_avg": torch.ones_like(param),
+                                      "exp_avg_sq": torch.ones_like(param)}
+    old.steps = 7
+    old.save(tmp_path / "d")
+    new = DrafterTrainer(EagleDrafter(model.config).attach(model), FeatureBuffer(1000), DrafterTrainConfig(lr=5e-3))
+    new.load_optimizer(tmp_path / "d")
+    group = new.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"], new.steps) == (5e-3, (0.9, 0.95), 0.0, 7)
+    assert torch.equal(new.optimizer.state[new.drafter.fc.weight]["exp_avg"], torch.ones_like(new.drafter.fc.weight))
+    wide = markov_model(16, sharpness=1.5, seed=1)[0]
+    wide.config.intermediate_size *= 2
+    other = DrafterTrainer(EagleDrafter(wide.config), FeatureBuffer(1000))
+    with pytest.raises(DrafterError, match="optimizer state does not fit the drafter .*exp_avg has shape"):
+        other.load_optimizer(tmp_path / "d")
+
+
+def test_held_out_scores_leave_the_training_feature_noise_out():
+    """evaluate() added the training's feature noise to the held-out features (found by review)."""
+    from tlt.drafter.buffer import FeatureEntry
+
+    model = markov_model(16, sharpness=1.5, seed=1)[0]
+    drafter = EagleDrafter(model.config).attach(model)
+    entries = [FeatureEntry(torch.randint(0, 16, (12,)), torch.randn(12, model.config.hidden_size), 0)]
+    clean = DrafterTrainer(drafter, FeatureBuffer(1000)).evaluate(entries)
+    noisy = DrafterTrainer(drafter, FeatureBuffer(1000), DrafterTrainConfig(feature_noise=0.5)).evaluate(entries)
+    assert noisy == clean
+
+
+def test_a_drafter_whose_weights_lost_their_draft_vocabulary_is_refused(tmp_path):
+    """It loaded as a full-vocabulary drafter: every draft index then named another token (found by review)."""
+    from safetensors.torch import load_file, save_file
+
+    model = markov_model(16, sharpness=1.5, seed=1)[0]
+    EagleDrafter(model.config, draft_vocab=torch.arange(8)).save(tmp_path)
+    weights = load_file(str(tmp_path / "drafter.safetensors"))
+    del weights["draft_to_target"]
+    save_file(weights, str(tmp_path / "drafter.safetensors"))
+    with pytest.raises(DrafterError, match="its config has a draft vocabulary of 8 tokens, its weights none"):
+        EagleDrafter.load(tmp_path, model)

@@ -81,3 +81,19 @@ def test_long_entries_split_and_bad_shapes_error():
         FeatureBuffer(max_tokens=5).add(*entry(6, 0))
     with pytest.raises(BufferError, match="empty"):
         FeatureBuffer(max_tokens=5).sample(1)
+
+
+def test_entries_are_copies_not_views_of_the_callers_tensors():
+    """An entry kept a view of its row of a micro-batch's [B, L, H] hidden states: 48 buffered tokens pinned the
+    whole tensor (the token budget bounded nothing), and a later in-place write changed stored features (found
+    by review)."""
+    buffer = FeatureBuffer(1_000)
+    hidden, tokens = torch.randn(8, 100, 16), torch.randint(0, 50, (8, 100))
+    buffer.add_samples(tokens, hidden, [3, 10], [19, 42], step=0)
+    stored = [entry.features.clone() for entry in buffer.entries]
+    hidden.zero_()
+    tokens.zero_()
+    assert all(torch.equal(entry.features, kept) for entry, kept in zip(buffer.entries, stored))
+    assert all(entry.tokens.abs().sum() > 0 for entry in buffer.entries)
+    pinned = sum(entry.features.untyped_storage().nbytes() for entry in buffer.entries)
+    assert pinned == (16 + 32) * 16 * 4  # the stored tokens' features, nothing more

@@ -21,16 +21,22 @@ from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
 
 
-def collected_rollout(model, speculation, max_batch_size=3):
+def collected_rollout(model, speculation, max_batch_size=3, collect=None):
     """A rollout with mixed sampling settings, more samples than rows (rows are reused) and EOS; returns the
-    samples and every (tokens, features) pair the engine handed out, in order."""
+    samples and every (tokens, features) pair the engine handed out, in order (also to `collect`, if given)."""
+    torch.manual_seed(0)  # the untrained drafter: the same in every call
     engine = RolloutEngine(model, max_batch_size=max_batch_size, drafter=EagleDrafter(model.config),
                            speculation=speculation)
     params = [SamplingParams(temperature=0, max_new_tokens=12), SamplingParams(temperature=1.0, max_new_tokens=20,
               seed=1), SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=9, seed=2)]
     requests = [Request(p, n=2, params=params[i % 3]) for i, p in enumerate(random_prompts([4, 7, 2, 5], vocab_size=12))]
     handed = []
-    result = engine.generate(requests, collect_features=lambda t, f: handed.append((t.clone(), f.clone())))
+
+    def hand(tokens, features):
+        handed.append((tokens.clone(), features.clone()))
+        if collect is not None:
+            collect(tokens, features)
+    result = engine.generate(requests, collect_features=hand)
     return result.samples, handed
 
 
@@ -174,3 +180,20 @@ def test_one_worker_without_a_drafter_needs_tail_training():
     assert config.run.tail_training == "on"
     with pytest.raises(ConfigError, match="run.tail_training must be one of auto, on, off"):
         load_config(None, ["run.tail_training=yes"])
+
+
+@pytest.mark.parametrize("speculation", [None, SpecStrategy.chain(3)], ids=["plain", "chain"])
+def test_the_tail_trainers_callback_keeps_each_samples_features_while_rows_are_reused(speculation):
+    """TailTrainer.collect moved the tensors with .to("cpu"): on a CPU fp32 engine, views of the cache rows,
+    which the engine gave to the next admitted samples before the training thread read them; 4 of 8 samples
+    were stored with other samples' features (found by review). The queue must hold copies."""
+    model = tiny_model("llama", vocab_size=12)
+    trainer = DrafterTrainer(EagleDrafter(model.config).attach(model), FeatureBuffer(100_000))
+    tail = TailTrainer(trainer, lambda final: 0, publish_every=1, device="cpu")
+    _, handed = collected_rollout(model, speculation and FixedSpeculation(speculation, gate=8),
+                                  collect=tail.collect(step=0))
+    tail.stop()  # never started: drains what was queued into the buffer
+    stored = list(tail.buffer.entries)
+    assert len(stored) == len(handed) == 8
+    for entry, (tokens, features) in zip(stored, handed):
+        assert torch.equal(entry.tokens, tokens) and torch.equal(entry.features, features)

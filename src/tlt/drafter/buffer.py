@@ -79,8 +79,10 @@ class FeatureBuffer:
             raise BufferError(f"one sample of {tokens.shape[0]} tokens exceeds the buffer budget of "
                               f"{self.max_tokens} tokens")
         self.hidden_size = features.shape[1]
-        self.entries.append(FeatureEntry(tokens.detach().to("cpu", torch.long),
-                                         features.detach().to("cpu", torch.float32), step))
+        # copies, never views: a view of a micro-batch's hidden states kept the whole [B, L, H] tensor alive
+        # (the token budget then bounded nothing) and changed with the caller's tensor
+        self.entries.append(FeatureEntry(tokens.detach().to("cpu", torch.long, copy=True),
+                                         features.detach().to("cpu", torch.float32, copy=True), step))
         self.tokens += tokens.shape[0]
         while self.tokens > self.max_tokens:
             self.tokens -= self.entries.popleft().tokens.shape[0]

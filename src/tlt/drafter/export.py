@@ -62,8 +62,22 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
     config = drafter.config.to_dict()
     config.update(architectures=[ARCHITECTURES[target]], num_hidden_layers=1, tie_word_embeddings=False)
     config.pop("layer_types", None)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "config.json").write_text(json.dumps(_with_legacy_keys(config), indent=1))
     return out
+
+
+def _with_legacy_keys(config: dict) -> dict:
+    """Transformers 5 writes RoPE as `rope_parameters` and the dtype as `dtype`; the vLLM and SGLang EAGLE loaders
+    read `rope_theta` (defaulting to 10,000: SmolLM2's is 100,000), `rope_scaling` and `torch_dtype`, as the
+    transformers 4 they run on writes them. Both spellings, then, each reader taking its own."""
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    if "rope_scaling" not in config and rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
+    if "torch_dtype" not in config and "dtype" in config:
+        config["torch_dtype"] = config["dtype"]
+    return config
 
 
 def import_eagle(directory: str | Path, target_model) -> EagleDrafter:

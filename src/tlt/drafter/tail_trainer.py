@@ -70,7 +70,9 @@ class TailTrainer:
         """The `collect_features` callback for a rollout of RL step `step`: queues each finished sample's
         features (copied to the host, so the engine may reuse its cache row at once)."""
         def add(tokens: torch.Tensor, features: torch.Tensor) -> None:
-            self._incoming.put((tokens.to("cpu"), features.to("cpu", torch.float32), step))
+            # copy=True: on a CPU fp32 engine .to() returns views of the cache rows, which the engine hands to
+            # the next admitted rows before the training thread reads them (samples trained on others' data)
+            self._incoming.put((tokens.to("cpu", copy=True), features.to("cpu", torch.float32, copy=True), step))
         return add
 
     @property

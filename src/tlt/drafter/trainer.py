@@ -97,10 +97,10 @@ class DrafterTrainer:
         self.steps += 1
         return {**parts, "step": self.steps, "step_s": time.perf_counter() - started}
 
-    def loss(self, batch: PackedPairs):
+    def loss(self, batch: PackedPairs, *, noise: bool = True):
         cfg = self.config
         features = batch.input_features
-        if cfg.feature_noise > 0:
+        if noise and cfg.feature_noise > 0:  # training only: a held-out score is of the drafter as it serves
             scale = features.abs().mean() * cfg.feature_noise
             features = features + (torch.rand(features.shape, generator=self._generator) * 2 - 1).to(features) * scale
         predicted = self.drafter(batch.input_tokens, features, batch.positions, batch.attention_mask)
@@ -133,7 +133,7 @@ class DrafterTrainer:
         deeper drafts included, see tlt.drafter.chain."""
         self.drafter.eval()
         batch = self._to_device(pack_pairs(entries, self.config.row_length))
-        return self.loss(batch)[1]
+        return self.loss(batch, noise=False)[1]
 
     def _to_device(self, batch: PackedPairs) -> PackedPairs:
         device, dtype = self.drafter.fc.weight.device, self.drafter.fc.weight.dtype
@@ -158,9 +158,14 @@ class DrafterTrainer:
         state = self.saved_state(directory) if state is None else state
         try:
             self.optimizer.load_state_dict(state["optimizer"])
+            _check_moment_shapes(self.optimizer)
         except (ValueError, KeyError, RuntimeError) as error:
             raise DrafterError(f"{directory}: its optimizer state does not fit the drafter "
                                f"({first_line(error)})") from None
+        # the moments and step count carry on; the hyperparameters are this trainer's (load_state_dict brought
+        # the saved run's lr, betas and weight decay, and run.drafter_lr was silently ignored)
+        for group in self.optimizer.param_groups:
+            group.update(lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay)
         self.steps = state["steps"]
 
     @staticmethod
@@ -179,6 +184,17 @@ class DrafterTrainer:
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, a safetensors file cut short
             raise DrafterError(f"{directory}: cannot read the drafter's optimizer state ({OPTIMIZER_FILE}, "
                                f"{TRAINER_FILE}): {type(error).__name__}: {first_line(error)}") from None
+
+
+def _check_moment_shapes(optimizer: torch.optim.Optimizer) -> None:
+    """torch matches a saved optimizer state to the parameters by count only: moments of a drafter of another
+    shape loaded, and the first step failed after the warm-up's sampling."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, moment in optimizer.state.get(param, {}).items():
+                if torch.is_tensor(moment) and moment.dim() > 0 and moment.shape != param.shape:
+                    raise ValueError(f"its {name} has shape {tuple(moment.shape)} for a parameter of shape "
+                                     f"{tuple(param.shape)}")
 
 
 def save_trainer_state(directory: str | Path, state: dict) -> None:

@@ -89,8 +89,9 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     held_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=config.seed)
     pairs = collect_features(engine.policy_forward, prompts[:held_from], responses[:held_from], buffer, step=0)
     collect_features(engine.policy_forward, prompts[held_from:], responses[held_from:], held_buffer, step=0)
-    trainer = new_trainer(loaded, initial, initial_state, engine.policy_forward, responses, buffer, config,
-                          train_config)
+    # the draft vocabulary from the training responses only: the held-out scores are over it
+    trainer = new_trainer(loaded, initial, initial_state, engine.policy_forward, responses[:held_from], buffer,
+                          config, train_config)
     drafter = trainer.drafter
     held = list(held_buffer.entries)
     with tqdm(total=config.steps, desc="drafter warm-up", unit="step") as bar:

@@ -265,7 +265,12 @@ class EagleDrafter(nn.Module):
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, corrupt safetensors
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise DrafterError(f"{directory}: cannot read the drafter ({type(error).__name__}: {first})") from None
-        drafter = cls(config, tensors.get("draft_to_target"))
+        vocab = tensors.get("draft_to_target")
+        if "draft_vocab_size" in meta and meta["draft_vocab_size"] != (None if vocab is None else int(vocab.shape[0])):
+            # a weights file without its draft vocabulary loaded as a full-vocabulary drafter, every draft wrong
+            raise DrafterError(f"{directory}: its config has a draft vocabulary of {meta.get('draft_vocab_size')} "
+                               f"tokens, its weights {'none' if vocab is None else int(vocab.shape[0])}")
+        drafter = cls(config, vocab)
         drafter.attach(target)
         own = drafter.state_dict()
         wrong = [k for k, v in tensors.items() if k not in own or own[k].shape != v.shape]

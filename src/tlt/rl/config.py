@@ -262,6 +262,11 @@ def validate(config: TrainConfig) -> TrainConfig:
            f"GPU), got {run.gpus_per_worker}")
     for key in ("publish_every", "drafter_buffer_tokens"):
         _at_least(f"run.{key}", getattr(run, key), 1)
+    # one sample's features (its response and the last prompt token) must fit: a longer one failed every drain,
+    # and the drafter never trained
+    _check(run.speculative == "off" or run.drafter_buffer_tokens > rollout.max_new_tokens,
+           f"run.drafter_buffer_tokens={run.drafter_buffer_tokens} cannot hold one sample's features "
+           f"(rollout.max_new_tokens={rollout.max_new_tokens} + 1 tokens): raise it")
     _at_least("run.swap_poll_s", run.swap_poll_s, 0)  # 0: check for a newer drafter before every decode step
     _check(run.drafter_lr > 0, f"run.drafter_lr must be > 0, got {run.drafter_lr}")
     _check(run.workers == "auto" or rollout.prompts_per_step >= run.workers, f"rollout.prompts_per_step="
