@@ -216,6 +216,7 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("run.speculative=turbo", "run.speculative must be one of"), ("grpo.loss=ppo", "grpo.loss must be one of"),
     ("run.strategy=deep", "run.strategy"), ("run.backend=mpi", "run.backend must be one of"),
     ("rollout.temperature=-1", "rollout.temperature must be > 0"), ("rollout.top_p=0", "rollout.top_p"),
+    ("task.format_reward=-0.5", "task.format_reward must be a finite number >= 0"),
     # every feature buffer drain failed, and the drafter never trained (found by review)
     ("run.speculative=adaptive run.drafter_buffer_tokens=4",
      "run.drafter_buffer_tokens=4 cannot hold one sample's features (rollout.max_new_tokens=4 + 1 tokens)"),
@@ -456,3 +457,19 @@ def test_settings_a_run_cannot_use_here_are_named_not_dropped_silently(tmp_path,
     assert engine.spec_decoder is None
     assert "rollout.compile=inductor is ignored on cpu" in caplog.text
     assert f"run.drafter={tmp_path} is not used: run.speculative=off" in caplog.text
+
+
+def test_resume_refuses_a_dataset_changed_since_the_run_started(tmp_path, capfd):
+    """task.path compared as a path: records appended before --resume moved the held-out split (the file's last
+    records) into training and changed every later step's prompts (found by review)."""
+    data = tmp_path / "data.jsonl"
+    records = [json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(6)]
+    data.write_text("".join(records))
+    args = [f"run.out_dir={tmp_path / 'run'}", f"model.path={model_dir(tmp_path)}", "task.name=jsonl",
+            f"task.path={data}", "task.eval_size=2", "run.backend=inprocess", "run.workers=1"]
+    assert run_cli(capfd, args)[0] == 0
+    data.write_text("".join(records + [json.dumps({"question": "9 + 1?", "answer": "#### 10"}) + "\n"]))
+    code, err = run_cli(capfd, [*args, "run.steps=2", "--resume"])
+    assert_one_line(code, err, "--resume: the dataset changed since the run started (6 records then, 7 now")
+    data.write_text("".join(records))
+    assert run_cli(capfd, [*args, "run.steps=2", "--resume"])[0] == 0

@@ -109,3 +109,20 @@ def test_a_math_verify_check_past_its_hard_timeout_is_a_failure_and_the_child_is
         checker("0.5", "1/2")
     assert checker("0.5", "1/3") == 0.0
     checker._stop()
+
+
+@pytest.mark.parametrize("completion,gold,score", [
+    ("The answer is 5/8.", "5", 0.0), ("The answer is 2^10.", "2", 0.0), ("The answer is 12 - 7 = 5.", "12", 0.0),
+    ("The answer is 7x.", "7", 0.0), ("The answer is 3/4.", "3", 0.0),
+    ("The answer is -$5.", "-5", 1.0), ("Answer: **42**", "42", 1.0), ("The answer is $1,234$.", "1234", 1.0),
+    ("so the answer is 12\nthen more text", "12", 1.0)])
+def test_the_answer_is_fallback_judges_the_whole_answer(completion, gold, score):
+    """Without a box, "the answer is" kept the leading number: "5/8" scored as 5, "2^10" as 2 — wrong answers
+    rewarded, a way for the policy to collect reward (found by review). The rest of the sentence is the answer."""
+    assert integer_match(completion, example(gold)) == score
+    assert math_verify_match(completion, example(gold)) == score
+
+
+def test_the_answer_is_fallback_gives_math_verify_the_whole_expression():
+    assert math_verify_match("The answer is 3/4.", example("3/4")) == 1.0  # was cut to 3: scored 0
+    assert math_verify_match(r"so the answer is \(\frac{1}{2}\).", example("0.5")) == 1.0

@@ -99,3 +99,75 @@ def test_training_steps_take_their_prompts_from_the_epoch_stream():
     replica = SimpleNamespace(config=config, task=ChatTask(DatasetTask(examples), tokenizer=None))
     seen = [e.answer for step in (0, 1) for e in sample_prompts(replica, step)]
     assert sorted(seen, key=int) == [str(i) for i in range(6)]
+
+
+def _jsonl(path, records, **dumps):
+    path.write_text("".join(json.dumps(r, **dumps) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"question": [{"role": "user", "content": "1+1?"}], "answer": "2"}, "field 'question' is list, not text (a list of chat"),
+    ({"question": {"text": "1+1?"}, "answer": "2"}, "field 'question' is dict, not text"),
+    ({"question": "1+1?", "answer": [2]}, "field 'answer' is list, not text"),
+    ({"question": "1+1?", "answer": True}, "field 'answer' is bool, not text"),
+    ({"question": "1+1?", "answer": float("nan")}, "field 'answer' is NaN"),
+    ({"question": "1+1?", "answer": ""}, "field 'answer' is empty"),
+    ({"question": "1+1?", "answer": "work... #### "}, "field 'answer' is empty after '####'"),
+    ({"question": "  ", "answer": "2"}, "field 'question' is empty")])
+def test_records_that_are_not_text_or_are_empty_are_refused(tmp_path, record, message):
+    """They became Python reprs ("[{'role': 'user', ...}]", the gold "nan") or golds nothing can match, and were
+    trained on (found by review)."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"question": "2+2?", "answer": "4"}, record])
+    with pytest.raises(DatasetError, match=rf"d.jsonl, line 2: {__import__('re').escape(message)}"):
+        load_examples(path)
+
+
+def test_numeric_answers_jsonl_line_separators_a_bom_and_upper_case_suffixes_are_read(tmp_path):
+    """U+2028 inside a string split the line (splitlines), a byte-order mark failed the first record, .JSONL was
+    an unsupported format (found by review)."""
+    path = tmp_path / "D.JSONL"
+    _jsonl(path, [{"question": "a\u2028b\u0085c?", "answer": 42}, {"question": "1+1?", "answer": 2.5}],
+           ensure_ascii=False)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    examples = load_examples(path)
+    assert [(e.prompt, e.answer) for e in examples] == [("a\u2028b\u0085c?", "42"), ("1+1?", "2.5")]
+    assert [e.meta["line"] for e in examples] == [1, 2]
+
+
+def test_a_task_name_that_is_not_the_files_format_is_refused(tmp_path):
+    from tlt.rl.config import load_config
+    from tlt.tasks import load_task_examples
+
+    path = _jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"}])
+    with pytest.raises(DatasetError, match=r"task.name=parquet but task.path=.*d.jsonl is a .jsonl file"):
+        load_task_examples(load_config(None, ["task.name=parquet", f"task.path={path}"]).task)
+
+
+def test_a_held_out_prompt_repeated_earlier_in_the_file_is_not_trained_on():
+    """The split is positional: a duplicate of a held-out prompt among the training records was trained on
+    (found by review); the arithmetic task already excluded held-out prompts by text."""
+    from tlt.tasks.held_out import split_held_out
+    from tlt.tasks.example import TaskExample
+    from tlt.tasks.loaders import DatasetTask
+
+    examples = [TaskExample(p, "1") for p in ("a", "b", "c", "b", "d", "b")]
+    training, held_out = split_held_out(DatasetTask(examples), 2)
+    assert [e.prompt for e in held_out] == ["d", "b"]
+    assert [e.prompt for e in training.examples] == ["a", "c"]
+
+
+def test_a_system_prompt_the_chat_template_refuses_is_one_line():
+    """A Gemma-style template raises on a system message: a Jinja traceback after the model's load."""
+    from test_verify import byte_tokenizer
+    from tlt.errors import TltError
+    from tlt.tasks.chat import chat_prompt_ids
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}\n"
+                               "{% endfor %}")
+    assert len(chat_prompt_ids(tokenizer, "hi")) == 3
+    with pytest.raises(TltError, match="task.system_prompt: the model's chat template refuses a system message "
+                                       r"\(System role not supported\)"):
+        chat_prompt_ids(tokenizer, "hi", "Be brief.")

@@ -40,14 +40,15 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     console = console or Console(soft_wrap=True)
     validate(config)  # a config built in code gets the same checks as one from the command line
     owned = trainer is None
+    dataset = None
     if owned:
         placed, placement, notes = resolve(config)  # this machine's devices: workers that cannot be placed fail here
-        preflight(config)  # before --overwrite deletes anything
+        dataset = preflight(config)  # before --overwrite deletes anything
         for note in notes:
             console.print(f"note: {note}")
     run_dir = Path(config.run.out_dir)
     with hold_run_dir(run_dir):  # another `tlt train` on this directory is refused until this one ends
-        checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite)
+        checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite, dataset=dataset)
         try:
             with console.status(f"loading the policy ({placement.describe() if owned else 'given trainer'})"):
                 # config.json keeps the config as given (e.g. workers=auto)

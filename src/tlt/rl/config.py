@@ -206,6 +206,9 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check(task.reward in BUILTIN_REWARDS or ":" in task.reward,
            f"task.reward must be one of {', '.join(BUILTIN_REWARDS)} or 'package.module:function', "
            f"got {task.reward!r}")
+    # a negative bonus for an extractable answer would teach the policy not to answer
+    _check(0 <= task.format_reward < math.inf, f"task.format_reward must be a finite number >= 0 (a bonus for an "
+           f"extractable answer), got {task.format_reward}")
     _at_least("task.min_operations", task.min_operations, 1)
     _at_least("task.max_operations", task.max_operations, task.min_operations, "task.min_operations")
     _at_least("task.eval_size", task.eval_size, 0)

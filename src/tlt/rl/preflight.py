@@ -15,13 +15,15 @@ from tlt.models.eagle import CONFIG_FILE, WEIGHTS_FILE, DrafterError
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
 from tlt.rl.config import BUILTIN_REWARDS
 from tlt.rl.rewards import load_reward_function
-from tlt.tasks import DATASET_TASKS, DatasetError, load_task_examples
+from tlt.tasks import DATASET_TASKS, DatasetError, dataset_fingerprint, load_task_examples
 
 SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "model_type")
 
 
-def preflight(config) -> None:
+def preflight(config) -> dict | None:
+    """Returns the dataset task's fingerprint (None for a generated task), which --resume compares."""
     model_path = None
+    fingerprint = None
     if not is_default_source(config.model.path):
         model_path = check_model_path(config.model.path)
         _check_context(config, model_path)
@@ -33,12 +35,14 @@ def preflight(config) -> None:
                                f"{needed} one step needs (rollout.prompts_per_step + task.eval_size)")
         if config.task.reward == "integer":
             _check_integer_answers(examples)
+        fingerprint = dataset_fingerprint(examples)
     if config.run.drafter:
         _check_drafter(Path(config.run.drafter), model_path)
     if "wandb" in logger_names(config.run):
         check_wandb_installed()
     if config.task.reward not in BUILTIN_REWARDS:
         load_reward_function(config.task.reward)  # a typo in the module path fails here, not in every worker
+    return fingerprint
 
 
 def _check_integer_answers(examples) -> None:

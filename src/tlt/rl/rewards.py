@@ -26,8 +26,12 @@ from tlt.errors import TltError, first_line
 from tlt.tasks.example import TaskExample
 
 BOXED = re.compile(r"\\boxed\{")
-ANSWER_LINE = re.compile(r"answer\s*(?:is|:)\s*\$?([-+]?[\d,]*\.?\d+)", re.I)
+# "the answer is X" / "answer: X" without a box: X is the rest of the sentence (to a full stop or the line's
+# end), judged whole: taking its leading number rewarded "5/8", "2^10" and "12 - 7 = 5" as 5, 2 and 12
+ANSWER_LINE = re.compile(r"answer\s*(?:is|:)\s*(.+?)\s*(?:\.(?=\s|$)|$)", re.I | re.M)
+MARKUP = re.compile(r"^(?:\*\*|\$|\\\(|\\\[)+|(?:\*\*|\$|\\\)|\\\])+$")  # **X**, $X$, \(X\), \[X\] around it
 INTEGER = re.compile(r"^[-+]?\d+$")
+UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 MATH_VERIFY_TIMEOUT_S = 5  # per parse and per verify: math-verify's own default
 # the child's first call imports sympy (~2 s); past this a check is stuck beyond math-verify's own timeouts
 MATH_VERIFY_HARD_TIMEOUT_S = 60.0
@@ -56,14 +60,14 @@ def extract_answer(text: str) -> str | None:
     if boxed is not None:
         return boxed
     lines = ANSWER_LINE.findall(text)
-    return lines[-1] if lines else None
+    return MARKUP.sub("", lines[-1]).strip() or None if lines else None
 
 
 def integer_match(completion: str, example: TaskExample) -> float:
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
-    answer = answer.replace(",", "").replace(" ", "").rstrip(".")
+    answer = answer.replace(",", "").replace(" ", "").replace("$", "").rstrip(".")  # 1,234 / -$5 / 42.
     return float(bool(INTEGER.match(answer)) and int(answer) == int(example.answer))
 
 
@@ -71,6 +75,7 @@ def math_verify_match(completion: str, example: TaskExample) -> float:
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
+    answer = UNESCAPED_DOLLAR.sub("", answer)  # "-$5": a currency sign would end the $...$ math-verify reads
     if threading.current_thread() is threading.main_thread():
         return _math_verify(example.answer, answer)
     return _MATH_VERIFY_PROCESS(example.answer, answer)

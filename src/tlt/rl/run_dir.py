@@ -25,7 +25,8 @@ from tlt.rl.checkpoint import checkpoint_dirs, checkpoint_step, latest_checkpoin
 from tlt.rl.config import PATH_KEYS, TrainConfig
 
 # Everything tlt writes into a run directory; --overwrite replaces exactly these, nothing else.
-RUN_FILES = ("metrics.jsonl", "config.json", "wandb_id")
+RUN_FILES = ("metrics.jsonl", "config.json", "wandb_id", "dataset.json")
+DATASET_FILE = "dataset.json"  # the dataset task's records as the run first read them (count and digest)
 RUN_DIRS = ("timeline", "tensorboard", "wandb", "report", "final")
 # --overwrite moves the old run here and deletes it only once the new run has a checkpoint: a new run that
 # fails (or is killed) before that has lost nothing, the old run is put back.
@@ -45,8 +46,11 @@ class RunDirError(TltError):
     """A run directory that cannot be used as asked."""
 
 
-def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite: bool) -> Path | None:
-    """Check (and with overwrite, clear) the run directory; returns the checkpoint to resume from, if any."""
+def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite: bool,
+                    dataset: dict | None = None) -> Path | None:
+    """Check (and with overwrite, clear) the run directory; returns the checkpoint to resume from, if any.
+    `dataset`: the dataset task's fingerprint (`tasks.dataset_fingerprint`), kept with a fresh run and compared
+    on --resume."""
     run_dir = Path(run_dir)
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite contradict each other: choose one")
@@ -60,6 +64,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
         if checkpoint is None:
             raise RunDirError(f"nothing to resume in {run_dir}: it holds no checkpoint ({_start_instead(run_dir)})")
         _check_same_run(run_dir, config_dict, checkpoint)
+        _check_same_dataset(run_dir, dataset)
         _drop_staging(run_dir)
         return checkpoint
     _refuse_foreign_entries(run_dir)
@@ -76,8 +81,26 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
     # then lies beside a tlt config.json, which is how the next run knows it as tlt's (_refuse_foreign_entries)
     text = json.dumps(config_dict, indent=1)
     write_whole(run_dir / "config.json", lambda path: path.write_text(text))
+    if dataset is not None:
+        write_whole(run_dir / DATASET_FILE, lambda path: path.write_text(json.dumps(dataset)))
     return None
 
+
+def _check_same_dataset(run_dir: Path, dataset: dict | None) -> None:
+    """task.path compares as a path: records appended (or edited) since the run started moved the held-out
+    split (its last records) into training and changed the prompts of every step to come (found by review)."""
+    if dataset is None:
+        return  # a generated task, or a trainer given in code (no preflight)
+    try:
+        saved = json.loads((run_dir / DATASET_FILE).read_text())
+    except (OSError, ValueError):  # a run from before the file: from now on, this is the run's dataset
+        write_whole(run_dir / DATASET_FILE, lambda path: path.write_text(json.dumps(dataset)))
+        return
+    if saved != dataset:
+        raise RunDirError(f"--resume: the dataset changed since the run started ({saved.get('records')} records "
+                          f"then, {dataset.get('records')} now, or their text): the held-out split and every "
+                          f"step's prompts would move; restore the file, or start a new run (--overwrite or "
+                          f"another run.out_dir)")
 
 def _refuse_foreign_entries(run_dir: Path) -> None:
     """Folders and files with tlt's names (final/, timeline/, metrics.jsonl...) that no tlt run wrote: no tlt

@@ -3,13 +3,15 @@ templates."""
 
 from __future__ import annotations
 
+import hashlib
+
 from tlt.errors import TltError
 from tlt.tasks.arithmetic import ArithmeticTask, ArithmeticTaskConfig
 from tlt.tasks.chat import chat_prompt_ids
 from tlt.tasks.example import TaskExample
 from tlt.tasks.held_out import split_held_out
 from tlt.tasks.hf import load_hf_examples
-from tlt.tasks.loaders import DatasetError, DatasetTask, load_examples
+from tlt.tasks.loaders import DatasetError, DatasetTask, check_format, load_examples
 
 DATASET_TASKS = ("jsonl", "parquet", "hf")
 
@@ -48,8 +50,18 @@ def load_task_examples(config) -> list[TaskExample]:
         raise TltError(f"task.name={config.name} needs task.path")
     if config.name == "hf":
         return load_hf_examples(config.path, config.split, config.prompt_field, config.answer_field)
+    check_format(config.name, config.path)
     return load_examples(config.path, config.prompt_field, config.answer_field)
 
 
+def dataset_fingerprint(examples: list[TaskExample]) -> dict:
+    """The records a dataset task read, as a count and a digest of their text: what `--resume` compares (the
+    path alone misses records appended or edited in place)."""
+    digest = hashlib.sha256()
+    for example in examples:
+        digest.update(example.prompt.encode() + b"\0" + example.answer.encode() + b"\0")
+    return {"records": len(examples), "sha256": digest.hexdigest()}
+
+
 __all__ = ["ArithmeticTask", "ArithmeticTaskConfig", "ChatTask", "DatasetError", "DatasetTask", "TaskExample",
-           "build_task", "chat_prompt_ids", "load_examples", "load_task_examples"]
+           "build_task", "chat_prompt_ids", "dataset_fingerprint", "load_examples", "load_task_examples"]

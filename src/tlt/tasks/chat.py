@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tlt.errors import TltError
+from tlt.errors import TltError, first_line
 
 
 def chat_prompt_ids(tokenizer, prompt: str, system_prompt: str | None = None) -> list[int]:
@@ -10,5 +10,11 @@ def chat_prompt_ids(tokenizer, prompt: str, system_prompt: str | None = None) ->
         raise TltError("the tokenizer has no chat template: tlt formats every prompt with it")
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
         [{"role": "user", "content": prompt}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as error:  # noqa: BLE001 - jinja's TemplateError, raised by the template itself
+        if system_prompt and "system" in str(error).lower():
+            raise TltError(f"task.system_prompt: the model's chat template refuses a system message "
+                           f"({first_line(error)}); put the instructions in the prompts instead") from None
+        raise TltError(f"the model's chat template failed on a prompt: {first_line(error)}") from None
+    return list(ids)

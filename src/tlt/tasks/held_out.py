@@ -1,6 +1,7 @@
 """A held-out evaluation set carved out of a task, never sampled for training.
 
-Datasets: the last `size` examples are held out and training samples the rest. The built-in arithmetic task
+Datasets: the last `size` examples are held out and training samples the rest, less any repeat of a held-out
+prompt (a file with duplicates would train on them). The built-in arithmetic task
 generates problems: the held-out set is drawn from its own seed, and training draws skip any problem whose
 prompt is in it (redrawn from a derived seed), so the two stay disjoint either way.
 """
@@ -21,7 +22,13 @@ def split_held_out(source, size: int) -> tuple[object, list[TaskExample]]:
     if isinstance(source, DatasetTask):
         if len(source.examples) <= size:
             raise TltError(f"task.eval_size={size} leaves no training examples out of {len(source.examples)}")
-        return DatasetTask(source.examples[:-size]), source.examples[-size:]
+        held_out = source.examples[-size:]
+        # a prompt the file repeats before its held-out tail would be trained on: drop those copies
+        prompts = {e.prompt for e in held_out}
+        training = [e for e in source.examples[:-size] if e.prompt not in prompts]
+        if not training:
+            raise TltError(f"task.eval_size={size}: every training example repeats a held-out prompt")
+        return DatasetTask(training), held_out
     held_out = source.sample(size, seed=EVAL_SEED)
     return ExcludingTask(source, {e.prompt for e in held_out}), held_out
 

@@ -11,6 +11,7 @@ from tlt.errors import TltError
 from tlt.tasks.example import TaskExample
 
 GSM8K_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
+EMPTY_GSM8K_ANSWER = re.compile(r"####\s*$")
 
 
 class DatasetError(TltError):
@@ -24,18 +25,46 @@ def normalize_answer(answer) -> str:
     return match.group(1).replace(",", "").strip() if match else text
 
 
+def _text_field(value, name: str, where: str, *, answer: bool) -> str:
+    """A prompt or answer as text. Numbers are fine answers (a gold of 42); anything else was turned into its
+    Python repr and trained on — a chat-message list became the prompt "[{'role': 'user', ...}]", NaN the gold
+    "nan" — and an empty text can never be answered (found by review)."""
+    numeric = answer and isinstance(value, (int, float)) and not isinstance(value, bool)
+    if numeric and value != value:
+        raise DatasetError(f"{where}: field {name!r} is NaN")
+    if not (isinstance(value, str) or numeric):
+        hint = (" (a list of chat messages: tlt formats a text prompt with the model's chat template; put the "
+                "user's text in the field)" if isinstance(value, list) else "")
+        raise DatasetError(f"{where}: field {name!r} is {type(value).__name__}, not text{hint}")
+    if answer and EMPTY_GSM8K_ANSWER.search(str(value)):
+        raise DatasetError(f"{where}: field {name!r} is empty after '####'")
+    text = normalize_answer(value) if answer else value
+    if not str(text).strip():
+        raise DatasetError(f"{where}: field {name!r} is empty")
+    return text
+
+
 def load_examples(path: str | Path, prompt_field: str = "question", answer_field: str = "answer"
                   ) -> list[TaskExample]:
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset not found: {path}")
-    if path.suffix == ".parquet":
+    if path.suffix.lower() == ".parquet":
         records = _parquet_records(path)
-    elif path.suffix in (".jsonl", ".json"):
+    elif path.suffix.lower() in (".jsonl", ".json"):
         records = _jsonl_records(path)
     else:
         raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
     return records_to_examples(records, prompt_field, answer_field, str(path))
+
+
+def check_format(name: str, path: str | Path) -> None:
+    """task.name=jsonl with a .parquet path (or the reverse) read the other format without a word."""
+    suffix = Path(path).suffix.lower()
+    expected = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}.get(name)
+    if expected is not None and suffix not in expected:
+        raise DatasetError(f"task.name={name} but task.path={path} is a {suffix or 'suffix-less'} file: set "
+                           f"task.name to its format ({' or '.join(expected)} files for {name})")
 
 
 def records_to_examples(records, prompt_field: str, answer_field: str, source: str, unit: str = "line"
@@ -50,7 +79,9 @@ def records_to_examples(records, prompt_field: str, answer_field: str, source: s
                                    f"(fields present: {', '.join(sorted(record)) or 'none'})")
             if record[name] is None:
                 raise DatasetError(f"{source}, {unit} {number}: field {name!r} is null")
-        examples.append(TaskExample(str(record[prompt_field]), normalize_answer(record[answer_field]),
+        where = f"{source}, {unit} {number}"
+        examples.append(TaskExample(_text_field(record[prompt_field], prompt_field, where, answer=False),
+                                    _text_field(record[answer_field], answer_field, where, answer=True),
                                     {"source": source, unit: number}))
     if not examples:
         raise DatasetError(f"{source}: no records")
@@ -59,7 +90,9 @@ def records_to_examples(records, prompt_field: str, answer_field: str, source: s
 
 def _jsonl_records(path: Path):
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # "\n" only: splitlines() also broke at U+2028, U+2029 and U+0085, which JSON allows raw inside strings;
+        # utf-8-sig: a byte-order mark (Windows editors) is not part of the first record
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except UnicodeDecodeError as error:
         line = path.read_bytes()[:error.start].count(b"\n") + 1
         raise DatasetError(f"{path}, line {line}: not UTF-8 text (byte {error.object[error.start]:#04x}); "
