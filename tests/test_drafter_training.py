@@ -452,3 +452,28 @@ def test_a_drafter_whose_weights_lost_their_draft_vocabulary_is_refused(tmp_path
     save_file(weights, str(tmp_path / "drafter.safetensors"))
     with pytest.raises(DrafterError, match="its config has a draft vocabulary of 8 tokens, its weights none"):
         EagleDrafter.load(tmp_path, model)
+
+
+def test_cli_warmup_takes_the_runs_task_from_its_config(tmp_path, monkeypatch):
+    """--data read a file with the default field names and no system prompt: a drafter warmed for a run with a
+    system prompt (or other fields, or an hf dataset) learned other prompts than the run's (found by review)."""
+    import json
+
+    import tlt.drafter.warmup
+    from test_bad_input import model_dir
+    from tlt.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i} + 1?", "solution": str(i + 1)}) + "\n" for i in range(30)))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  path: {model_dir(tmp_path)}\ntask:\n  name: jsonl\n  path: {data}\n"
+                      f"  prompt_field: problem\n  answer_field: solution\n  system_prompt: Be brief.\n"
+                      f"  eval_size: 4\n")
+    seen = {}
+    monkeypatch.setattr(tlt.drafter.warmup, "warmup", lambda loaded, task, *a, **k: seen.update(task=task))
+    assert main(["drafter", "warmup", "--config", str(config), "--out", str(tmp_path / "d"), "--prompts", "8"]) == 0
+    task = seen["task"]
+    assert task.system_prompt == "Be brief." and len(task.eval_examples) == 4
+    drawn = {e.prompt for e in task.sample(26, seed=0)}
+    assert drawn == {f"{i} + 1?" for i in range(26)}  # the run's training records, never its held-out ones
+    assert main(["drafter", "warmup", "--config", str(config), "--data", str(data), "--out", str(tmp_path / "e")]) == 2

@@ -134,6 +134,9 @@ def _run_train(args) -> int:
 def _add_warmup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory, .gguf file, or 'smollm2' (default)")
     parser.add_argument("--data", default="arithmetic", help="'arithmetic' (built-in) or a .jsonl/.parquet file")
+    parser.add_argument("--config", default=None, metavar="FILE", help="a `tlt train` config: its task (dataset, "
+                        "fields, split, system prompt) and model, so the drafter learns the very prompts the run "
+                        "will see (instead of --data)")
     parser.add_argument("--out", required=True, help="directory for the drafter")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
@@ -163,10 +166,30 @@ def _run_warmup(args) -> int:
                           draft_vocab=args.draft_vocab, seed=args.seed, init=args.init, lr_schedule=args.lr_schedule)
     train_config = DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature)
     check_warmup(args.out, config, train_config, args.overwrite)  # before the model loads
+    if args.config is not None:
+        return _warmup_from_run_config(args, config, train_config)
     source = ArithmeticTask() if args.data == "arithmetic" else DatasetTask(load_examples(args.data))
     check_enough_examples(source, config)
     loaded = load_model(args.model)
     warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config, train_config, overwrite=args.overwrite)
+    return 0
+
+
+def _warmup_from_run_config(args, config, train_config) -> int:
+    """The warm-up's prompts as the run builds them: its dataset (or arithmetic task) with its fields, split,
+    held-out set (never drawn) and system prompt, through the model's chat template."""
+    from tlt.drafter.warmup import check_enough_examples, warmup
+    from tlt.models import load_model
+    from tlt.rl.config import load_config
+    from tlt.tasks import DATASET_TASKS, DatasetTask, build_task, load_task_examples
+
+    if args.data != "arithmetic":
+        raise TltError("--data and --config both name the prompts: give one")
+    run = load_config(args.config, [])
+    if run.task.name in DATASET_TASKS:  # before the model loads
+        check_enough_examples(DatasetTask(load_task_examples(run.task)[:-run.task.eval_size or None]), config)
+    loaded = load_model(args.model or run.model.path)
+    warmup(loaded, build_task(run.task, loaded.tokenizer), args.out, config, train_config, overwrite=args.overwrite)
     return 0
 
 
