@@ -217,6 +217,8 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("run.strategy=deep", "run.strategy"), ("run.backend=mpi", "run.backend must be one of"),
     ("rollout.temperature=-1", "rollout.temperature must be > 0"), ("rollout.top_p=0", "rollout.top_p"),
     ("task.format_reward=-0.5", "task.format_reward must be a finite number >= 0"),
+    ("task.reward=mathverify", "task.reward must be one of auto, integer, math_verify or 'package.module:function'"),
+    ("task.reward=no_such_pkg.score", "cannot load reward function 'no_such_pkg.score'"),  # dotted, as the loader
     # every feature buffer drain failed, and the drafter never trained (found by review)
     ("run.speculative=adaptive run.drafter_buffer_tokens=4",
      "run.drafter_buffer_tokens=4 cannot hold one sample's features (rollout.max_new_tokens=4 + 1 tokens)"),

@@ -203,7 +203,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     check_choice("task.name", task.name, TASK_NAMES)
     _check(task.name == "arithmetic" or bool(task.path), f"task.name={task.name} needs task.path (a dataset file)")
     _check_task_keys_used(task)
-    _check(task.reward in BUILTIN_REWARDS or ":" in task.reward,
+    _check(task.reward in BUILTIN_REWARDS or ":" in task.reward or "." in task.reward,  # as the loader reads it
            f"task.reward must be one of {', '.join(BUILTIN_REWARDS)} or 'package.module:function', "
            f"got {task.reward!r}")
     # a negative bonus for an extractable answer would teach the policy not to answer
