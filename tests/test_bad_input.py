@@ -218,7 +218,6 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("rollout.temperature=-1", "rollout.temperature must be > 0"), ("rollout.top_p=0", "rollout.top_p"),
     ("task.format_reward=-0.5", "task.format_reward must be a finite number >= 0"),
     ("task.reward=mathverify", "task.reward must be one of auto, integer, math_verify or 'package.module:function'"),
-    ("task.reward=no_such_pkg.score", "cannot load reward function 'no_such_pkg.score'"),  # dotted, as the loader
     # every feature buffer drain failed, and the drafter never trained (found by review)
     ("run.speculative=adaptive run.drafter_buffer_tokens=4",
      "run.drafter_buffer_tokens=4 cannot hold one sample's features (rollout.max_new_tokens=4 + 1 tokens)"),
@@ -233,7 +232,11 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("task.format_reward=nan", "task.format_reward must be a finite number, got nan"),
     ("run.drafter_lr=inf", "run.drafter_lr must be a finite number"), ("run.out_dir=", "run.out_dir must not be empty")])
 def test_config_errors_come_before_anything_loads(tmp_path, capfd, override, expected):
-    """model.path points nowhere: had anything loaded first, the error would be about the model."""
+    """model.path points nowhere: had anything loaded first, the error would be about the model. (A dotted
+    task.reward, which the loader reads, passes this gate: `pkg.module.function` as well as `pkg.module:function`.)"""
+    from tlt.rl.config import load_config
+
+    assert load_config(None, ["task.reward=my_pkg.rewards.score"]).task.reward == "my_pkg.rewards.score"
     code, err = run_cli(capfd, [f"run.out_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'nope'}",
                                 *override.split()])
     assert_one_line(code, err, expected)
