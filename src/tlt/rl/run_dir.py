@@ -25,8 +25,9 @@ from tlt.rl.checkpoint import checkpoint_dirs, checkpoint_step, latest_checkpoin
 from tlt.rl.config import PATH_KEYS, TrainConfig
 
 # Everything tlt writes into a run directory; --overwrite replaces exactly these, nothing else.
-RUN_FILES = ("metrics.jsonl", "config.json", "wandb_id", "dataset.json")
-DATASET_FILE = "dataset.json"  # the dataset task's records as the run first read them (count and digest)
+RUN_FILES = ("metrics.jsonl", "config.json", "wandb_id", "dataset_fingerprint.json")
+# the dataset task's records as the run first read them (count and digest): --resume compares
+DATASET_FILE = "dataset_fingerprint.json"
 RUN_DIRS = ("timeline", "tensorboard", "wandb", "report", "final")
 # --overwrite moves the old run here and deletes it only once the new run has a checkpoint: a new run that
 # fails (or is killed) before that has lost nothing, the old run is put back.
