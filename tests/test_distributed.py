@@ -211,3 +211,18 @@ def test_a_warmed_drafter_starts_spot_training_with_its_optimizer_state(tmp_path
     finally:
         controller.close()
     assert metrics["spot_train_steps"] > 0
+
+
+def test_a_steps_samples_do_not_depend_on_how_its_prompts_are_sharded(tmp_path):
+    """Each worker numbered its prompts from 0, and a sample's random stream came from that number: worker r's
+    k-th prompt drew worker 0's k-th stream, so one prompt on two workers got identical samples and run.workers
+    (operational on --resume) changed the run (found by review). Speculation off: exact equality."""
+    runs = {}
+    for workers in (1, 2, 4):
+        controller = make_controller(tmp_path / str(workers), **{"run.workers": workers, "run.speculative": "off"})
+        try:
+            controller.train_step()
+            runs[workers] = [s.token_ids for s in controller.last_rollout.samples]
+        finally:
+            controller.close()
+    assert runs[1] == runs[2] == runs[4]

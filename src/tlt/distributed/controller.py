@@ -92,7 +92,8 @@ class DistributedGRPO:
 
     def _run_workers(self, shards: list[list], lengths: list) -> tuple[dict, dict, dict]:
         """rollout → prepare → (spot_train while any rollout is still running), per worker, as futures finish."""
-        pending = {self.backend.submit(r, "rollout", self.step, shards[r], lengths[r]): ("rollout", r)
+        firsts = [sum(len(shard) for shard in shards[:r]) for r in range(self.size)]
+        pending = {self.backend.submit(r, "rollout", self.step, shards[r], lengths[r], firsts[r]): ("rollout", r)
                    for r in range(self.size)}
         results = {"rollout": {}, "prepare": {}, "spot_train": {}}
         stopped = False

@@ -115,9 +115,10 @@ class RolloutWorker:
         """The step's prompts (every worker could draw them; rank 0 does, from the run seed and the step)."""
         return phases.sample_prompts(self.replica, step)
 
-    def rollout(self, step: int, examples: list, lengths: list[int] | None = None) -> dict:
-        """Generate this worker's shard; swap in newer drafters between decode steps. `lengths`: an equal-work
-        replay (one length per sample; see rollout/replay.py)."""
+    def rollout(self, step: int, examples: list, lengths: list[int] | None = None, first: int = 0) -> dict:
+        """Generate this worker's shard (`first`: its first prompt's position in the step); swap in newer
+        drafters between decode steps. `lengths`: an equal-work replay (one length per sample; see
+        rollout/replay.py)."""
         self._step, self._examples = step, examples
         self.timeline = WorkerTimeline(self.rank)
         if self.drafter is not None:
@@ -127,7 +128,7 @@ class RolloutWorker:
         wall_start = time.time()
         try:
             self._result = phases.rollout(self.replica, examples, step, between_steps=self._between_steps,
-                                          lengths=lengths, collect_features=collect)
+                                          lengths=lengths, collect_features=collect, first=first)
         finally:  # the training thread never outlives the rollout (nor a failed one)
             tail = self.tail.stop() if self.tail is not None else TailReport()
         self.timeline.add_rollout(self._result, wall_start)

@@ -74,15 +74,19 @@ def sample_prompts(replica: PolicyReplica, step: int) -> list:
 
 
 def rollout(replica: PolicyReplica, examples: list, step: int, *, progress: bool = False, between_steps=None,
-            lengths: list[int] | None = None, collect_features=None) -> RolloutResult:
+            lengths: list[int] | None = None, collect_features=None, first: int = 0) -> RolloutResult:
     """`samples_per_prompt` samples of every example. `lengths` (one per sample, prompt-major): an equal-work
     replay, every sample decodes exactly its length with stop tokens ignored (rollout/replay.py; benchmarks
-    only). `progress`, `between_steps` and `collect_features`: see `RolloutEngine.generate`."""
+    only). `progress`, `between_steps` and `collect_features`: see `RolloutEngine.generate`. `first`: the first
+    example's position among the step's prompts (a worker's shard): each prompt's samples draw the random
+    stream of its position in the step, whatever the sharding (workers drew the same streams for their k-th
+    prompts: a prompt on two workers got identical samples, and run.workers changed the run)."""
     cfg = replica.config.rollout
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens, seed=step_seed(replica.config, step))
     requests = [Request(replica.task.prompt_ids(example), n=cfg.samples_per_prompt, params=params,
-                        label=record_label(example)) for example in examples]
+                        label=record_label(example), stream=first + index)
+                for index, example in enumerate(examples)]
     replica.model.eval()
     engine = replica.engine
     if engine.speculation is not None:

@@ -25,13 +25,15 @@ def length_matched(requests: list[Request], lengths: Sequence[int]) -> list[Requ
     if len(lengths) != total:
         raise RequestError(f"a replay needs one length per sample: {total} samples, {len(lengths)} lengths")
     replayed, k = [], 0
-    for request in requests:
-        for _ in range(request.n):
+    for position, request in enumerate(requests):
+        stream = position if request.stream is None else request.stream
+        for sample in range(request.n):
             length = lengths[k]
             if not (isinstance(length, int) and not isinstance(length, bool) and length >= 1):
                 raise RequestError(f"replay length of sample {k} must be an integer >= 1, got {length!r}")
             params = dataclasses.replace(request.params, max_new_tokens=length, stop_token_ids=())
-            replayed.append(Request(request.prompt_ids, n=1, params=params, label=request.label))
+            replayed.append(Request(request.prompt_ids, n=1, params=params, label=request.label,
+                                    stream=stream * request.n + sample))
             k += 1
     return replayed
 

@@ -25,6 +25,10 @@ class Request:
     n: int = 1
     params: SamplingParams = field(default_factory=SamplingParams)
     label: str | None = field(default=None, compare=False)  # names it in errors (e.g. its dataset record)
+    # Which random stream of its seed the samples draw (default: the request's position in generate()'s list).
+    # Callers that split one batch of requests across engines give each its position in the whole batch, so the
+    # samples do not depend on the split (data-parallel workers: run.workers stays operational).
+    stream: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", token_ids(self.prompt_ids, "prompt_ids"))
@@ -32,6 +36,8 @@ class Request:
             raise RequestError("empty prompt: a request needs at least one prompt token")
         if not (is_integer(self.n) and self.n >= 1):
             raise RequestError(f"n (samples per prompt) must be an integer >= 1, got {self.n!r}")
+        if self.stream is not None and not (is_integer(self.stream) and self.stream >= 0):
+            raise RequestError(f"stream must be an integer >= 0, got {self.stream!r}")
 
 
 def check_fits(request: Request, vocab_size: int, context: int, name: str) -> None:
