@@ -1,9 +1,12 @@
 """Workers, spot training on the idle worker, mid-rollout drafter hot-swap, identical replicas — in-process."""
 
+import threading
+
 import pytest
 import torch
 
 from conftest import markov_model
+from tlt.distributed.backends import WorkerError
 from tlt.distributed.controller import DistributedGRPO
 from tlt.models import LoadedModel, ModelSpec
 from tlt.rl.config import load_config
@@ -226,3 +229,32 @@ def test_a_steps_samples_do_not_depend_on_how_its_prompts_are_sharded(tmp_path):
         finally:
             controller.close()
     assert runs[1] == runs[2] == runs[4]
+
+
+@pytest.mark.parametrize("phase", ["rollout", "update"])
+def test_a_worker_failing_mid_step_ends_the_step_at_once_naming_it(tmp_path, phase):
+    """Found by review: a failed update left rank 0 in the gradient sum for 30 minutes, and the error then named
+    rank 0 (BrokenBarrierError); a failed rollout while another worker spot-trained never ended: its spot
+    training ran on, and closing the workers waited for it."""
+    import time
+
+    controller = make_controller(tmp_path)
+    worker = controller.backend.workers[1]
+
+    def boom(*args, **kwargs):
+        if phase == "rollout":
+            time.sleep(0.5)  # worker 0 finishes first and starts spot training
+        raise RuntimeError(f"boom in {phase}")
+
+    setattr(worker, phase, boom)
+    started = time.perf_counter()
+    closed = threading.Event()
+    try:
+        with pytest.raises(WorkerError, match=f"worker 1 failed during {phase} of RL step 1 .*boom in {phase}"):
+            controller.train_step()
+    finally:
+        closer = threading.Thread(target=lambda: (controller.close(), closed.set()), daemon=True)
+        closer.start()
+        closer.join(60)
+    assert closed.is_set(), "closing the workers hung"
+    assert time.perf_counter() - started < 60

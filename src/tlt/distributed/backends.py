@@ -53,7 +53,7 @@ class InProcessBackend:
         self.size = size
         self._hub = DrafterHub(config.run.drafter_buffer_tokens)
         self.hub = HubClient(self._hub)
-        reducer = ThreadReducer(size) if size > 1 else None
+        reducer = self._reducer = ThreadReducer(size) if size > 1 else None
         self._pools = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tlt-worker{r}",
                                                              initializer=_use_device, initargs=(device,))
                        for r, device in enumerate(placement.devices)]
@@ -88,6 +88,11 @@ class InProcessBackend:
             return future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"no answer within {timeout:g} s") from None
+
+    def abort_collectives(self) -> None:
+        """Release workers waiting in a gradient sum for a worker that failed."""
+        if self._reducer is not None:
+            self._reducer.abort()
 
     def shutdown(self, wait: bool = True) -> None:
         for pool in self._pools:
@@ -221,6 +226,10 @@ class RayBackend:
         if isinstance(value, _Failed):
             raise value.error from None
         return value
+
+    def abort_collectives(self) -> None:
+        """Nothing to release here: a gloo all-reduce cannot be interrupted from outside; the driver raises the
+        failed worker's error at once and shutting the actors down ends the others' wait."""
 
     def kill_worker(self, rank: int) -> None:
         """For fault tests: the worker process dies as if its machine had failed."""

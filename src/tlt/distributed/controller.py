@@ -97,19 +97,24 @@ class DistributedGRPO:
                    for r in range(self.size)}
         results = {"rollout": {}, "prepare": {}, "spot_train": {}}
         stopped = False
-        while pending:
-            for future in self._wait_any(pending):
-                phase, rank = pending.pop(future)
-                results[phase][rank] = self._result(future, phase, rank)
-                if phase == "rollout" and len(results["rollout"]) == self.size:
-                    self._phase(f"step {self.step + 1}: log-probs and update")
-                if phase == "rollout":
-                    pending[self.backend.submit(rank, "prepare")] = ("prepare", rank)
-                elif phase == "prepare" and self.spot_training and len(results["prepare"]) < self.size:
-                    pending[self.backend.submit(rank, "spot_train", self.step)] = ("spot_train", rank)
-            if not stopped and len(results["prepare"]) == self.size:
-                self.backend.hub.stop(self.step)  # the last worker is ready for the update: stop spot training
-                stopped = True
+        try:
+            while pending:
+                for future in self._wait_any(pending):
+                    phase, rank = pending.pop(future)
+                    results[phase][rank] = self._result(future, phase, rank)
+                    if phase == "rollout" and len(results["rollout"]) == self.size:
+                        self._phase(f"step {self.step + 1}: log-probs and update")
+                    if phase == "rollout":
+                        pending[self.backend.submit(rank, "prepare")] = ("prepare", rank)
+                    elif phase == "prepare" and self.spot_training and len(results["prepare"]) < self.size:
+                        pending[self.backend.submit(rank, "spot_train", self.step)] = ("spot_train", rank)
+                if not stopped and len(results["prepare"]) == self.size:
+                    self.backend.hub.stop(self.step)  # the last worker is ready for the update: stop spot training
+                    stopped = True
+        except BaseException:
+            # a worker failed: the idle ones' spot training would run on, and closing the workers wait for it
+            self.backend.hub.stop(self.step)
+            raise
         return results["rollout"], results["prepare"], results["spot_train"]
 
     def _wait_any(self, pending: dict) -> list:
@@ -126,7 +131,20 @@ class DistributedGRPO:
             self.on_phase(text)
 
     def _gather(self, futures: dict, phase: str) -> dict:
-        return {rank: self._result(future, phase, rank) for rank, future in futures.items()}
+        """Every worker's result, taken as each finishes, so a failure is raised at once and names its worker:
+        waited for in rank order, rank 0 sat in the gradient sum for a worker that had failed (30 minutes), then
+        was named as the one that failed."""
+        pending = {future: (phase, rank) for rank, future in futures.items()}
+        results = {}
+        try:
+            while pending:
+                for future in self._wait_any(pending):
+                    rank = pending.pop(future)[1]
+                    results[rank] = self._result(future, phase, rank)
+        except BaseException:
+            self.backend.abort_collectives()  # the others wait in a sum the failed worker never joins
+            raise
+        return results
 
     def _call(self, rank: int, method: str, *args):
         return self._result(self.backend.submit(rank, method, *args), method, rank)
