@@ -8,7 +8,8 @@ distributed controller (distributed/worker.py) on its shard; they only sequence 
 per step (the default) the old log-probs equal the update's own, so no separate old-log-prob forward runs: the
 ratio is exp(logp - logp.detach()) (value 1, the policy gradient), as in TRL. With several updates per step the
 old log-probs are recomputed by the actor (no grad) before the first one. Every random choice derives from
-(run seed, step), so a resumed run repeats exactly what an uninterrupted one would have done.
+(run seed, step, a prompt's position in the step), so with speculation off a resumed run repeats exactly what an
+uninterrupted one would have done (with it on, samples follow the same distribution: docs/architecture.md).
 
 Drafter features come from a forward the step runs anyway: the old-log-prob pass when there is one, else the
 update's own forward, or earlier a decoder-only pass of a worker idle in others' tail (`collect_features`). A
