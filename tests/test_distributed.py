@@ -61,8 +61,14 @@ def test_idle_worker_trains_the_drafter_and_the_long_worker_swaps_it_in(tmp_path
     try:
         metrics = controller.train_step()
         timeline = controller.last_timeline
+        history = controller.backend.hub.history()
+        state = controller.backend.hub.trainer_state()
     finally:
         controller.close()
+    # a session's end publishes no second version of the weights its last chunk published (found by review),
+    # and the hub still gets the trainer's state for the next session
+    steps = [(entry["worker"], entry["trainer_steps"]) for entry in history[1:]]
+    assert len(steps) == len(set(steps)) and state["steps"] == history[-1]["trainer_steps"]
     kinds = {w["worker"]: [i["kind"] for i in w["intervals"]] for w in timeline["workers"]}
     assert "spot_train" in kinds[0] and "spot_train" not in kinds[1]
     assert "rollout_sd" in kinds[1]

@@ -48,6 +48,11 @@ class DrafterHub:
                                   "trainer_steps": trainer_steps})
             return self._version
 
+    def keep_trainer_state(self, trainer_state: dict) -> None:
+        """The trainer's optimizer state for the next spot session, its weights already the latest version."""
+        with self._lock:
+            self._trainer_state = trainer_state
+
     def latest_version(self) -> int:
         return self._version
 

@@ -13,6 +13,7 @@ The same class runs as a Ray actor (one process per worker) or as a thread of th
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import dataclasses
 import gc
@@ -85,6 +86,7 @@ class RolloutWorker:
         self.engine = self.replica.engine
         self.drafter = self.engine.drafter  # in the policy's dtype; the engine serves a copy in its rollout dtype
         self._spot = None  # (training drafter, DrafterTrainer, local buffer, next feature sequence) once used
+        self._last_publish: tuple | None = None  # (trainer, its steps, the version) of this worker's last publish
         self.tail = None   # a TailTrainer when this lone worker trains the drafter beside its own tail
         speculates = self.drafter is not None and self.engine.speculation is not None  # (a gate of 0: never)
         if speculates and tail_training_active(config.run, world_size, self.engine.device.type):
@@ -169,7 +171,7 @@ class RolloutWorker:
                     break
                 published.append(self._publish(drafter, trainer, step, final=False))
             if history:
-                published.append(self._publish(drafter, trainer, step, final=True))
+                published += [v for v in [self._publish(drafter, trainer, step, final=True)] if v is not None]
         except Exception as exc:  # noqa: BLE001 - spot training must never take the RL step down
             error = f"{type(exc).__name__}: {exc}"
             log.warning("spot training failed on worker %d (SD keeps the last good drafter): %s\n%s",
@@ -268,10 +270,20 @@ class RolloutWorker:
             buffer.add(entry.tokens, entry.features, entry.step)
         self._spot[3] = sequence
 
-    def _publish(self, drafter, trainer, step: int, final: bool) -> int:
-        state = {"optimizer": trainer.optimizer.state_dict(), "steps": trainer.steps} if final else None
-        return self.hub.publish(_cpu_state(drafter), step=step, worker=self.rank, trainer_steps=trainer.steps,
-                                trainer_state=state)
+    def _publish(self, drafter, trainer, step: int, final: bool) -> int | None:
+        """A new drafter version (None: the final one of a session whose last chunk already published these very
+        weights, which only hands the hub the trainer's state: a second version of equal weights made every
+        worker in its rollout reload them)."""
+        state = None
+        if final:  # a copy: in-process, the hub's state would alias the live Adam moments
+            state = {"optimizer": copy.deepcopy(trainer.optimizer.state_dict()), "steps": trainer.steps}
+            if self._last_publish == (id(trainer), trainer.steps, self.hub.latest_version()):
+                self.hub.keep_trainer_state(state)
+                return None
+        version = self.hub.publish(_cpu_state(drafter), step=step, worker=self.rank, trainer_steps=trainer.steps,
+                                   trainer_state=state)
+        self._last_publish = (id(trainer), trainer.steps, version)
+        return version
 
     # -- checkpoints and checks -------------------------------------------------------------------------------
 

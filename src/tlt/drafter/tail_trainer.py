@@ -49,7 +49,7 @@ class TailTrainer:
     """trainer: a `DrafterTrainer` over a training drafter (not the one the engine serves) and its buffer.
     publish(final): called on the training thread after every `publish_every` optimizer steps (final=False) and
     once when stopped after any training (final=True); it hands the weights on (e.g. to the drafter hub) and
-    returns the new version number."""
+    returns the new version number (None for a final call whose weights the last version already has)."""
 
     def __init__(self, trainer: DrafterTrainer, publish: Callable[[bool], int], *, publish_every: int,
                  device: torch.device):
@@ -116,7 +116,9 @@ class TailTrainer:
                     if chunk and not self._stop.is_set():
                         self._report.published.append(self.publish(False))
                 if history:
-                    self._report.published.append(self.publish(True))
+                    final = self.publish(True)  # None: the last chunk's version already has these weights
+                    if final is not None:
+                        self._report.published.append(final)
         except Exception as exc:  # noqa: BLE001 - the rollout keeps the last good drafter and goes on
             self._report.error = f"{type(exc).__name__}: {exc}"
             log.warning("tail training failed (SD keeps the last good drafter): %s\n%s", self._report.error,
