@@ -264,3 +264,23 @@ def test_a_worker_failing_mid_step_ends_the_step_at_once_naming_it(tmp_path, pha
         closer.join(60)
     assert closed.is_set(), "closing the workers hung"
     assert time.perf_counter() - started < 60
+
+
+def test_each_workers_bandit_state_survives_a_resume(tmp_path):
+    """Only rank 0's speculation policy state was checkpointed, and every worker resumed with it: the long-tail
+    worker lost what its bandit had learned (found by review)."""
+    adaptive = {"run.speculative": "adaptive", "run.gate": 64}
+    controller = make_controller(tmp_path / "a", **adaptive)
+    try:
+        controller.train_step()
+        before = [controller._call(r, "speculation_state") for r in range(2)]
+        checkpoint = controller.save(tmp_path / "a")
+    finally:
+        controller.close()
+    assert before[0] != before[1]  # the workers saw different batch sizes
+    resumed = make_controller(tmp_path / "b", **adaptive)
+    try:
+        resumed.resume(checkpoint)
+        assert [resumed._call(r, "speculation_state") for r in range(2)] == before
+    finally:
+        resumed.close()

@@ -207,7 +207,11 @@ class DistributedGRPO:
     # -- checkpoints ------------------------------------------------------------------------------------------
 
     def save(self, run_dir) -> str:
-        return self._call(0, "save", str(run_dir), self.step, {"workers": self.size})
+        """Rank 0 writes the checkpoint (replicas are identical), with every worker's bandit state: each learned
+        its own batch sizes (a resumed run gave every worker rank 0's; found by review)."""
+        states = self._gather({r: self.backend.submit(r, "speculation_state") for r in range(self.size)}, "save")
+        extra = {"workers": self.size, "speculation_by_rank": [states[r] for r in range(self.size)]}
+        return self._call(0, "save", str(run_dir), self.step, extra)
 
     def save_final(self, directory) -> str:
         return self._call(0, "save_final", str(directory))

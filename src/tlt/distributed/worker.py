@@ -311,7 +311,12 @@ class RolloutWorker:
 
     def resume(self, checkpoint: str) -> int:
         """Restore this replica from the checkpoint; returns its step."""
-        return resume_replica(self.replica, checkpoint)
+        return resume_replica(self.replica, checkpoint, self.rank)
+
+    def speculation_state(self) -> dict | None:
+        """This worker's speculation policy state (its bandit's experience), for the run's checkpoint."""
+        policy = self.engine.speculation
+        return None if policy is None else policy.state_dict()
 
     def restore_drafter(self, checkpoint: str) -> int:
         """Make the checkpoint's drafter (and its trainer state) the hub's current version again."""

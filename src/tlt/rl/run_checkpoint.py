@@ -53,11 +53,15 @@ def save_run_checkpoint(run_dir: Path, replica: PolicyReplica, step: int, *, dra
     return save_checkpoint(run_dir, step, replica.model, optimizer, state, files=files, scheduler=replica.scheduler)
 
 
-def resume_replica(replica: PolicyReplica, checkpoint: Path) -> int:
-    """Restore the policy, optimizer, lr schedule, RNG and speculation policy in place; returns the step."""
+def resume_replica(replica: PolicyReplica, checkpoint: Path, rank: int = 0) -> int:
+    """Restore the policy, optimizer, lr schedule, RNG and speculation policy in place; returns the step. `rank`:
+    the worker's, whose own speculation policy state the run's driver kept (`speculation_by_rank`: each worker's
+    bandit learned its own batch sizes; a rank the checkpoint has none for takes rank 0's)."""
     state = load_checkpoint(checkpoint, replica.model, replica.optimizer, replica.scheduler)
-    if "speculation" in state and replica.engine.speculation is not None:
-        replica.engine.speculation.load_state_dict(state["speculation"])
+    by_rank = state.get("speculation_by_rank") or []
+    own = by_rank[rank] if rank < len(by_rank) and by_rank[rank] is not None else state.get("speculation")
+    if own is not None and replica.engine.speculation is not None:
+        replica.engine.speculation.load_state_dict(own)
     return state["step"]
 
 
