@@ -211,10 +211,10 @@ def test_a_worker_that_never_answers_is_an_error_naming_the_calls(tmp_path, monk
 
     original = RolloutWorker.rollout
 
-    def stuck(self, step, examples, lengths=None):
+    def stuck(self, *args):
         if self.rank == 1:
             time.sleep(3)
-        return original(self, step, examples, lengths)
+        return original(self, *args)
 
     monkeypatch.setattr(RolloutWorker, "rollout", stuck)
     controller = make_controller(tmp_path, **{"run.speculative": "off", "rollout.max_new_tokens": 4})
