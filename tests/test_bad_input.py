@@ -32,6 +32,23 @@ def test_prompt_longer_than_the_context(engine):
         engine.generate([Request([5] * 70, params=SamplingParams(max_new_tokens=1))])
 
 
+def test_a_stop_token_outside_the_vocabulary_is_refused(engine):
+    """A typo'd stop id was accepted and never stopped anything (found by review)."""
+    with pytest.raises(RequestError, match=r"requests\[0\]: stop token id out of range \[0, 97\)"):
+        engine.generate([Request([5, 6], params=SamplingParams(stop_token_ids=(9999,)))])
+
+
+def test_speculation_without_a_drafter_says_it_decodes_plainly(caplog):
+    """The CLI refuses --strategy without --drafter; the engine decoded plainly without a word (found by review).
+    An engine may get its drafter later (set_drafter), so it is said, not refused."""
+    from tlt.speculative.strategy import SpecStrategy
+
+    engine = RolloutEngine(tiny_model(), speculation=SpecStrategy.chain(3))
+    with caplog.at_level("WARNING", logger="tlt.rollout.engine"):
+        engine.generate([Request([5, 6], params=SamplingParams(max_new_tokens=3))])
+    assert "speculation is set but the engine has no drafter" in caplog.text
+
+
 def test_prompt_plus_budget_longer_than_the_context_is_not_truncated(engine):
     with pytest.raises(RequestError, match="60 tokens \\+ max_new_tokens 10"):
         engine.generate([Request([5] * 60, params=SamplingParams(max_new_tokens=10))])
@@ -364,7 +381,8 @@ def test_a_device_or_seed_torch_cannot_take_is_one_line_at_load(override, messag
     (lambda: SamplingParams(max_new_tokens=True), "max_new_tokens must be an integer"),
     (lambda: Request([1], n=True), "n \\(samples per prompt\\) must be an integer"),
     (lambda: SamplingParams(seed="abc"), "seed must be an integer"),                      # failed inside generate()
-], ids=["stop-str", "stop-int", "float-id", "bool-budget", "bool-n", "str-seed"])
+    (lambda: Request([1], params={"max_new_tokens": 2}), "params must be a SamplingParams, got dict"),
+], ids=["stop-str", "stop-int", "float-id", "bool-budget", "bool-n", "str-seed", "dict-params"])
 def test_request_values_that_were_coerced_or_failed_late(make, message):
     """Found by review; numpy integers and 0-d integer tensors stay accepted."""
     with pytest.raises(RequestError, match=message):

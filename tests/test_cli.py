@@ -188,7 +188,9 @@ def test_generate_with_a_drafter_speculates_while_the_batch_is_within_the_gate(t
                                            (["--gate", "0"], "--gate must be at least 1"),
                                            (["--drafter", "/nonexistent/drafter"], "is not a tlt drafter"),
                                            (["--no-drafter", "--strategy", "S3K1q"], "needs --drafter"),
-                                           (["--compile", "inductor"], "needs a CUDA device")])
+                                           (["--compile", "inductor"], "needs a CUDA device"),
+                                           (["--threads", "-1"], "--threads must be >= 0"),
+                                           (["--max-batch-size", "0"], "--max-batch-size must be >= 1")])
 def test_generate_refuses_bad_speculation_settings(tmp_path, capsys, monkeypatch, flags, message):
     import tlt.models
 

@@ -37,9 +37,11 @@ def run_generate(args, *, demo: bool) -> int:
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     if args.n < 1:
         raise TltError(f"-n (samples per prompt) must be >= 1, got {args.n}")
+    if args.max_batch_size < 1:  # checked before the model loads (the engine would say so after)
+        raise TltError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if args.compile != "off" and not torch.cuda.is_available():
         raise TltError(f"--compile {args.compile} compiles the steps CUDA graphs replay: it needs a CUDA device")
-    pick_threads(args.threads)
+    pick_threads(args.threads)  # a negative count is refused here, before the model loads
     with console.status("loading model (first run: fetches and converts SmolLM2-135M-Instruct, ~1 min)"):
         loaded = load_model(args.model)
     if loaded.tokenizer is None or not getattr(loaded.tokenizer, "chat_template", None):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from tlt.errors import TltError
+
 
 def available_cores() -> int:
     """Cores this process may run on (CPU affinity, e.g. a container's cpuset), else os.cpu_count()."""
@@ -32,6 +34,8 @@ def pick_threads(requested: int = 0) -> int:
     """`requested` when > 0; else the idle cores. Sets torch's intra-op pool and returns the count."""
     import torch
 
+    if requested < 0:
+        raise TltError(f"--threads must be >= 0 (0: the cores idle now), got {requested}")
     threads = requested if requested > 0 else idle_cores()
     torch.set_num_threads(threads)
     return threads

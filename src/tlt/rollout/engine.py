@@ -11,6 +11,7 @@ keep decoding.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -27,6 +28,8 @@ from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
 from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.sequence import Sequence
 from tlt.sampling import is_integer
+
+log = logging.getLogger(__name__)
 from tlt.speculative.decoder import SpeculativeDecoder
 
 
@@ -168,6 +171,10 @@ class RolloutEngine:
         states [T, H] at those positions, on the device — drafter training data at no extra forward."""
         start = self._generate_start = time.perf_counter()
         self._validate(requests)
+        if self.speculation is not None and self.spec_decoder is None and between_steps is None:
+            # (with between_steps a drafter may be attached mid-rollout, for the next generate())
+            log.warning("speculation is set but the engine has no drafter: decoding without speculation "
+                        "(pass drafter= or call set_drafter first)")
         if collect_features is not None and self.spec_decoder is None:
             raise RequestError("collect_features needs an engine with a drafter (only then are features kept)")
         if self.rollout_copy is not None:  # the policy changed since the last rollout: one device-to-device copy

@@ -36,6 +36,8 @@ class Request:
             raise RequestError("empty prompt: a request needs at least one prompt token")
         if not (is_integer(self.n) and self.n >= 1):
             raise RequestError(f"n (samples per prompt) must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.params, SamplingParams):  # a dict failed inside generate() with AttributeError
+            raise RequestError(f"params must be a SamplingParams, got {type(self.params).__name__}")
         if self.stream is not None and not (is_integer(self.stream) and self.stream >= 0):
             raise RequestError(f"stream must be an integer >= 0, got {self.stream!r}")
 
@@ -46,6 +48,9 @@ def check_fits(request: Request, vocab_size: int, context: int, name: str) -> No
     ids = request.prompt_ids
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise RequestError(f"{name}: prompt token id out of range [0, {vocab_size})")
+    stops = request.params.stop_token_ids or ()
+    if any(not 0 <= stop < vocab_size for stop in stops):  # a typo'd stop id would never stop anything
+        raise RequestError(f"{name}: stop token id out of range [0, {vocab_size}): {list(stops)}")
     total = len(ids) + request.params.max_new_tokens
     if total > context:
         raise RequestError(
