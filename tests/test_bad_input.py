@@ -496,3 +496,16 @@ def test_resume_refuses_a_dataset_changed_since_the_run_started(tmp_path, capfd)
     assert_one_line(code, err, "--resume: the dataset changed since the run started (6 records then, 7 now")
     data.write_text("".join(records))
     assert run_cli(capfd, [*args, "run.steps=2", "--resume"])[0] == 0
+
+
+def test_a_second_generate_on_a_busy_engine_is_refused(engine):
+    """From a between_steps hook it never ended; from another thread it corrupted the first call's cache rows
+    (found by a new-user pass). The engine stays usable."""
+    params = SamplingParams(max_new_tokens=4)
+
+    def nested(e):
+        e.generate([Request([7, 8], params=params)])
+
+    with pytest.raises(RequestError, match="this engine is already generating"):
+        engine.generate([Request([5, 6], params=params)], between_steps=nested)
+    assert len(engine.generate([Request([5, 6], params=params)]).samples[0].token_ids) == 4

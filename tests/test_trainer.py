@@ -193,3 +193,16 @@ def test_command_line_values_keep_their_text_for_string_fields(tmp_path):
         load_config(path)
     path.write_text('run:\n  speculative: "off"\n')
     assert load_config(path).run.speculative == "off"
+
+
+@pytest.mark.parametrize("key,value,message", [("grpo.loss", "ppo", "grpo.loss must be one of"),
+                                               ("optim.lr", -1.0, "optim.lr must be > 0")])
+def test_a_config_built_in_code_is_checked_as_the_command_lines_is(key, value, message):
+    """GRPOTrainer skipped validation: grpo.loss=ppo failed after the whole first rollout, a negative lr inside
+    torch, a dict with AttributeError (found by a new-user pass). The model is never loaded first."""
+    from tlt.rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        GRPOTrainer(TrainConfig().override(key, value), loaded="not loaded: the check comes first")
+    with pytest.raises(ConfigError, match="GRPOTrainer needs a TrainConfig .* got dict"):
+        GRPOTrainer({"model": {}})

@@ -329,8 +329,9 @@ def _print_verify(console, report, control, drafter: str) -> None:
     else:
         console.print("[bold green]PASS[/]: no difference from the target found at these settings")
     if report.tau < 1.1:
+        better = "a better-trained drafter" if drafter != "untrained" else "a trained drafter (--drafter)"
         console.print("note: drafts were rarely accepted (τ ≈ 1), so the acceptance rule was seldom exercised; "
-                      "a trained drafter (--drafter) makes the check sharper")
+                      f"{better} makes the check sharper")
 
 
 def _ks_detail(report) -> str:

@@ -17,7 +17,7 @@ from tlt.metrics.step import speculation_metrics, step_metrics
 from tlt.models.loading import LoadedModel
 from tlt.rl import phases
 from tlt.rl.checkpoint import save_final_model
-from tlt.rl.config import TrainConfig
+from tlt.rl.config import ConfigError, TrainConfig, validate
 from tlt.rl.phases import StepBatch
 from tlt.rl.replica import PolicyReplica
 from tlt.rl.run_checkpoint import resume_replica, save_run_checkpoint
@@ -53,6 +53,10 @@ class GRPOTrainer:
 
     def __init__(self, config: TrainConfig, *, loaded: LoadedModel | None = None, task=None, reward=None,
                  feature_buffer: FeatureBuffer | None = None):
+        if not isinstance(config, TrainConfig):
+            raise ConfigError(f"GRPOTrainer needs a TrainConfig (tlt.rl.config.load_config), got "
+                              f"{type(config).__name__}")
+        validate(config)  # a config built in code (TrainConfig().override) gets the command line's checks
         self.replica = PolicyReplica.build(config, loaded=loaded, task=task, reward=reward)
         # When set, the drafter's FeatureBuffer is fed from a forward the step runs anyway (the old-log-prob pass,
         # or the update's own forward when that pass is skipped): no extra forward.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 import torch
@@ -77,6 +78,7 @@ class RolloutEngine:
         self.cost_curve = None  # set by whoever derived the gate from the device's cost curve (metrics show it)
         self.scheduler: Scheduler | None = None  # the running generate()'s (the last one's once it returns)
         self._generate_start = time.perf_counter()
+        self._generating = threading.Lock()  # held by the running generate()
         if drafter is not None:
             self.set_drafter(drafter)
 
@@ -168,7 +170,19 @@ class RolloutEngine:
         collect_features(tokens, features), if given (an engine with a drafter), receives each finished sample's
         target features as the rollout computed them, before its cache row is reused: tokens [T] (the last
         prompt token and the response but its last token, which was never fed) and the final normed hidden
-        states [T, H] at those positions, on the device — drafter training data at no extra forward."""
+        states [T, H] at those positions, on the device — drafter training data at no extra forward.
+
+        One generate() at a time per engine: it owns the engine's cache and scheduler. A second call (from another
+        thread, or from a between_steps hook) is refused; it corrupted the first one's rows, or never ended."""
+        if not self._generating.acquire(blocking=False):
+            raise RequestError("this engine is already generating (another thread, or a between_steps hook): one "
+                               "generate() at a time per engine; give each thread its own engine")
+        try:
+            return self._generate(requests, progress, between_steps, collect_features)
+        finally:
+            self._generating.release()
+
+    def _generate(self, requests, progress, between_steps, collect_features) -> RolloutResult:
         start = self._generate_start = time.perf_counter()
         self._validate(requests)
         if self.speculation is not None and self.spec_decoder is None and between_steps is None:
