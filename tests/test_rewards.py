@@ -126,3 +126,9 @@ def test_the_answer_is_fallback_judges_the_whole_answer(completion, gold, score)
 def test_the_answer_is_fallback_gives_math_verify_the_whole_expression():
     assert math_verify_match("The answer is 3/4.", example("3/4")) == 1.0  # was cut to 3: scored 0
     assert math_verify_match(r"so the answer is \(\frac{1}{2}\).", example("0.5")) == 1.0
+
+
+def test_a_reward_function_returning_text_is_a_failure_even_if_it_reads_as_a_number():
+    """float("1.0") scored a function that returned its extracted answer text as 1.0 (found by a new-user pass)."""
+    scores = Reward(lambda completion, ex: "1.0").score(["x"], [example(1)])
+    assert scores.rewards == [0.0] and scores.failures == 1

@@ -548,7 +548,7 @@ def test_a_reward_function_failing_on_every_sample_stops_the_run_after_three_ste
                                           r"with --resume"):
         train(trainer.config, trainer=trainer)
     assert metric_steps(tmp_path) == [1, 2, 3] and latest_checkpoint(tmp_path).name == "step-000003"
-    assert "the reward function returns_text returned 'high', not a number" in caplog.text
+    assert "the reward function returns_text returned 'high', a string, not a number" in caplog.text
 
 
 def test_a_reward_failing_on_some_samples_does_not_stop_the_run(tmp_path):

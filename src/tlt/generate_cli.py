@@ -46,7 +46,8 @@ def run_generate(args, *, demo: bool) -> int:
         loaded = load_model(args.model)
     if loaded.tokenizer is None or not getattr(loaded.tokenizer, "chat_template", None):
         raise TltError(f"{loaded.source} has no tokenizer with a chat template: cannot format the prompts")
-    requests = [Request(_chat_ids(loaded.tokenizer, p), n=args.n, params=params) for p in prompts]
+    requests = [Request(_chat_ids(loaded.tokenizer, p), n=args.n, params=params, label=f"prompt {i + 1}")
+                for i, p in enumerate(prompts)]
     if speculation is None:
         engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size, compile=args.compile)
     else:

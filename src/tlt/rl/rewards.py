@@ -212,6 +212,8 @@ class BadReward(ValueError):
 
 def _finite(value) -> float:
     """A reward as a float; a NaN/inf advantage would turn every weight into NaN in one update."""
+    if isinstance(value, (str, bytes)):  # float("1.0") would hide a function returning its extracted answer
+        raise BadReward(f"returned {value!r}, a string, not a number")
     try:
         number = float(value)
     except (TypeError, ValueError):
