@@ -94,7 +94,7 @@ def test_math_verify_scores_on_worker_threads_as_on_the_main_thread():
 
 
 def test_a_math_verify_check_past_its_hard_timeout_is_a_failure_and_the_child_is_replaced(monkeypatch):
-    import tlt.rl.rewards as rewards
+    import tlt.rl.math_check as rewards
 
     checker = rewards._MathVerifyProcess()
     monkeypatch.setattr(rewards, "MATH_VERIFY_HARD_TIMEOUT_S", 0.01)  # the child's start alone takes longer
