@@ -182,12 +182,14 @@ def _warmup_from_run_config(args, config, train_config) -> int:
     from tlt.models import load_model
     from tlt.rl.config import load_config
     from tlt.tasks import DATASET_TASKS, DatasetTask, build_task, load_task_examples
+    from tlt.tasks.held_out import split_held_out
 
     if args.data != "arithmetic":
         raise TltError("--data and --config both name the prompts: give one")
     run = load_config(args.config, [])
-    if run.task.name in DATASET_TASKS:  # before the model loads
-        check_enough_examples(DatasetTask(load_task_examples(run.task)[:-run.task.eval_size or None]), config)
+    if run.task.name in DATASET_TASKS:  # before the model loads: the run's training records, as it splits them
+        training, _ = split_held_out(DatasetTask(load_task_examples(run.task)), run.task.eval_size)
+        check_enough_examples(training, config)
     loaded = load_model(args.model or run.model.path)
     warmup(loaded, build_task(run.task, loaded.tokenizer), args.out, config, train_config, overwrite=args.overwrite)
     return 0

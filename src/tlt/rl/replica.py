@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt.errors import RequestError
 from tlt.models.eagle import EagleDrafter
 from tlt.models.loading import LoadedModel, load_model
-from tlt.errors import RequestError
 from tlt.rl.config import TrainConfig, check_speculation
 from tlt.rl.optim import (autocast_dtype, build_optimizer, build_scheduler, disable_dropout,
                           enable_grad_checkpointing)

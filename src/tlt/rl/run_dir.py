@@ -83,8 +83,12 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
     text = json.dumps(config_dict, indent=1)
     write_whole(run_dir / "config.json", lambda path: path.write_text(text))
     if dataset is not None:
-        write_whole(run_dir / DATASET_FILE, lambda path: path.write_text(json.dumps(dataset)))
+        _keep_dataset(run_dir, dataset)
     return None
+
+
+def _keep_dataset(run_dir: Path, dataset: dict) -> None:
+    write_whole(run_dir / DATASET_FILE, lambda path: path.write_text(json.dumps(dataset)))
 
 
 def _check_same_dataset(run_dir: Path, dataset: dict | None) -> None:
@@ -95,7 +99,7 @@ def _check_same_dataset(run_dir: Path, dataset: dict | None) -> None:
     try:
         saved = json.loads((run_dir / DATASET_FILE).read_text())
     except (OSError, ValueError):  # a run from before the file: from now on, this is the run's dataset
-        write_whole(run_dir / DATASET_FILE, lambda path: path.write_text(json.dumps(dataset)))
+        _keep_dataset(run_dir, dataset)
         return
     if saved != dataset:
         raise RunDirError(f"--resume: the dataset changed since the run started ({saved.get('records')} records "

@@ -72,9 +72,9 @@ class RolloutEngine:
         self.spec = forward.spec
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else eos_token_ids_of(model, tokenizer))
-        self.speculation = speculation  # normalized to a SpeculationPolicy (or None) by the property
-        self.drafter = None
+        self.drafter = None  # before the speculation: its setter checks the strategies against the drafter
         self.drafter_version = None
+        self.speculation = speculation  # normalized to a SpeculationPolicy (or None) by the property
         self.cost_curve = None  # set by whoever derived the gate from the device's cost curve (metrics show it)
         self.scheduler: Scheduler | None = None  # the running generate()'s (the last one's once it returns)
         self._generate_start = time.perf_counter()
@@ -105,7 +105,7 @@ class RolloutEngine:
         policy = as_policy(value)
         for strategy in policy_strategies(policy):  # too large a tree fails here, not at its first step
             self.model_runner.check_tree_room(strategy)
-            if getattr(self, "drafter", None) is not None:
+            if self.drafter is not None:
                 check_branching(strategy, self.drafter)
         self._speculation = policy
 

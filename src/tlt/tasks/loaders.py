@@ -10,8 +10,7 @@ from pathlib import Path
 from tlt.errors import TltError
 from tlt.tasks.example import TaskExample
 
-GSM8K_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
-EMPTY_GSM8K_ANSWER = re.compile(r"####\s*$")
+GSM8K_ANSWER = re.compile(r"####\s*(.*?)\s*$", re.S)
 
 
 class DatasetError(TltError):
@@ -36,11 +35,10 @@ def _text_field(value, name: str, where: str, *, answer: bool) -> str:
         hint = (" (a list of chat messages: tlt formats a text prompt with the model's chat template; put the "
                 "user's text in the field)" if isinstance(value, list) else "")
         raise DatasetError(f"{where}: field {name!r} is {type(value).__name__}, not text{hint}")
-    if answer and EMPTY_GSM8K_ANSWER.search(str(value)):
-        raise DatasetError(f"{where}: field {name!r} is empty after '####'")
     text = normalize_answer(value) if answer else value
     if not str(text).strip():
-        raise DatasetError(f"{where}: field {name!r} is empty")
+        after = " after '####'" if answer and GSM8K_ANSWER.search(str(value)) else ""
+        raise DatasetError(f"{where}: field {name!r} is empty{after}")
     return text
 
 
