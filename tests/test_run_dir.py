@@ -656,3 +656,13 @@ def test_resume_of_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsy
     assert "nothing to train (raise run.steps to go on)" in capsys.readouterr().out
     _, history = run(tmp_path, steps=1, resume=True)  # config.json kept run.steps=2 (it was rewritten to 1)
     assert history == [] and json.loads((tmp_path / "config.json").read_text())["run"]["steps"] == 2
+
+
+def test_a_cosine_that_ends_before_the_last_step_is_noted(tmp_path, capsys):
+    """Extending a cosine run as the resume refusal advises (optim.decay_steps = the old run's) trained the extra
+    steps at lr 0 without a word (found by a new-user pass)."""
+    run(tmp_path / "zero", steps=3, **{"optim.schedule": "cosine", "optim.decay_steps": 2})
+    assert "reaches lr 0 at step 2 (optim.decay_steps) and optim.min_lr_ratio=0" in capsys.readouterr().out
+    run(tmp_path / "floor", steps=3, **{"optim.schedule": "cosine", "optim.decay_steps": 2,
+                                        "optim.min_lr_ratio": 0.1})
+    assert "reaches lr 0" not in capsys.readouterr().out

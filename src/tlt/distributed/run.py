@@ -15,6 +15,7 @@ from tlt.metrics.logger import open_metrics_logger
 from tlt.metrics.timeline import drop_timelines_after, save_timeline
 from tlt.rl.checkpoint import checkpoint_step, latest_checkpoint, prune_checkpoints
 from tlt.rl.config import TrainConfig, validate
+from tlt.rl.optim import decay_steps, trains_past_its_decay
 from tlt.rl.preflight import preflight
 from tlt.rl.rewards import RewardError
 from tlt.rl.run_checkpoint import FINAL_DRAFTER_DIR
@@ -46,7 +47,8 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         dataset = preflight(config)  # before --overwrite deletes anything
         for note in notes:
             console.print(f"note: {note}")
-    if _steps_at_lr_zero(config):
+    # (the resume refusal's advice, optim.decay_steps set to the old run's, extends a run this way)
+    if trains_past_its_decay(config.optim, config.run.steps):
         console.print(f"note: optim.schedule=cosine reaches lr 0 at step {decay_steps(config.optim, config.run.steps)}"
                       f" (optim.decay_steps) and optim.min_lr_ratio=0: steps after it do not train")
     run_dir = Path(config.run.out_dir)
@@ -80,14 +82,6 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         console.print(f"its drafter: {drafter} (for vLLM / SGLang: tlt drafter export {drafter} --model {final} "
                       f"--out DIR; to go on training it: run.drafter={drafter})")
     return history
-
-
-def _steps_at_lr_zero(config) -> bool:
-    """A cosine whose decay ends before run.steps with no floor (the resume refusal's advice, decay_steps set to
-    the old run's, extends a run this way): the steps past it train at lr 0 (found by a new-user pass)."""
-    optim = config.optim
-    return (optim.schedule == "cosine" and optim.min_lr_ratio == 0
-            and decay_steps(optim, config.run.steps) < config.run.steps)
 
 
 def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):

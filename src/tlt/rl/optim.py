@@ -28,6 +28,11 @@ def decay_steps(optim, run_steps: int) -> int:
     return optim.decay_steps or run_steps
 
 
+def trains_past_its_decay(optim, run_steps: int) -> bool:
+    """A cosine without a floor that ends before run.steps: the steps past it train at lr 0."""
+    return optim.schedule == "cosine" and optim.min_lr_ratio == 0 and decay_steps(optim, run_steps) < run_steps
+
+
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, horizon: int, min_lr_ratio: float) -> float:
     """The multiplier of optim.lr at RL step `step` (0-based): linear warm-up, then constant or cosine."""
     if step < warmup_steps:

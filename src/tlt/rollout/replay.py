@@ -26,7 +26,7 @@ def length_matched(requests: list[Request], lengths: Sequence[int]) -> list[Requ
         raise RequestError(f"a replay needs one length per sample: {total} samples, {len(lengths)} lengths")
     replayed, k = [], 0
     for position, request in enumerate(requests):
-        stream = position if request.stream is None else request.stream
+        stream = request.stream_at(position)
         for sample in range(request.n):
             length = lengths[k]
             if not (isinstance(length, int) and not isinstance(length, bool) and length >= 1):

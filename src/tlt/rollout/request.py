@@ -41,6 +41,10 @@ class Request:
         if self.stream is not None and not (is_integer(self.stream) and self.stream >= 0):
             raise RequestError(f"stream must be an integer >= 0, got {self.stream!r}")
 
+    def stream_at(self, position: int) -> int:
+        """The random stream its samples draw when it is `position` in generate()'s list."""
+        return position if self.stream is None else self.stream
+
 
 def check_fits(request: Request, vocab_size: int, context: int, name: str) -> None:
     """A request the model can serve whole: token ids in its vocabulary, and the prompt with the response

@@ -98,7 +98,7 @@ class Scheduler:
         params = request.params
         stop = frozenset(params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids)
         return [Sequence(pending.request_index, index, request, stop,
-                         sample_generator(params.seed, _stream(request, pending.request_index), index))
+                         sample_generator(params.seed, request.stream_at(pending.request_index), index))
                 for index in range(pending.first, pending.first + pending.count)]
 
     # -- finished rows ---------------------------------------------------------------------------------------
@@ -134,8 +134,3 @@ def _feature_span(seq: Sequence) -> tuple[int, int]:
     speculative step may have committed slots past a stop token: they are not the sample's and are left out."""
     start = len(seq.request.prompt_ids) - 1
     return start, start + len(seq.tokens)
-
-
-def _stream(request: Request, position: int) -> int:
-    """The random stream a request's samples draw: its own, else its position in the list."""
-    return position if request.stream is None else request.stream
