@@ -6,11 +6,12 @@ import sys
 import types
 
 import pytest
+import yaml
 
 from tlt.cli import main
 from tlt.metrics.logger import MetricsLogger, open_metrics_logger, read_metrics
 from tlt.metrics.wandb_logger import WandbError, check_wandb_installed
-from tlt.rl.config import load_config
+from tlt.rl.config import config_yaml, load_config
 
 
 def test_jsonl_lines_and_truncation(tmp_path):
@@ -94,6 +95,16 @@ def test_run_logger_picks_the_loggers(tmp_path, overrides, tensorboard):
     logger.close()
     assert read_metrics(tmp_path) == [{"step": 1, "reward_mean": 0.5}]  # metrics.jsonl: always
     assert (tmp_path / "tensorboard").exists() == tensorboard
+
+
+@pytest.mark.parametrize("overrides,logger,tensorboard", [
+    (["run.logger=jsonl"], ["jsonl"], False),
+    (["run.logger=[jsonl, tensorboard, wandb]", "run.tensorboard=false"], ["jsonl", "wandb"], False),
+    (["run.logger=tensorboard", "run.tensorboard=false"], ["jsonl"], False),
+    ([], ["jsonl", "tensorboard"], True)])
+def test_print_config_shows_the_loggers_the_run_writes(tmp_path, overrides, logger, tensorboard):
+    printed = yaml.safe_load(config_yaml(config_with(tmp_path, *overrides)))["run"]
+    assert (printed["logger"], printed["tensorboard"]) == (logger, tensorboard)
 
 
 def test_wandb_gets_the_scalars_per_step_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):

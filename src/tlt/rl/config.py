@@ -357,7 +357,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         if not sep:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         config = config.override(key.strip(), raw.strip(), text=True)
-    return validate(expand_home(config))
+    return validate(resolve_loggers(expand_home(config)))
+
+
+def resolve_loggers(config: TrainConfig) -> TrainConfig:
+    """run.logger and run.tensorboard made to agree, so that --print-config shows what the run writes:
+    run.tensorboard=false drops tensorboard from run.logger (leaving jsonl, always written, when nothing else is
+    left), and run.tensorboard says whether run.logger names it."""
+    run = config.run
+    names = tuple(name for name in run.logger if run.tensorboard or name != "tensorboard") or ("jsonl",)
+    return dataclasses.replace(config, run=dataclasses.replace(run, logger=names,
+                                                               tensorboard="tensorboard" in names))
 
 
 PATH_KEYS = (("model", "path"), ("run", "out_dir"), ("run", "drafter"), ("task", "path"))
