@@ -26,7 +26,7 @@ def _metrics(step: int) -> dict:
     record = {"step": step, "reward_mean": 0.25 * step, "accuracy": 0.125 * step, "response_len_p50": 40 + step,
               "response_len_p90": 90 + step, "response_len_max": 120 + step, "rollout_s": 1.5, "train_s": 0.5,
               "rollout_tok_s": 321.5, "train/loss": 0.1, "sd/tau": 2.5 + step / 10, "sd/sd_step_share": 0.75,
-              "sd/arm/<k4>/tau": 3.0, "drafter/pairs": 200000}
+              "sd/arm/<k4>/tau": 3.0, "drafter/pairs": 200000, "lr": 5e-7 * (3 - step)}
     if step > 1:  # newer keys appear part-way, as in a resumed run on a newer version
         record.update({"idle_fraction": 0.15, "step_s": 2.0, "drafter_versions": [step]})
     return record
@@ -50,6 +50,8 @@ def test_report_page_tables_and_figures(run_dir):
         assert text in page
     assert "&lt;k4&gt;" in page and "<k4>" not in page  # metric names are escaped
     assert "200000" in page and "2e+05" not in page  # counts are written out
+    steps = re.search(r"<h2>Steps</h2>(.*?)</table>", page).group(1)
+    assert "<th>lr</th>" in steps and "<td>1e-06</td>" in steps and "<td>0</td>" in steps  # the schedule, lr 0 too
     images = re.findall(r"<img src='([^']+)'", page)
     assert {"curves_reward.png", "curves_length.png", "curves_time.png", "curves_tau.png",
             "timeline_step_0003.png"} <= set(images)

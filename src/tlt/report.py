@@ -22,7 +22,8 @@ STEP_COLUMNS = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), (
                 ("held-out acc", "eval_accuracy", "{:.3f}"),
                 ("len p50", "response_len_p50", "{:.0f}"), ("len p90", "response_len_p90", "{:.0f}"),
                 ("len max", "response_len_max", "{:.0f}"), ("rollout s", "rollout_s", "{:.2f}"),
-                ("train s", "train_s", "{:.2f}"), ("tok/s", "rollout_tok_s", "{:.1f}")]
+                ("train s", "train_s", "{:.2f}"), ("tok/s", "rollout_tok_s", "{:.1f}"),
+                ("lr", "lr", "{:.3g}")]  # a schedule mistake (e.g. a resumed step at lr 0) shows here
 IDLE_COLUMN = ("idle", "idle_fraction", "{:.1%}")
 WORKER_COLUMNS = [("step s", "step_s", "{:.1f}"), ("spot-train", "spot_train_share", "{:.1%}"),
                   ("spot steps", "spot_train_steps", "{:d}"), ("drafter v", "drafter_version", "{:d}")]
