@@ -284,3 +284,16 @@ def test_each_workers_bandit_state_survives_a_resume(tmp_path):
         assert [resumed._call(r, "speculation_state") for r in range(2)] == before
     finally:
         resumed.close()
+
+
+def test_data_parallel_workers_announce_the_gate_once(tmp_path, monkeypatch, caplog):
+    """Every worker measures (or reads) the same cost curve and reaches the same verdict: rank 0 says it."""
+    from test_cost_curve import synthetic
+    from tlt.rl import replica
+
+    monkeypatch.setattr(replica, "curve_for", lambda engine, arms: synthetic({a.name: [3.0] for a in arms}, (1,)))
+    with caplog.at_level("INFO", logger="tlt.rl.replica"):
+        controller = make_controller(tmp_path, **{"run.gate": "auto", "run.speculative": "adaptive"})
+        controller.close()
+    verdicts = [r for r in caplog.records if "no speculation arm is expected to pay" in r.getMessage()]
+    assert len(verdicts) == 1

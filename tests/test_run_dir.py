@@ -418,6 +418,21 @@ def test_a_run_without_a_drafter_writes_none(tmp_path):
     assert not (tmp_path / "untrained" / "final" / "drafter").exists()
 
 
+def test_a_speculative_run_whose_drafter_never_trained_says_why_final_has_none(tmp_path, capsys, monkeypatch):
+    from test_distributed import make_controller
+    from tlt.distributed.worker import RolloutWorker
+
+    untrained = {"trained_steps": 0, "published": [], "error": None, "loss": None, "top1": None}
+    monkeypatch.setattr(RolloutWorker, "spot_train", lambda self, step: untrained)  # no worker sat idle
+    controller = make_controller(tmp_path, **{"run.steps": 1})
+    try:
+        train(controller.config, trainer=controller)
+    finally:
+        controller.close()
+    assert not (tmp_path / "final" / "drafter").exists()
+    assert "the run's drafter never trained" in capsys.readouterr().out
+
+
 def test_a_given_drafter_is_kept_beside_the_final_policy_even_untrained_by_the_run(tmp_path):
     """run.drafter=DIR (a warmed drafter) that spot training never improved is still the run's drafter."""
     from safetensors.torch import load_file

@@ -80,7 +80,7 @@ class RolloutWorker:
             hf_logging.disable_progress_bar()
         self.rank, self.world_size, self.config = rank, world_size, config
         self.hub = HubClient(hub)
-        self.replica = PolicyReplica.build(config, loaded=loaded, task=task, reward=reward)
+        self.replica = PolicyReplica.build(config, loaded=loaded, task=task, reward=reward, announce=rank == 0)
         self.reducer = reducer
         self._group_store = None  # rank 0's rendezvous (Ray workers: open_group, then join_group)
         self.engine = self.replica.engine

@@ -53,18 +53,20 @@ class PolicyReplica:
     reward: object
 
     @classmethod
-    def build(cls, config: TrainConfig, *, loaded: LoadedModel | None = None, task=None, reward=None):
+    def build(cls, config: TrainConfig, *, loaded: LoadedModel | None = None, task=None, reward=None,
+              announce: bool = True):
         """Load (or take) the model and build the rest from the config. Seeded first: an untrained drafter's
-        initialization draws from torch's generator, so equal seeds give equal replicas."""
+        initialization draws from torch's generator, so equal seeds give equal replicas. `announce=False` keeps
+        the notes every replica of a run would print alike (data-parallel workers after the first) quiet."""
         torch.manual_seed(config.run.seed)
         loaded = loaded or load_model(config.model.path, device=config.model.device)
         model = loaded.model
         device = next(model.parameters()).device
         task = task if task is not None else build_task(config.task, loaded.tokenizer)
         check_prompts_fit(task, loaded.spec, config.rollout.max_new_tokens)  # before the cost curve's minute
-        if disable_dropout(model):
+        if disable_dropout(model) and announce:
             log.warning("the policy's dropout is set to 0 for RL: its old and new log-probs come from one forward")
-        engine = build_engine(loaded, config)
+        engine = build_engine(loaded, config, announce=announce)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config)
         if config.optim.grad_checkpointing:
@@ -130,7 +132,7 @@ def _normalized_byte_length(tokenizer):
     return lambda text: len(normalizer.normalize_str(text).encode())
 
 
-def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
+def build_engine(loaded, config: TrainConfig, *, announce: bool = True) -> RolloutEngine:
     """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair."""
     run, batch = config.run, config.rollout.max_batch_size
     check_speculation(run)  # load_config checked it already; a config built in code may not have been
@@ -162,7 +164,7 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
                                    SpecStrategy(3, 2, rule="q")]))
     engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter,
                            max_tree_size=max(a.cache_slots for a in arms), **precision)
-    gate, arms = _gate_and_arms(engine, run, arms)
+    gate, arms = _gate_and_arms(engine, run, arms, announce)
     if gate == 0:
         return engine  # speculation cannot pay on this device: plain decoding (the drafter is kept for metrics)
     if run.speculative == "static":
@@ -172,7 +174,7 @@ def build_engine(loaded, config: TrainConfig) -> RolloutEngine:
     return engine
 
 
-def _gate_and_arms(engine: RolloutEngine, run, arms: list) -> tuple[int, list]:
+def _gate_and_arms(engine: RolloutEngine, run, arms: list, announce: bool) -> tuple[int, list]:
     """The configured gate, or with `run.gate=auto` the one the device's measured cost curve gives (cached per
     device, model and arms; see rollout/cost_curve.py), with the arms that can pay there."""
     if run.gate != "auto":
@@ -181,6 +183,12 @@ def _gate_and_arms(engine: RolloutEngine, run, arms: list) -> tuple[int, list]:
     engine.cost_curve = curve
     kept = [a for a in arms if a.name in curve.arms()]
     gate = curve.gate() if kept else 0
+    if announce:
+        _announce_gate(curve, gate, kept, arms)
+    return gate, kept
+
+
+def _announce_gate(curve, gate: int, kept: list, arms: list) -> None:
     if gate == 0:
         log.warning("run.gate=auto: on %s no speculation arm is expected to pay (a step of the cheapest costs "
                     "%.2fx a plain step at batch 1, expected tau %.1f): decoding without speculation; set run.gate "
@@ -189,7 +197,6 @@ def _gate_and_arms(engine: RolloutEngine, run, arms: list) -> tuple[int, list]:
     else:
         log.info("run.gate=auto: speculate at batch <= %d on %s with %s", gate, curve.device,
                  ", ".join(a.name for a in kept))
-    return gate, kept
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
