@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     export.add_argument("directory", help="a tlt drafter directory")
     export.add_argument("--format", choices=["eagle"], default="eagle")
     export.add_argument("--target", choices=["vllm", "sglang"], default="vllm")
-    export.add_argument("--model", default=None, help="the target model the drafter was trained for")
+    export.add_argument("--model", default=None, help="the target model the drafter was trained for: HF directory, "
+                        ".gguf file, or 'smollm2' (default)")
     export.add_argument("--out", required=True)
     export.add_argument("--overwrite", action="store_true", help="replace the config.json and model.safetensors "
                         "already in --out")
