@@ -15,7 +15,8 @@ from tlt.models import LoadedModel, ModelSpec
 from tlt.rl.actor import PackedSamples, token_logprobs
 from tlt.rl.checkpoint import latest_checkpoint
 from tlt.rl.config import ConfigError, load_config
-from tlt.rl.optim import autocast_dtype, enable_grad_checkpointing, lr_factor, training_autocast
+from tlt.lr_schedule import lr_factor
+from tlt.rl.optim import autocast_dtype, enable_grad_checkpointing, training_autocast
 from tlt.rl.rewards import Reward
 from tlt.distributed.run import train
 from tlt.rl.run_dir import RunDirError, prepare_run_dir

@@ -23,8 +23,8 @@ from tlt.drafter.features import collect_features
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
 from tlt.errors import TltError
 from tlt.files import refuse_a_file_in_the_way
+from tlt.lr_schedule import lr_factor
 from tlt.models.eagle import CONFIG_FILE as DRAFTER_CONFIG_FILE, EagleDrafter
-from tlt.rl.optim import lr_factor
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
 from tlt.sampling import SamplingParams

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import warnings
 
 import torch
 
 from tlt.errors import TltError
+from tlt.lr_schedule import lr_factor
 
 
 def build_optimizer(model, optim) -> torch.optim.Optimizer:
@@ -31,16 +31,6 @@ def decay_steps(optim, run_steps: int) -> int:
 def trains_past_its_decay(optim, run_steps: int) -> bool:
     """A cosine without a floor that ends before run.steps: the steps past it train at lr 0."""
     return optim.schedule == "cosine" and optim.min_lr_ratio == 0 and decay_steps(optim, run_steps) < run_steps
-
-
-def lr_factor(step: int, *, schedule: str, warmup_steps: int, horizon: int, min_lr_ratio: float) -> float:
-    """The multiplier of optim.lr at RL step `step` (0-based): linear warm-up, then constant or cosine."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, horizon - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_scheduler(optimizer, config) -> torch.optim.lr_scheduler.LambdaLR:
