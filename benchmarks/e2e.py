@@ -11,7 +11,10 @@ tokens/s beside its time, and several seeds should be pooled. `--replay` measure
 without SD records every sample's length each step, then the baseline and TLT mode replay those prompts with each
 sample's max_new_tokens set to its recorded length and stop tokens ignored (rollout/replay.py), so every mode
 decodes exactly the same tokens per sample (checked) — still sampling at T=1, so acceptance stays realistic.
-TRL is not run in a replay (its generate cannot fix per-sample lengths).
+TRL is not run in a replay (its generate cannot fix per-sample lengths). `--trl-only` runs just TRL (a GPU call
+of its own; the GPU image lacks trl: benchmarks/gpu_trl_wheels.sh), and benchmarks/e2e_merge.py joins the files.
+`--warmup-steps N` runs N unmeasured steps per mode first (TRL too): on CUDA a mode's first steps capture its
+graphs and measure its cost curve, one-off seconds that the TLT mode pays many times more than the baseline.
 
     python benchmarks/e2e.py --drafter DIR --json benchmarks/results/e2e.json [--steps K] [--seeds 0 1] [--quick]
     python benchmarks/e2e.py --drafter DIR --replay --json benchmarks/results/e2e_replay.json
@@ -32,7 +35,8 @@ from rl_pairs import interleaved_runs  # noqa: E402
 CURVE_KEYS = ("reward_mean", "accuracy", "response_len_mean", "response_tokens", "step_s", "rollout_s", "train_s",
               "step_tok_s", "rollout_tok_s", "rollout_tail_share", "idle_fraction", "spot_train_share", "sd/tau",
               "sd/sd_step_share")
-SUMMARY_KEYS = ("step_s", "rollout_s", "train_s", "step_tok_s", "rollout_tok_s", "response_tokens")
+SUMMARY_KEYS = ("step_s", "rollout_s", "train_s", "step_tok_s", "rollout_tok_s", "response_tokens",
+                "response_len_mean", "completion_len_mean")  # the last: TRL's name for the mean completion length
 
 
 def tlt_modes(args, seed: int) -> dict[str, list[str]]:
@@ -49,7 +53,8 @@ def tlt_modes(args, seed: int) -> dict[str, list[str]]:
     return {"reference": off, **modes} if args.replay else modes
 
 
-def run_trl(args, seed: int, steps: int) -> list[dict]:
+def run_trl(args, seed: int) -> list[dict]:
+    """args.warmup_steps + args.steps TRL steps on tlt's prompts; the measured ones (the warm-up's dropped)."""
     import torch
 
     from tlt.models.default_model import default_model_dir
@@ -63,10 +68,11 @@ def run_trl(args, seed: int, steps: int) -> list[dict]:
     task = ArithmeticTask(ArithmeticTaskConfig(min_operations=config.task.min_operations,
                                                max_operations=config.task.max_operations))
     # exactly the prompts tlt draws: step k uses seed run.seed * 1_000_003 + k
-    examples = [task.sample(args.prompts, seed=seed * 1_000_003 + k) for k in range(steps)]
-    return trl_step_times(args.model or str(default_model_dir()), examples, build_reward(config.task),
-                          samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, seed=seed,
-                          use_cpu=args.device == "cpu")
+    examples = [task.sample(args.prompts, seed=seed * 1_000_003 + k) for k in range(args.warmup_steps + args.steps)]
+    steps = trl_step_times(args.model or str(default_model_dir()), examples, build_reward(config.task),
+                           samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, seed=seed,
+                           use_cpu=args.device == "cpu")
+    return steps[args.warmup_steps:]
 
 
 def curves(history: list[dict]) -> dict:
@@ -101,6 +107,9 @@ def parse_args(argv=None):
     parser.add_argument("--replay", action="store_true", help="equal work: replay a reference run's lengths")
     parser.add_argument("--quick", action="store_true", help="1 step, 128 new tokens, no TRL")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--trl-only", action="store_true", help="only TRL, on the first seed (its own call on a GPU)")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="unmeasured RL steps per mode first (CUDA: graph captures, the cost curve)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.max_new_tokens = 1, 128
@@ -114,14 +123,15 @@ def main(argv=None) -> dict:
     result = {"environment": environment(), "equal_work": args.replay, "steps": args.steps,
               "max_new_tokens": args.max_new_tokens, "prompts": args.prompts, "samples": args.samples,
               "temperature": 1.0, "device": args.device, "workers": args.workers, "seeds": args.seeds, "runs": {},
+              "warmup_steps": args.warmup_steps,
               "complete": False}  # until the last write: a run killed at its time limit keeps its finished steps
-    for seed in args.seeds:
+    for seed in [] if args.trl_only else args.seeds:
         def partial(history: dict, key=f"seed{seed}") -> None:
             result["runs"][key] = {name: curves(runs) for name, runs in history.items() if runs}
             write_json(args.json, summarized(result), echo=False)
 
         history = interleaved_runs(tlt_modes(args, seed), args.steps, replay_from="reference" if args.replay else None,
-                                   on_step=partial)
+                                   on_step=partial, warmup_steps=args.warmup_steps)
         result["runs"][f"seed{seed}"] = {name: curves(runs) for name, runs in history.items()}
     try:
         import ray
@@ -129,9 +139,9 @@ def main(argv=None) -> dict:
         ray.shutdown()  # free the workers' memory before TRL loads its own copy
     except ImportError:
         pass
-    if not (args.quick or args.skip_trl or args.replay):
-        trl = run_trl(args, args.seeds[0], args.steps)
-        result["runs"][f"seed{args.seeds[0]}"]["trl"] = trl_curves(trl, args.prompts * args.samples)
+    if args.trl_only or not (args.quick or args.skip_trl or args.replay):
+        trl = run_trl(args, args.seeds[0])
+        result["runs"].setdefault(f"seed{args.seeds[0]}", {})["trl"] = trl_curves(trl, args.prompts * args.samples)
     summarize(result)
     result["complete"] = True
     write_json(args.json, result)
@@ -166,19 +176,22 @@ def summarize(result: dict) -> None:
                                     if run[m].get(key) and None not in run[m][key]} for m in run}
                          for name, run in result["runs"].items()}
     baseline, tlt = med("baseline", "step_s"), med("tlt", "step_s")
-    shares = [r / s for r, s in zip(pooled("baseline", "rollout_s"), pooled("baseline", "step_s"))]
-    result.update({"baseline_step_s": baseline, "tlt_step_s": tlt, "speedup_vs_baseline": round(baseline / tlt, 3),
-                   "tok_s_ratio_vs_baseline": round(med("tlt", "step_tok_s") / med("baseline", "step_tok_s"), 3),
-                   "rollout_speedup_vs_baseline": round(med("baseline", "rollout_s") / med("tlt", "rollout_s"), 3),
-                   "rollout_share_baseline": round(statistics.median(shares), 3),
-                   "rollout_tail_share_baseline": med("baseline", "rollout_tail_share"),
-                   "baseline_rollout_s": med("baseline", "rollout_s"), "tlt_rollout_s": med("tlt", "rollout_s")})
+    if baseline is not None and tlt is not None:
+        shares = [r / s for r, s in zip(pooled("baseline", "rollout_s"), pooled("baseline", "step_s"))]
+        result.update({"baseline_step_s": baseline, "tlt_step_s": tlt,
+                       "speedup_vs_baseline": round(baseline / tlt, 3),
+                       "tok_s_ratio_vs_baseline": round(med("tlt", "step_tok_s") / med("baseline", "step_tok_s"), 3),
+                       "rollout_speedup_vs_baseline": round(med("baseline", "rollout_s") / med("tlt", "rollout_s"), 3),
+                       "rollout_share_baseline": round(statistics.median(shares), 3),
+                       "rollout_tail_share_baseline": med("baseline", "rollout_tail_share"),
+                       "baseline_rollout_s": med("baseline", "rollout_s"), "tlt_rollout_s": med("tlt", "rollout_s")})
     trl = pooled("trl", "step_s")
     if trl:
         result["trl_step_s"] = round(statistics.median(trl), 2)
-        result["speedup_vs_trl"] = round(statistics.median(trl) / tlt, 3)
         result["trl_step_tok_s"] = med("trl", "step_tok_s")
-
+        result["trl_completion_len_mean"] = med("trl", "completion_len_mean")
+        if tlt is not None:
+            result["speedup_vs_trl"] = round(statistics.median(trl) / tlt, 3)
 
 if __name__ == "__main__":
     main()

@@ -20,6 +20,11 @@
 #   tail-tau    spot_training.py --lone-worker, tau vs frozen (TAU_STEPS steps) -> spot_training_tau_h100.json (#15)
 #   e2e         e2e.py --replay (equal work), seed 0                            -> e2e_replay_h100.json (#15)
 #   e2e-natural e2e.py natural runs over SEEDS (one seed fits a call)           -> e2e_h100_seed<SEEDS>.json (#15)
+#   trl         e2e.py --trl-only: TRL's GRPOTrainer, same prompts and settings -> e2e_trl_h100.json (#15); needs
+#               .gpu/trl (bash benchmarks/gpu_trl_wheels.sh here) in the call's carry
+# The RL phases (tail, tail-tau, e2e, e2e-natural, trl) run one unmeasured warm-up step per mode first (graph
+# captures, the cost curve). Then, here: python benchmarks/e2e_merge.py --replay ... --natural ... --trl ...
+# --spot ... --json benchmarks/results/e2e_h100.json joins the files.
 #
 # The drafter. The machine is given back 30 s after a call, and $DRAFTER with it. Phases that need one (spec, tail,
 # tail-tau, e2e, e2e-natural) take $DRAFTER if this machine still has it, else a copy carried in at $CARRIED, else
@@ -124,18 +129,26 @@ for phase in "$@"; do
         --json "$OUT/speculative_h100_compiled.json" --png /tmp/speculative_h100_compiled.png ;;
     tail)
       run tail 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
-        --max-new-tokens 1024 --phases overhead --steps 2 --json "$OUT/spot_training_h100.json" ;;
+        --max-new-tokens 1024 --phases overhead --steps 2 --warmup-steps 1 --json "$OUT/spot_training_h100.json" ;;
     tail-tau)
       run tail_tau 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
-        --max-new-tokens 1024 --phases tau --tau-steps "$TAU_STEPS" --json "$OUT/spot_training_tau_h100.json" ;;
+        --max-new-tokens 1024 --phases tau --tau-steps "$TAU_STEPS" --warmup-steps 1 \
+        --json "$OUT/spot_training_tau_h100.json" ;;
     e2e)
       run e2e_replay 540 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --replay --max-new-tokens 1024 \
-        --prompts 4 --samples 4 --steps 3 --seeds 0 --json "$OUT/e2e_replay_h100.json" ;;
+        --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_replay_h100.json" ;;
     e2e-natural)
       # shellcheck disable=SC2086  # SEEDS is a list of seeds
       run e2e_natural 540 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --skip-trl \
-        --max-new-tokens 1024 --prompts 4 --samples 4 --steps 3 --seeds $SEEDS \
+        --max-new-tokens 1024 --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds $SEEDS \
         --json "$OUT/e2e_h100_seed$(echo $SEEDS | tr ' ' '-').json" ;;
-    *) echo "unknown phase $phase (tests drafter spec spec-compiled kernels throughput tail tail-tau e2e e2e-natural)"; exit 2 ;;
+    trl)
+      if [ ! -d /tmp/site/trl ]; then
+        ls .gpu/trl/*.whl >/dev/null 2>&1 || { echo "== trl skipped: no .gpu/trl wheels in the carry"; continue; }
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/trl/*.whl
+      fi
+      run trl 540 python3 benchmarks/e2e.py --device cuda --drafter none --trl-only --max-new-tokens 1024 \
+        --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_h100.json" ;;
+    *) echo "unknown phase $phase (tests drafter spec spec-compiled kernels throughput tail tail-tau e2e e2e-natural trl)"; exit 2 ;;
   esac
 done

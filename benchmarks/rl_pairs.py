@@ -17,10 +17,14 @@ from tlt.rl.config import load_config
 
 
 def interleaved_runs(modes: dict[str, list[str]], steps: int, *, log=print, replay_from: str | None = None,
-                     on_step=None) -> dict[str, list[dict]]:
+                     on_step=None, warmup_steps: int = 0) -> dict[str, list[dict]]:
     """modes: name -> `section.key=value` overrides. Returns name -> per-step metrics (with the timeline and
     each sample's response length). on_step(history), if given, is called after every mode's step with the
     history so far (e.g. to write partial results that survive a kill).
+
+    warmup_steps: RL steps every mode runs first, logged but not returned. On CUDA a mode's first steps capture
+    its graphs (one per batch bucket and KV block, and in TLT mode per speculation arm too: many more than the
+    baseline's) and measure its cost curve: one-off seconds that are not the step time of a run.
 
     replay_from: equal work. That mode runs first in every step, naturally, and its samples' lengths are
     recorded; every other mode replays them (each sample decodes exactly its recorded length, stop tokens
@@ -36,7 +40,8 @@ def interleaved_runs(modes: dict[str, list[str]], steps: int, *, log=print, repl
             controllers[name] = DistributedGRPO(config)
             log(f"{name}: {controllers[name].placement.describe()}, up in {time.perf_counter() - started:.1f}s")
         history: dict[str, list[dict]] = {name: [] for name in configs}
-        for step in range(steps):
+        for step in range(-warmup_steps, steps):
+            label = f"step {step + 1}" if step >= 0 else f"warm-up step {step + warmup_steps + 1}"
             recorded = None
             for name, controller in controllers.items():
                 replay = replay_from is not None and name != replay_from
@@ -46,12 +51,13 @@ def interleaved_runs(modes: dict[str, list[str]], steps: int, *, log=print, repl
                 if name == replay_from:
                     recorded = metrics["response_lengths"]
                 elif replay and metrics["response_lengths"] != recorded:
-                    raise AssertionError(f"{name} step {step + 1} decoded other lengths than {replay_from}: "
+                    raise AssertionError(f"{name} {label} decoded other lengths than {replay_from}: "
                                          f"{metrics['response_lengths']} vs {recorded}")
-                history[name].append(metrics)
-                if on_step is not None:
-                    on_step(history)
-                log(f"{name} step {step + 1}: {metrics['step_s']:.1f}s (rollout {metrics['rollout_s']:.1f}s, "
+                if step >= 0:
+                    history[name].append(metrics)
+                    if on_step is not None:
+                        on_step(history)
+                log(f"{name} {label}: {metrics['step_s']:.1f}s (rollout {metrics['rollout_s']:.1f}s, "
                     f"{sum(metrics['response_lengths'])} tokens) tau {metrics.get('sd/tau', 0):.2f} "
                     f"spot {metrics['spot_train_steps']} reward {metrics['reward_mean']:.3f}")
         return history

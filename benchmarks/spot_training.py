@@ -5,10 +5,14 @@ Two setups: 2 Ray workers x 1 thread on the CPU (the idle worker trains while th
 thread, a second CUDA stream on a GPU; drafter/tail_trainer.py) — the one-GPU setup.
 
 Two measurements, each with the two modes' steps interleaved (benchmarks/rl_pairs.py):
-  overhead  greedy decoding: SD is lossless, so both modes emit the same tokens and do the same rollout and
-            update work; the step-time ratio is what spot training costs (or saves) — target <= 1.03x. With a
-            lone worker, also the slowdown of the decoding the training overlaps: the extra rollout time over
-            the seconds the tail trainer ran (target <= 3%).
+  overhead  near-greedy decoding (T=0.001: the config refuses T=0 for GRPO, whose groups would be identical): SD
+            is lossless, so both modes emit the same tokens (up to near-ties; `response_tokens` shows it) and do
+            the same rollout and update work; the step-time ratio is what spot training costs — target <= 1.03x.
+            With a lone worker the spot mode trains and publishes as always but keeps serving the starting
+            drafter: a better drafter changes the SD steps per token (its gain is the tau phase's), which would
+            mix into a cost. Also the slowdown of the decoding the training overlaps: the extra rollout time
+            over the seconds the tail trainer ran (target <= 3%). With 2 Ray workers the trained versions are
+            served (the swap cannot be held back in another process): that ratio includes their tau change.
   tau       sampling at T=1 (the RL setting): tau per RL step with the spot-trained drafter vs the frozen one.
 
     python benchmarks/spot_training.py --drafter DIR --json benchmarks/results/spot_training.json [--steps K]
@@ -19,6 +23,7 @@ Two measurements, each with the two modes' steps interleaved (benchmarks/rl_pair
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -27,6 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
 from rl_pairs import interleaved_runs, median  # noqa: E402
+
+from tlt.distributed.worker import RolloutWorker  # noqa: E402
+
+NEAR_GREEDY = 0.001  # the overhead phase's temperature (see the docstring)
 
 
 def modes(args, temperature: float, seed: int) -> dict[str, list[str]]:
@@ -41,6 +50,23 @@ def modes(args, temperature: float, seed: int) -> dict[str, list[str]]:
     common += ["run.workers=2", "run.backend=ray", "run.threads_per_worker=1",
                "optim.micro_batch_size=2"]  # 2: four resident workers fit in 24 GB
     return {"spot": common + ["run.spot_training=true"], "frozen": common + ["run.spot_training=false"]}
+
+
+@contextlib.contextmanager
+def serving_the_starting_drafter():
+    """In-process workers load only their first drafter version; later ones are trained and published, not
+    served. (The frozen mode publishes none, so it is unaffected.)"""
+    original = RolloutWorker._sync_drafter
+
+    def first_version_only(worker, engine, force: bool = False) -> None:
+        if engine.drafter_version is None:
+            original(worker, engine, force)
+
+    RolloutWorker._sync_drafter = first_version_only
+    try:
+        yield
+    finally:
+        RolloutWorker._sync_drafter = original
 
 
 def overlap_slowdown(history: dict) -> list[float]:
@@ -89,11 +115,13 @@ def main() -> None:
                         help="one worker training beside its own tail (run.tail_training=on) instead of 2 Ray workers")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="unmeasured RL steps per mode first (CUDA: graph captures, the cost curve)")
     args = parser.parse_args()
     path = Path(args.json)
     result = json.loads(path.read_text()) if path.exists() else {}
     result.update({"environment": environment(), "drafter": args.drafter, "device": args.device,
-                   "max_new_tokens": args.max_new_tokens,
+                   "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup_steps,
                    **({"workers": 1, "tail_training": True} if args.lone_worker else
                       {"workers": 2, "threads_per_worker": 1})})
     result["complete"] = False  # until the last write: a run killed at its time limit keeps what it measured
@@ -106,9 +134,13 @@ def main() -> None:
         return write
 
     if "overhead" in args.phases:
-        print("== overhead (greedy: identical work in both modes)")
-        history = interleaved_runs(modes(args, 0.0, 0), args.steps, on_step=partial("overhead"))
+        print(f"== overhead (T={NEAR_GREEDY}: identical work in both modes)")
+        serving = serving_the_starting_drafter() if args.lone_worker else contextlib.nullcontext()
+        with serving:
+            history = interleaved_runs(modes(args, NEAR_GREEDY, 0), args.steps, on_step=partial("overhead"),
+                                       warmup_steps=args.warmup_steps)
         result["overhead"] = summarize(history)
+        result["overhead_serves_trained_versions"] = not args.lone_worker
         result["spot_overhead_ratio"] = result["overhead"]["overhead_ratio_median"]
         if args.lone_worker:
             slowdowns = [x for x in overlap_slowdown(history) if x is not None]
@@ -116,7 +148,8 @@ def main() -> None:
             result["overlap_slowdown_median"] = statistics.median(slowdowns) if slowdowns else None
     if "tau" in args.phases:
         print("== tau over RL steps (T=1)")
-        result["tau"] = summarize(interleaved_runs(modes(args, 1.0, 0), args.tau_steps, on_step=partial("tau")))
+        result["tau"] = summarize(interleaved_runs(modes(args, 1.0, 0), args.tau_steps, on_step=partial("tau"),
+                                                   warmup_steps=args.warmup_steps))
         taus = result["tau"]["tau"]
         last = max(1, len(taus["spot"]) // 2)  # the second half of the run: the drafters have drifted apart
         spot, frozen = statistics.median(taus["spot"][-last:]), statistics.median(taus["frozen"][-last:])

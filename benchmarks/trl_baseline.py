@@ -4,7 +4,8 @@ would pick, with its default transformers generation. Used by benchmarks/e2e.py.
 Matched to tlt's defaults: per step 4 prompts x 4 samples (one generation batch of 16, one optimizer step over 4
 micro-batches of 4), max 256 new tokens, T=1 with no top-k/top-p, lr 1e-5, betas (0.9, 0.99), grad clip 1.0,
 no KL term, PPO clip 0.2, sequence-mean "grpo" loss and group-std scaled advantages; the prompts are exactly the
-ones tlt draws for steps 0..K-1 (same seeds), in order.
+ones tlt draws for steps 0..K-1 (same seeds), in order. On a GPU, bf16 mixed precision (fp32 master weights), as
+tlt's training autocast there; fp32 on the CPU, as tlt.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def trl_step_times(model_dir: str, examples_per_step: list[list], reward, *, sam
         temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-5, adam_beta1=0.9, adam_beta2=0.99,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, loss_type="grpo", scale_rewards="group",
         num_iterations=1, max_steps=len(examples_per_step), shuffle_dataset=False, seed=seed, use_cpu=use_cpu,
-        bf16=False, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        bf16=not use_cpu, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         lr_scheduler_type="constant", warmup_steps=0)
     timings = _StepClock(log)
     trainer = GRPOTrainer(

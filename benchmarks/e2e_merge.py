@@ -1,0 +1,91 @@
+"""Join the end-to-end files a GPU session writes one call at a time into one result (e.g. e2e_h100.json).
+
+    python benchmarks/e2e_merge.py --replay e2e_replay_h100.json --natural e2e_h100_seed0.json e2e_h100_seed1.json \
+        --trl e2e_trl_h100.json --spot spot_training_h100.json --json benchmarks/results/e2e_h100.json
+
+Equal work (`equal_work: true`): `speedup_vs_baseline` and the per-mode times come from the length-matched
+replay (every mode decodes the same tokens per sample). TRL cannot replay lengths, so `speedup_vs_trl` compares
+natural runs on the same prompts (median step times, TRL's over its own file, tlt's pooled over the natural
+seeds), with both sides' completion lengths beside it. `spot_overhead_ratio` is spot_training.py's overhead phase
+(a lone worker training beside its tail, serving the starting drafter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write_json  # noqa: E402
+from e2e import summarize  # noqa: E402
+
+
+def _read(path: str) -> dict:
+    data = json.loads(Path(path).read_text())
+    if not data.get("complete", True):
+        print(f"note: {path} is partial (its run hit its time limit): its finished steps are used")
+    return data
+
+
+def _pooled_natural(paths: list[str]) -> dict:
+    runs = {}
+    for path in paths:
+        for seed, modes in _read(path)["runs"].items():
+            runs.setdefault(seed, {}).update(modes)
+    return runs
+
+
+def merge(replay: dict | None, natural: dict, trl: dict | None, spot: dict | None) -> dict:
+    result = {"equal_work": replay is not None, "environment": (replay or {}).get("environment")}
+    if replay is not None:
+        summarize(replay)
+        result.update({key: replay.get(key) for key in (
+            "speedup_vs_baseline", "rollout_speedup_vs_baseline", "baseline_step_s", "tlt_step_s",
+            "baseline_rollout_s", "tlt_rollout_s", "rollout_share_baseline", "rollout_tail_share_baseline",
+            "steps", "warmup_steps", "max_new_tokens", "prompts", "samples", "temperature")})
+        result["equal_work_by_mode"] = replay["by_mode"]
+    runs = dict(natural)
+    if trl is not None:
+        for seed, modes in trl["runs"].items():
+            runs.setdefault(seed, {}).update({"trl": modes["trl"]})
+    if runs:
+        pooled = {"runs": runs}
+        summarize(pooled)
+        result["natural_by_mode"] = pooled["by_mode"]
+        result["natural_seeds"] = sorted(runs)
+        for key in ("speedup_vs_trl", "trl_step_s", "trl_completion_len_mean", "tok_s_ratio_vs_baseline"):
+            if key in pooled:
+                result[key] = pooled[key]
+        if "speedup_vs_baseline" in pooled:
+            result["natural_speedup_vs_baseline"] = pooled["speedup_vs_baseline"]
+    if spot is not None:
+        result["spot_overhead_ratio"] = spot.get("spot_overhead_ratio")
+        result["overlap_slowdown_median"] = spot.get("overlap_slowdown_median")
+        result["spot_overhead_serves_trained_versions"] = spot.get("overhead_serves_trained_versions")
+        if "tau_gain_late" in spot:
+            result["tau_gain_late"] = spot["tau_gain_late"]
+    result["complete"] = all(part.get("complete", True) for part in (replay, trl, spot) if part is not None)
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replay", help="e2e.py --replay output (equal work)")
+    parser.add_argument("--natural", nargs="*", default=[], help="e2e.py natural-run outputs (one per seed or more)")
+    parser.add_argument("--trl", help="e2e.py --trl-only output")
+    parser.add_argument("--spot", nargs="*", default=[], help="spot_training.py outputs (overhead and/or tau)")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    spot = {}
+    for path in args.spot:
+        spot.update({k: v for k, v in _read(path).items() if v is not None})
+    result = merge(_read(args.replay) if args.replay else None, _pooled_natural(args.natural),
+                   _read(args.trl) if args.trl else None, spot or None)
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

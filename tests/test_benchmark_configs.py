@@ -1,0 +1,72 @@
+"""The `tlt train` configurations the benchmarks build load as configs (a refused one cost a GPU call its model
+load and its result: the spot-training overhead phase asked for temperature 0), on the CPU and for CUDA; and the
+end-to-end summary copes with the files a GPU session writes one call at a time."""
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import e2e  # noqa: E402
+import spot_training  # noqa: E402
+from tlt.rl.config import load_config  # noqa: E402
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("lone_worker", [False, True])
+@pytest.mark.parametrize("temperature", [spot_training.NEAR_GREEDY, 1.0])
+def test_spot_training_modes_load(device, lone_worker, temperature):
+    args = argparse.Namespace(drafter="/tmp/drafter", max_new_tokens=1024, device=device, lone_worker=lone_worker)
+    for overrides in spot_training.modes(args, temperature, 0).values():
+        assert load_config(None, overrides).rollout.temperature == temperature
+
+
+@pytest.mark.parametrize("argv", [[], ["--replay"], ["--device", "cuda", "--max-new-tokens", "1024"],
+                                  ["--device", "cuda", "--replay", "--workers", "1"]])
+def test_e2e_modes_load(argv):
+    args = e2e.parse_args(["--drafter", "/tmp/drafter", "--json", "/tmp/unused.json", *argv])
+    modes = e2e.tlt_modes(args, seed=3)
+    assert set(modes) == ({"reference", "baseline", "tlt"} if args.replay else {"baseline", "tlt"})
+    for overrides in modes.values():
+        assert load_config(None, overrides).run.seed == 3
+
+
+def _curves(step_s: float, length: float) -> dict:
+    return {"step_s": [step_s] * 3, "rollout_s": [0.9 * step_s] * 3, "train_s": [0.1 * step_s] * 3,
+            "step_tok_s": [16 * length / step_s] * 3, "rollout_tok_s": [1.0] * 3, "response_tokens": [16 * length] * 3,
+            "response_len_mean": [length] * 3, "rollout_tail_share": [0.8] * 3}
+
+
+def test_e2e_summary_of_a_trl_only_file_and_of_both():
+    trl = {"step_s": [40.0, 44.0, 42.0], "reward_mean": [0.1] * 3, "completion_len_mean": [300.0] * 3,
+           "step_tok_s": [114.0] * 3}
+    alone = {"runs": {"seed0": {"trl": trl}}}
+    e2e.summarize(alone)  # a --trl-only call: no tlt mode to compare with yet
+    assert alone["trl_step_s"] == 42.0 and alone["trl_completion_len_mean"] == 300.0
+    assert "speedup_vs_trl" not in alone and "speedup_vs_baseline" not in alone
+    both = {"runs": {"seed0": {"baseline": _curves(20.0, 310.0), "tlt": _curves(10.0, 305.0), "trl": trl}}}
+    e2e.summarize(both)
+    assert both["speedup_vs_baseline"] == 2.0 and both["speedup_vs_trl"] == 4.2
+    assert both["by_mode"]["tlt"]["response_len_mean"] == 305.0
+    assert both["by_mode"]["trl"]["completion_len_mean"] == 300.0
+
+
+def test_e2e_merge_joins_a_sessions_files():
+    import e2e_merge
+
+    replay = {"complete": True, "environment": {"device": "H100"}, "steps": 3, "warmup_steps": 1,
+              "runs": {"seed0": {"reference": _curves(20.0, 300.0), "baseline": _curves(21.0, 300.0),
+                                 "tlt": _curves(10.5, 300.0)}}}
+    natural = {"seed0": {"baseline": _curves(20.0, 310.0), "tlt": _curves(12.0, 290.0)}}
+    trl = {"complete": True, "runs": {"seed0": {"trl": {"step_s": [60.0] * 3, "completion_len_mean": [305.0] * 3,
+                                                        "reward_mean": [0.1] * 3, "step_tok_s": [80.0] * 3}}}}
+    spot = {"spot_overhead_ratio": 1.01, "overlap_slowdown_median": 0.02, "overhead_serves_trained_versions": False}
+    merged = e2e_merge.merge(replay, natural, trl, spot)
+    assert merged["equal_work"] and merged["speedup_vs_baseline"] == 2.0  # from the replay: equal work
+    assert merged["speedup_vs_trl"] == 5.0  # TRL's natural steps against tlt's natural ones
+    assert merged["natural_by_mode"]["trl"]["completion_len_mean"] == 305.0
+    assert merged["equal_work_by_mode"]["tlt"]["train_s"] == 1.05
+    assert merged["spot_overhead_ratio"] == 1.01 and merged["complete"]
