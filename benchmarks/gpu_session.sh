@@ -112,7 +112,8 @@ for phase in "$@"; do
       run spec_greedy 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
         --batches 1,4,16 --json "$OUT/speculative_h100_greedy.json" --png /tmp/speculative_h100_greedy.png
       run spec_t1 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
-        --batches 1,4,16 --json "$OUT/speculative_h100.json" --png /tmp/speculative_h100.png ;;
+        --batches 1,4,16 --greedy-json "$OUT/speculative_h100_greedy.json" --json "$OUT/speculative_h100.json" \
+        --png /tmp/speculative_h100.png ;;
     throughput)
       run throughput 540 python3 benchmarks/rollout_throughput.py --device cuda --batches 1,16,64 \
         --max-new-tokens 128 --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
@@ -126,7 +127,8 @@ for phase in "$@"; do
         --json "$OUT/speculative_h100_compiled_greedy.json" --png /tmp/speculative_h100_compiled_greedy.png
       run spec_compiled_t1 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" \
         --temperature 1 --compile inductor --batches 1,4 --strategies S3K1N3,S5K1q,S4K2N8,S4K2q \
-        --json "$OUT/speculative_h100_compiled.json" --png /tmp/speculative_h100_compiled.png ;;
+        --greedy-json "$OUT/speculative_h100_compiled_greedy.json" --json "$OUT/speculative_h100_compiled.json" \
+        --png /tmp/speculative_h100_compiled.png ;;
     tail)
       run tail 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
         --max-new-tokens 1024 --phases overhead --steps 2 --warmup-steps 1 --json "$OUT/spot_training_h100.json" ;;

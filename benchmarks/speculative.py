@@ -6,11 +6,16 @@ row per verify step) and the speedup of the best strategy at each batch size, ov
 (target-only `S4K2N8` vs q-sampling `S4K2q`), measured side by side in one run.
 
     python benchmarks/speculative.py --json benchmarks/results/speculative.json [--drafter DIR] [--quick]
+
+A greedy run's file given to a T=1 run (`--greedy-json`) puts its results beside the T=1 ones (`speedup_greedy`,
+`tau_greedy`, `by_strategy_greedy`): one file with both, as issue #13 asks.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -50,6 +55,9 @@ def engine_for(loaded, drafter, batch, strategy, compile_mode):
 
 
 def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, temperature=1.0, compile_mode="off"):
+    # An engine's graph runner holds itself through its captured bodies: only the cyclic collector frees the
+    # last engine's KV cache, graph pools and rollout copy (on CUDA up to ~1 GB each, ~10 engines per batch)
+    gc.collect()
     engine = engine_for(loaded, drafter, batch, strategy, compile_mode)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(), seed=seed)
     requests = [Request(p, params=params) for p in prompts]
@@ -76,6 +84,7 @@ def main(argv=None) -> dict:
                         help="CUDA: Inductor-compile the captured forward (rollout.compile), plain and SD alike")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of every arm, each followed "
                         "by a plain run; medians over rounds (the machines are noisy)")
+    parser.add_argument("--greedy-json", help="a --temperature 0 run's file: its results go beside these")
     parser.add_argument("--rounds", type=int, default=1, help="prompts per batch slot: batch x rounds distinct "
                         "prompts decoded at that batch size (more tokens behind τ at small batch)")
     args = parser.parse_args(argv)
@@ -111,6 +120,10 @@ def main(argv=None) -> dict:
         for _ in range(args.repeats):
             for strategy in strategies:
                 runs[strategy].append(measure(strategy))
+                # each arm as it finishes: a compiled arm costs minutes, and a phase may hit its time limit
+                results.setdefault("arm_runs_tok_s", {}).setdefault(key, {})[strategy.name] = [
+                    t for t, _ in runs[strategy]]
+                write_json(args.json, results, echo=False)
             plain_runs.append(measure(None)[0])
         plain = statistics.median(plain_runs)
         results["plain_tok_s"][key] = plain
@@ -136,6 +149,10 @@ def main(argv=None) -> dict:
         print(f"batch {batch:2d}: plain {plain:6.1f} tok/s  best SD {best[0]:6.1f} tok/s ({best[2]}, "
               f"tau {best[1]:.2f})  x{results['speedup'][key]:.2f}", file=sys.stderr)
         write_json(args.json, results, echo=False)
+    if args.greedy_json and Path(args.greedy_json).exists():  # (a greedy run that never started left none)
+        greedy = json.loads(Path(args.greedy_json).read_text())
+        results.update({f"{key}_greedy": greedy.get(key) for key in ("speedup", "tau", "strategy", "by_strategy",
+                                                                      "complete", "temperature")})
     results["complete"] = True
     write_json(args.json, results)
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
