@@ -68,7 +68,8 @@ def main(argv=None) -> dict:
     loaded = load_model(device="cuda")
     copy = RolloutCopy(loaded.model, torch.bfloat16)
     lean = LeanForward(copy.model, copy.fused)
-    results = {"kv_len": args.kv, "by_batch": {}, "environment": environment()}
+    results = {"kv_len": args.kv, "by_batch": {}, "environment": environment(),
+               "complete": False}  # until the last write: a run killed at its time limit keeps its finished rows
     for batch in [int(b) for b in args.batches.split(",")]:
         cache = KVCache(lean.spec, batch, args.kv, device="cuda", dtype=torch.bfloat16)
         rows = cache.rows(0, batch)
@@ -82,6 +83,8 @@ def main(argv=None) -> dict:
         row["kernels"], row["kernels_by_name"] = kernels_per_call(step)
         graph = capture(step)
         row["graph_ms"] = timed_ms(graph.replay)
+        results["by_batch"][str(batch)] = row
+        write_json(args.json, results, echo=False)  # before the compile's minutes
         if args.compile:
             started = time.perf_counter()
             compiled_lean = LeanForward(copy.model, copy.fused)
@@ -92,8 +95,9 @@ def main(argv=None) -> dict:
             row["compile_mode"] = args.compile_mode
             row["compiled_kernels"], row["compiled_kernels_by_name"] = kernels_per_call(lambda: step(compiled))
             row["compiled_graph_ms"] = timed_ms(capture(lambda: step(compiled)).replay)
-        results["by_batch"][str(batch)] = row
+        write_json(args.json, results, echo=False)
         print(batch, row, file=sys.stderr, flush=True)
+    results["complete"] = True
     write_json(args.json, results)
     return results
 
