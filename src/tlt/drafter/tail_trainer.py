@@ -148,6 +148,9 @@ class TailTrainer:
         if self._stream is None:  # one stream for the run's every tail
             self._stream = torch.cuda.Stream(self.device)
         stream = self._stream
+        # after everything queued so far (the optimizer step that wrote the embedding and lm_head it reads, the
+        # drafter state loaded for it): once per tail, not per micro-step
+        stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.cuda.stream(stream):
             try:
                 yield

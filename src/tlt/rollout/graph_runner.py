@@ -23,6 +23,7 @@ padding logic is checked on any device.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,9 @@ from tlt.speculative.strategy import SpecStrategy
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 KV_BLOCK = 256
+# One capture at a time in a process: in-process workers on several GPUs capture from their own threads, and
+# a capture's start synchronizes and empties the device's cache (rare: once per new bucket)
+_CAPTURING = threading.Lock()
 
 
 def batch_bucket(batch: int, max_rows: int) -> int | None:
@@ -103,6 +107,9 @@ class GraphRunner:
         self._graphs: dict[tuple, _Graph] = {}
         self._buffers: dict[tuple, _Buffers] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        # this runner's own capture stream on its device: torch's default one is made once per process, on the
+        # device current at the first capture, so a worker on another GPU would capture on a foreign stream
+        self._capture_stream = torch.cuda.Stream(forward.device) if capture else None
         self.captures = 0  # graphs captured so far (benchmarks and tests read it)
         # Graphs built so far, captured or (capture=False) run once ahead of their first replay: the step that
         # builds one also pays its warm-up and capture (50-300 ms on CUDA vs a few ms per replay).
@@ -250,15 +257,15 @@ class GraphRunner:
         if not self.capture:  # as on CUDA, the body runs once before its first replay: it must be idempotent
             step()
             return _Graph(None, None, step)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side = self._capture_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: lazy initialization (cuBLAS handles, workspaces) off the graph
             step()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread may launch CUDA work meanwhile (the tail trainer on its own stream, which
         # allocates); "global" would fail its allocations, or this capture, whenever a new bucket is captured.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with _CAPTURING, torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             outputs = step()
         self.captures += 1
         return _Graph(graph, outputs, step)
