@@ -297,3 +297,23 @@ def test_data_parallel_workers_announce_the_gate_once(tmp_path, monkeypatch, cap
         controller.close()
     verdicts = [r for r in caplog.records if "no speculation arm is expected to pay" in r.getMessage()]
     assert len(verdicts) == 1
+
+
+@pytest.mark.parametrize("workers,spot_training,collects", [(2, True, True), (2, False, False), (1, False, False)])
+def test_features_are_collected_only_when_idle_workers_train_on_them(tmp_path, workers, spot_training, collects):
+    """A lone worker without tail training (or spot training off) copied every sample's features to the hub for
+    nothing: the spot-training benchmark's frozen mode did that work and its spot mode did not (found by review)."""
+    from tlt.models.eagle import EagleDrafter
+
+    model = long_tail_model()
+    EagleDrafter(model.config).attach(model).save(tmp_path / "drafter")
+    controller = make_controller(tmp_path / "run", **{"run.drafter": str(tmp_path / "drafter"),
+                                                       "run.workers": workers, "run.spot_training": spot_training,
+                                                       "run.tail_training": "off", "rollout.max_new_tokens": 24})
+    try:
+        controller.train_step()
+        hub = controller.backend.hub
+        assert all((w.features is not None) == collects for w in controller.backend.workers)
+        assert (hub.features_since(0)[1] != []) == collects
+    finally:
+        controller.close()

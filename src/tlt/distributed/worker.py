@@ -91,9 +91,12 @@ class RolloutWorker:
         speculates = self.drafter is not None and self.engine.speculation is not None  # (a gate of 0: never)
         if speculates and tail_training_active(config.run, world_size, self.engine.device.type):
             self.tail = self._tail_trainer()
-        # The features the step's forwards yield, handed to the hub as they come. None when nothing trains on
-        # them (no drafter) or when tail training takes the rollout's own instead.
-        self.features = FeatureBuffer(10**9) if self.drafter is not None and self.tail is None else None
+        # The features the step's forwards yield, handed to the hub as they come, for the workers idle in the
+        # tail to train on. None when nothing does (no drafter; one worker, or run.spot_training=false) or when
+        # tail training takes the rollout's own instead: a copy per sample for nothing, and on CUDA a blocking one.
+        idle_workers_train = config.run.spot_training and world_size > 1
+        self.features = FeatureBuffer(10**9) if (self.drafter is not None and self.tail is None
+                                                 and idle_workers_train) else None
         self._step = 0  # the RL step in progress (the controller names it with each rollout)
         self._examples, self._result, self._batch = None, None, None  # this step's shard, as its phases go
         self._last_poll = 0.0
