@@ -171,6 +171,24 @@ def test_untimed_steps_count_tokens_but_not_step_time():
     bandit.observe(2, "chain4", emitted_tokens=6, wall_s=0.003)
     assert list(bandit._step_time[bucket, "chain4"]) == [0.003] and bandit._trials[bucket, "chain4"] == 1
     assert bandit.stats["chain4"].emitted == 12 and bandit.estimate(2, "chain4") == pytest.approx(2 * 3.0 / 0.003)
+    # the reported rate is the arm's too: 6 tokens in 3 ms, not 12 in 303 ms (found by review)
+    assert bandit.summary()["arms"]["chain4"]["tokens_per_s"] == pytest.approx(6 / 0.003)
+
+
+def test_workers_arm_metrics_add_up():
+    """Each data-parallel worker's bandit learns on its own rows: the step reports their sums (it reported the
+    worker that finished last, and its counters jumped when another finished last)."""
+    from tlt.metrics.step import merge_speculation_metrics
+
+    parts = []
+    for emitted, rows, wall in ((30, 10, 0.1), (10, 10, 0.3)):
+        bandit = StrategyBandit([OFF, "chain4"], BanditConfig(seed=0))
+        bandit.observe(1, "chain4", emitted_tokens=emitted, wall_s=wall, verify_steps=rows)
+        parts.append({"sd/gate": 8, **{f"sd/arm/{arm}/{key}": value for arm, stats in bandit.summary()["arms"].items()
+                                        for key, value in stats.items()}})
+    merged = merge_speculation_metrics(parts)
+    assert merged["sd/gate"] == 8 and merged["sd/arm/chain4/steps"] == 2
+    assert merged["sd/arm/chain4/tau"] == 2.0 and merged["sd/arm/chain4/tokens_per_s"] == pytest.approx(40 / 0.4)
 
 
 class RecordingPolicy(FixedSpeculation):

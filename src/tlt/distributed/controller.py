@@ -21,7 +21,7 @@ import torch
 from tlt.distributed.backends import WorkerError, make_backend
 from tlt.distributed.placement import resolve_and_log
 from tlt.errors import TltError, first_line
-from tlt.metrics.step import step_metrics, tail_time_share
+from tlt.metrics.step import merge_speculation_metrics, step_metrics, tail_time_share
 from tlt.metrics.timeline import merge_step, time_shares
 from tlt.rl.checkpoint import latest_checkpoint
 from tlt.rl.phases import evaluation_due, merge_worker_updates
@@ -200,7 +200,7 @@ class DistributedGRPO:
             "samples_hot_swapped": sum(len(v) > 1 for v in served),
             "drafter_versions_per_sample": [len(v) for v in served],  # the full lists are in the RolloutResult
             "lr": updates[0]["lr"],
-            **updates[_tail_rank(rollouts)]["speculation_metrics"],
+            **merge_speculation_metrics([updates[r]["speculation_metrics"] for r in ranks]),
         })
         return metrics
 
@@ -245,7 +245,3 @@ def _sum_totals(parts: list[dict]) -> dict:
     totals = {key: sum(part[key] for part in parts) for key in ("tokens", "sequences")}
     totals["max_tokens"] = parts[0]["max_tokens"]
     return totals
-
-
-def _tail_rank(rollouts: dict) -> int:
-    return max(rollouts, key=lambda r: rollouts[r]["end"])

@@ -8,9 +8,13 @@ metrics.jsonl: renaming one breaks older run directories.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
+from tlt.rollout.policy import ArmStats
 from tlt.rollout.request import TAIL_FRACTION
+
+ARM_PREFIX = "sd/arm/"  # sd/arm/<arm>/<count or rate>
 
 
 def step_metrics(rollout, rewards, correct, update: dict, rollout_s: float, train_s: float,
@@ -50,8 +54,27 @@ def speculation_metrics(engine) -> dict:
         metrics.update({f"sd/cost_ratio_b1/{arm}": curve.ratio(arm, curve.batches[0]) for arm in curve.step_s})
     policy = engine.speculation
     arms = policy.summary().get("arms", {}) if policy is not None else {}
-    return {**metrics, **{f"sd/arm/{name}/{key}": value for name, stats in arms.items()
+    return {**metrics, **{f"{ARM_PREFIX}{name}/{key}": value for name, stats in arms.items()
                           for key, value in stats.items()}}
+
+
+def merge_speculation_metrics(parts: list[dict]) -> dict:
+    """Data-parallel workers' `speculation_metrics` as the run's: each worker's bandit learns on its own rows,
+    so per-arm counts add up and τ and tokens/s follow from the sums (one worker's alone left the others' arm
+    use out, and switched worker between steps). The gate and cost ratios are the device's: the first's."""
+    merged = {key: value for key, value in parts[0].items() if not key.startswith(ARM_PREFIX)} if parts else {}
+    counts: dict[str, ArmStats] = {}
+    count_fields = {item.name for item in dataclasses.fields(ArmStats)}
+    for part in parts:
+        for key, value in part.items():
+            if key.startswith(ARM_PREFIX):
+                name, item = key[len(ARM_PREFIX):].rsplit("/", 1)
+                if item in count_fields:
+                    stats = counts.setdefault(name, ArmStats())
+                    setattr(stats, item, getattr(stats, item) + value)
+    merged.update({f"{ARM_PREFIX}{name}/{key}": value for name, stats in counts.items()
+                   for key, value in stats.metrics().items()})
+    return merged
 
 
 def tail_time_share(worker_traces: list[tuple[float, list]], fraction: float = TAIL_FRACTION) -> float:

@@ -14,6 +14,7 @@ across buckets: a bucket seen rarely still gets a good τ estimate from the othe
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import random
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -166,12 +167,13 @@ class BanditConfig:
 
 @dataclass
 class ArmStats:
-    """What one arm did: for metrics (τ and tokens/s per arm)."""
+    """What one arm did: for metrics (τ and tokens/s per arm). Counts add up across workers (`add`)."""
 
     steps: int = 0
     emitted: int = 0
     verify_steps: int = 0
-    wall_s: float = 0.0
+    timed_emitted: int = 0    # tokens of the steps whose wall time is the arm's own (no graph capture in it)
+    timed_wall_s: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -179,7 +181,17 @@ class ArmStats:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.emitted / self.wall_s if self.wall_s > 0 else 0.0
+        """Over timed steps only: a step that also captured a CUDA graph (10-100x a step) says nothing about
+        the arm's rate, as the bandit knows."""
+        return self.timed_emitted / self.timed_wall_s if self.timed_wall_s > 0 else 0.0
+
+    def metrics(self) -> dict:
+        """The counts (which add up across workers) and what they give: τ and tokens/s."""
+        return {**dataclasses.asdict(self), "tau": self.tau, "tokens_per_s": self.tokens_per_s}
+
+    def add(self, other: "ArmStats") -> None:
+        for item in dataclasses.fields(self):
+            setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
 
 
 @dataclass
@@ -234,7 +246,9 @@ class StrategyBandit:
         totals.steps += 1
         totals.emitted += emitted_tokens
         totals.verify_steps += rows
-        totals.wall_s += wall_s
+        if timed:
+            totals.timed_emitted += emitted_tokens
+            totals.timed_wall_s += wall_s
 
     def estimate(self, batch_size: int, arm: Hashable) -> float:
         """Expected tokens/s of `arm` at this batch size (0 if never tried in this bucket)."""
@@ -287,8 +301,7 @@ class StrategyBandit:
         return {
             "sd_step_share": sd_steps / len(self.choices) if self.choices else 0.0,
             "arm_counts_per_bucket": {str(self.config.bucket_bounds[b]): dict(c) for b, c in per_bucket.items()},
-            "arms": {str(a): {"steps": s.steps, "tau": s.tau, "tokens_per_s": s.tokens_per_s}
-                     for a, s in self.stats.items()},
+            "arms": {str(a): s.metrics() for a, s in self.stats.items()},
         }
 
 
