@@ -33,7 +33,7 @@ from common import environment, write_json  # noqa: E402
 from rl_pairs import interleaved_runs  # noqa: E402
 
 CURVE_KEYS = ("reward_mean", "accuracy", "response_len_mean", "response_tokens", "step_s", "rollout_s", "train_s",
-              "step_tok_s", "rollout_tok_s", "rollout_tail_share", "idle_fraction", "spot_train_share", "sd/tau",
+              "step_tok_s", "rollout_tok_s", "rollout_tail_share", "idle_fraction", "spot_train_share", "tail_train_share", "sd/tau",
               "sd/sd_step_share")
 SUMMARY_KEYS = ("step_s", "rollout_s", "train_s", "step_tok_s", "rollout_tok_s", "response_tokens",
                 "response_len_mean", "completion_len_mean")  # the last: TRL's name for the mean completion length
@@ -79,7 +79,8 @@ def curves(history: list[dict]) -> dict:
     for metrics in history:
         metrics["response_tokens"] = sum(metrics["response_lengths"])
         metrics["step_tok_s"] = metrics["response_tokens"] / metrics["step_s"]
-    out = {key: [round(float(m.get(key, 0.0)), 4) for m in history] for key in CURVE_KEYS}
+    # a key a step lacks stays null (τ of a step without a speculative step is no 0)
+    out = {key: [None if m.get(key) is None else round(float(m[key]), 4) for m in history] for key in CURVE_KEYS}
     out["response_lengths"] = [m["response_lengths"] for m in history]  # every sample's, per step
     return out
 

@@ -86,9 +86,9 @@ def summarize(history: dict) -> dict:
     return {
         "step_s": {name: [round(m["step_s"], 2) for m in runs] for name, runs in history.items()},
         "rollout_s": {name: [round(m["rollout_s"], 2) for m in runs] for name, runs in history.items()},
-        "tau": {name: [round(m.get("sd/tau", 0.0), 3) for m in runs] for name, runs in history.items()},
-        "response_tokens": {name: [round(m["response_len_mean"] * 16) for m in runs]
-                            for name, runs in history.items()},
+        "tau": {name: [None if m.get("sd/tau") is None else round(m["sd/tau"], 3) for m in runs]
+                for name, runs in history.items()},  # null: no speculative step in that step
+        "response_tokens": {name: [sum(m["response_lengths"]) for m in runs] for name, runs in history.items()},
         "spot_train_steps": [m["spot_train_steps"] for m in spot],
         "spot_train_share": [round(m["spot_train_share"], 4) for m in spot],
         "idle_fraction": {name: [round(m["idle_fraction"], 4) for m in runs] for name, runs in history.items()},
@@ -152,8 +152,9 @@ def main() -> None:
                                                    warmup_steps=args.warmup_steps))
         taus = result["tau"]["tau"]
         last = max(1, len(taus["spot"]) // 2)  # the second half of the run: the drafters have drifted apart
-        spot, frozen = statistics.median(taus["spot"][-last:]), statistics.median(taus["frozen"][-last:])
-        result["tau_gain_late"] = round(spot / frozen - 1, 4) if frozen else None
+        late = {name: [t for t in taus[name][-last:] if t is not None] for name in ("spot", "frozen")}
+        if late["spot"] and late["frozen"]:
+            result["tau_gain_late"] = round(statistics.median(late["spot"]) / statistics.median(late["frozen"]) - 1, 4)
     result["complete"] = True
     write_json(args.json, result)
     print(f"overhead ratio (median of per-step spot/frozen): {result.get('spot_overhead_ratio')}")

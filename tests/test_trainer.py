@@ -206,3 +206,12 @@ def test_a_config_built_in_code_is_checked_as_the_command_lines_is(key, value, m
         GRPOTrainer(TrainConfig().override(key, value), loaded="not loaded: the check comes first")
     with pytest.raises(ConfigError, match="GRPOTrainer needs a TrainConfig .* got dict"):
         GRPOTrainer({"model": {}})
+
+
+def test_length_percentiles_interpolate_between_ranks():
+    """p50 is the median: rounding the rank half to even put p50 of [10, 20] at 10 and of [10, 20, 30, 40] at 30."""
+    from tlt.metrics.step import _percentile
+
+    assert _percentile([10, 20], 50) == 15 and _percentile([10, 20, 30, 40], 50) == 25
+    assert _percentile(list(range(1, 17)), 50) == 8.5 and _percentile([7], 90) == 7
+    assert _percentile(list(range(0, 101)), 90) == 90 and _percentile([1, 2, 3, 4], 100) == 4

@@ -26,6 +26,7 @@ STEP_COLUMNS = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), (
                 ("lr", "lr", "{:.3g}")]  # a schedule mistake (e.g. a resumed step at lr 0) shows here
 IDLE_COLUMN = ("idle", "idle_fraction", "{:.1%}")
 WORKER_COLUMNS = [("step s", "step_s", "{:.1f}"), ("spot-train", "spot_train_share", "{:.1%}"),
+                  ("tail-train", "tail_train_share", "{:.1%}"),  # a lone worker's (one GPU: the default)
                   ("spot steps", "spot_train_steps", "{:d}"), ("drafter v", "drafter_version", "{:d}")]
 CSS = ("body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:0.5em 0}"
        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}th{background:#f3f3f3}"

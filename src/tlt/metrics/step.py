@@ -103,7 +103,11 @@ def tail_time_share(worker_traces: list[tuple[float, list]], fraction: float = T
 
 
 def _percentile(sorted_values: list[int], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default): p50 is the median. (Rounding the rank
+    with Python's round, half to even, put p50 of [10, 20] at 10 and of [10, 20, 30, 40] at 30.)"""
     if not sorted_values:
         return 0.0
-    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
-    return float(sorted_values[index])
+    rank = q / 100 * (len(sorted_values) - 1)
+    low = min(int(rank), len(sorted_values) - 1)
+    high = min(low + 1, len(sorted_values) - 1)
+    return float(sorted_values[low] + (rank - low) * (sorted_values[high] - sorted_values[low]))
