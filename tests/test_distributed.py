@@ -148,6 +148,8 @@ def test_tail_time_share_counts_time_when_few_rows_are_left():
     share = tail_time_share([(0.0, trace([4, 4])), (0.0, trace([4, 4, 1, 1, 1, 1, 1, 1]))])
     assert share == pytest.approx(6 / 8)
     assert tail_time_share([(0.0, trace([4, 4])), (0.0, trace([4, 4]))]) == 0.0
+    # a peak of 3: the last row is the tail, as the engine's tail training sees it (in_long_tail), not no tail
+    assert tail_time_share([(0.0, trace([3, 3, 1, 1]))]) == pytest.approx(2 / 4)
 
 
 def test_hub_versions_features_and_the_trainer_lease():

@@ -9,7 +9,7 @@ from rich.table import Table
 from tlt.errors import TltError
 from tlt.models.eagle import EagleDrafter, check_drafter_dir
 from tlt.rollout.policy import FixedSpeculation
-from tlt.rollout.request import TAIL_FRACTION
+from tlt.rollout.request import tail_rows
 from tlt.speculative.strategy import SpecStrategy
 
 DEFAULT_STRATEGY = "S5K1q"  # with --drafter: the fastest arm at batch 1 on 2 CPU cores (docs/benchmarks.md §2)
@@ -111,7 +111,7 @@ def _print_trace(console, result) -> None:
     if batches and max(batches) == 1:
         console.print("one row ran at a time: no batch to drain, so no long tail (sample more with -n or prompts)")
     elif batches:
-        tail = sum(1 for b in batches if b <= max(1, int(TAIL_FRACTION * max(batches))))
+        tail = sum(1 for b in batches if b <= tail_rows(max(batches)))
         console.print(f"running batch: {batches[0]} at the start → {batches[-1]} at the end; "
                       f"{tail} of {len(batches)} steps ({100 * tail / len(batches):.0f}%) ran at ≤ 1/4 of the peak "
                       f"batch — the long tail that speculative decoding targets")

@@ -12,7 +12,7 @@ import dataclasses
 import statistics
 
 from tlt.rollout.policy import ArmStats
-from tlt.rollout.request import TAIL_FRACTION
+from tlt.rollout.request import tail_rows
 
 ARM_PREFIX = "sd/arm/"  # sd/arm/<arm>/<count or rate>
 
@@ -35,7 +35,7 @@ def step_metrics(rollout, rewards, correct, update: dict, rollout_s: float, trai
         "train_s": train_s,
         "rollout_tok_s": rollout.generated_tokens / rollout_s if rollout_s > 0 else 0.0,
         "decode_steps": len(decode_batches),
-        "tail_steps_fraction": (sum(b <= int(TAIL_FRACTION * max(decode_batches)) for b in decode_batches)
+        "tail_steps_fraction": (sum(b <= tail_rows(max(decode_batches)) for b in decode_batches)
                                 / len(decode_batches) if decode_batches else 0.0),
         "reward_failures": reward_failures,
         # τ is left out of a step without SD steps: a mean of nothing, which a curve drawn at 0 would misread
@@ -77,9 +77,9 @@ def merge_speculation_metrics(parts: list[dict]) -> dict:
     return merged
 
 
-def tail_time_share(worker_traces: list[tuple[float, list]], fraction: float = TAIL_FRACTION) -> float:
+def tail_time_share(worker_traces: list[tuple[float, list]]) -> float:
     """Share of the rollout's wall time (first start to last end, all workers) during which the rows still
-    decoding, summed over workers, are at most `fraction` of the peak: the long tail.
+    decoding, summed over workers, are at most `tail_rows` of the peak: the long tail.
     `worker_traces`: per worker, (wall-clock start of its rollout, its StepTraces)."""
     events = []  # (wall time, worker, rows running from then on)
     for worker, (start, steps) in enumerate(worker_traces):
@@ -93,7 +93,7 @@ def tail_time_share(worker_traces: list[tuple[float, list]], fraction: float = T
     running, peak, tail, previous = {}, 0, 0.0, events[0][0]
     for when, worker, rows in events:
         total = sum(running.values())
-        if running and total <= fraction * peak:
+        if running and 0 < total <= tail_rows(peak):
             tail += when - previous
         previous = when
         running[worker] = rows

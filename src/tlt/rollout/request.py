@@ -11,10 +11,16 @@ from tlt.sampling import SamplingParams, is_integer, token_ids
 TAIL_FRACTION = 0.25  # the long tail: no sample waits and at most this share of the rollout's peak rows decode
 
 
+def tail_rows(peak: int) -> int:
+    """The most rows still decoding in the long tail of a rollout whose batch peaked at `peak` (at least one:
+    the last row is always the tail). One definition for the engine's tail training and the step metrics."""
+    return max(1, int(TAIL_FRACTION * peak))
+
+
 def in_long_tail(running: int, waiting: int, peak: int) -> bool:
     """Whether a rollout with `running` rows decoding, `waiting` samples queued and a peak of `peak` rows so
     far is in its long tail (the batch has drained; most of the device sits idle)."""
-    return waiting == 0 and 0 < running <= max(1, int(TAIL_FRACTION * peak))
+    return waiting == 0 and 0 < running <= tail_rows(peak)
 
 
 @dataclass(frozen=True)
