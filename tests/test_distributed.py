@@ -319,3 +319,22 @@ def test_features_are_collected_only_when_idle_workers_train_on_them(tmp_path, w
         assert (hub.features_since(0)[1] != []) == collects
     finally:
         controller.close()
+
+
+def test_host_work_between_decode_steps_is_rollout_time_not_idle():
+    """A hot-swap or the tail trainer's start between decode steps, and its stop after the last one, are the
+    rollout's work: inferred as idle gaps they inflated idle_fraction (found by review)."""
+    from types import SimpleNamespace
+
+    from tlt.metrics.timeline import WorkerTimeline, merge_step, time_shares
+    from tlt.rollout.request import StepTrace
+
+    steps = [StepTrace("decode", 4, 4, 1.0, start_s=0.0), StepTrace("decode", 4, 4, 1.0, start_s=1.2),  # swap
+             StepTrace("decode", 1, 3, 0.5, start_s=2.2, mode="sd"), StepTrace("decode", 1, 1, 0.5, start_s=2.7)]
+    timeline = WorkerTimeline(0)
+    timeline.add_rollout(SimpleNamespace(steps=steps), wall_start=100.0, wall_end=103.5)  # tail stop: 0.3 s
+    timeline.record("update", 103.5, 104.0)
+    merged = merge_step(1, [timeline], 100.0, 104.0)
+    assert [i["kind"] for i in merged["workers"][0]["intervals"]] == ["rollout", "rollout_sd", "rollout", "update"]
+    shares = time_shares(merged)
+    assert shares["idle"] == 0.0 and shares["rollout"] + shares["rollout_sd"] == pytest.approx(3.5 / 4)

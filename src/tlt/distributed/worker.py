@@ -136,7 +136,7 @@ class RolloutWorker:
                                           lengths=lengths, collect_features=collect, first=first)
         finally:  # the training thread never outlives the rollout (nor a failed one)
             tail = self.tail.stop() if self.tail is not None else TailReport()
-        self.timeline.add_rollout(self._result, wall_start)
+        self.timeline.add_rollout(self._result, wall_start, time.time())
         if tail.started_s is not None:
             self.timeline.record_overlay("tail_train", tail.started_s, tail.ended_s)
         return {"rollout": _lean_rollout(self._result), "end": time.time(), "tail_train": _report(tail)}

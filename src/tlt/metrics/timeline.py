@@ -50,16 +50,24 @@ class WorkerTimeline:
             raise ValueError(f"unknown overlay kind {kind!r}; expected one of {OVERLAY_KINDS}")
         self.overlays.append(Interval(kind, start, end))
 
-    def add_rollout(self, rollout, wall_start: float) -> None:
-        """Turn an engine trace into intervals: runs of consecutive plain / SD steps become one interval each."""
+    def add_rollout(self, rollout, wall_start: float, wall_end: float | None = None) -> None:
+        """Turn an engine trace into intervals: runs of consecutive plain / SD steps become one interval each.
+        The rollout is busy from `wall_start` to `wall_end` (its return, a tail trainer stopped): the host work
+        between steps (admission, a drafter hot-swap, the tail trainer's start and stop) belongs to the interval
+        before it, never to idle."""
+        first = len(self.intervals)
         for step in rollout.steps:
             kind = "rollout_sd" if step.mode == "sd" else "rollout"
             start, end = wall_start + step.start_s, wall_start + step.start_s + step.wall_s
-            last = self.intervals[-1] if self.intervals else None
-            if last is not None and last.kind == kind and start - last.end < 0.05:
+            last = self.intervals[-1] if len(self.intervals) > first else None
+            if last is not None and last.kind == kind:
                 last.end = end
             else:
-                self.intervals.append(Interval(kind, start, end))
+                if last is not None:
+                    last.end = start
+                self.intervals.append(Interval(kind, start if last is not None else wall_start, end))
+        if wall_end is not None and len(self.intervals) > first:
+            self.intervals[-1].end = max(self.intervals[-1].end, wall_end)
 
 
 def merge_step(step: int, timelines: list[WorkerTimeline], step_start: float, step_end: float) -> dict:
