@@ -94,6 +94,8 @@ def test_state_round_trip_resumes_the_same_decisions():
     second = StrategyBandit(ARMS, BanditConfig(seed=99))
     second.load_state_dict(first.state_dict())
     assert [first.choose(2) for _ in range(30)] == [second.choose(2) for _ in range(30)]
+    # per-arm metrics carry on too (cumulative over the run: they restarted at zero on --resume)
+    assert second.summary()["arms"] == first.summary()["arms"] and second.stats["tree48"].steps > 0
 
 
 def test_summary_reports_share_and_per_arm_metrics():

@@ -272,6 +272,7 @@ class StrategyBandit:
             "trials": [[b, index[a], n] for (b, a), n in self._trials.items() if a in index],
             "rng": list(self._rng.getstate()[1]),
             "arms": [str(arm) for arm in self.arms],
+            "stats": [[index[a], dataclasses.asdict(s)] for a, s in self.stats.items() if a in index],  # metrics
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -289,6 +290,9 @@ class StrategyBandit:
         for bucket, arm, count in state["trials"]:
             if arm in arms:
                 self._trials[bucket, arms[arm]] = count
+        for arm, counts in state.get("stats", []):  # older states: per-arm metrics restart
+            if arm in arms:
+                self.stats[arms[arm]] = ArmStats(**counts)
         version, _, gauss = self._rng.getstate()
         self._rng.setstate((version, tuple(state["rng"]), gauss))
 
