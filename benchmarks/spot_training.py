@@ -10,8 +10,9 @@ Two measurements, each with the two modes' steps interleaved (benchmarks/rl_pair
             the same rollout and update work; the step-time ratio is what spot training costs — target <= 1.03x.
             With a lone worker the spot mode trains and publishes as always but keeps serving the starting
             drafter: a better drafter changes the SD steps per token (its gain is the tau phase's), which would
-            mix into a cost. Also the slowdown of the decoding the training overlaps: the extra rollout time
-            over the seconds the tail trainer ran (target <= 3%). With 2 Ray workers the trained versions are
+            mix into a cost. Also the slowdown of the decoding the training overlaps: the extra decoding time
+            over the decoding seconds the tail trainer ran beside (target <= 3%), the wait for its stop after
+            the last decode step (`tail_stop_s`) apart. With 2 Ray workers the trained versions are
             served (the swap cannot be held back in another process): that ratio includes their tau change.
   tau       sampling at T=1 (the RL setting): tau per RL step with the spot-trained drafter vs the frozen one.
 
@@ -70,12 +71,15 @@ def serving_the_starting_drafter():
 
 
 def overlap_slowdown(history: dict) -> list[float]:
-    """Per step (greedy: identical tokens in both modes), the extra rollout seconds of the spot mode over the
-    seconds its tail trainer ran beside the rollout: how much slower the overlapped decoding went."""
+    """Per step (identical tokens in both modes), how much slower the decoding went while the tail trainer ran
+    beside it: the spot mode's extra decoding seconds over the decoding seconds they overlapped, both without
+    the wait for the trainer's stop after the last decode step (its last micro-step and publish, `tail_stop_s`,
+    reported apart)."""
     out = []
     for spot, frozen in zip(history["spot"], history["frozen"]):
-        overlapped = spot.get("tail_train_share", 0.0) * spot["step_s"]
-        extra = spot["rollout_s"] - frozen["rollout_s"]
+        stop = spot.get("tail_stop_s", 0.0)
+        overlapped = spot.get("tail_train_share", 0.0) * spot["step_s"] - stop
+        extra = spot["rollout_s"] - stop - frozen["rollout_s"]
         out.append(round(extra / (overlapped - extra), 4) if overlapped - extra > 0 else None)
     return out
 
@@ -99,6 +103,7 @@ def summarize(history: dict) -> dict:
         "median_step_s": {name: round(median(runs, "step_s"), 2) for name, runs in history.items() if runs},
         "timelines_spot": [m["timeline"] for m in spot],
         "tail_train_share": [round(m.get("tail_train_share", 0.0), 4) for m in spot],
+        "tail_stop_s": [round(m.get("tail_stop_s", 0.0), 4) for m in spot],
         "rollout_ratio_per_step": [round(s["rollout_s"] / f["rollout_s"], 4) for s, f in zip(spot, frozen)],
     }
 

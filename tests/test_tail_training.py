@@ -123,7 +123,8 @@ def test_tail_trainer_trains_on_collected_features_publishes_and_stops_on_reques
     assert report.trained_steps == tail.trainer.steps >= 5
     assert versions[-1] == ("final", report.trained_steps)  # the last publish carries every step
     assert report.published == list(range(len(versions))) and len(versions) >= 2
-    assert tail.buffer.steps() == [3] and report.started_s <= report.ended_s
+    assert tail.buffer.steps() == [3] and report.started_s <= report.stop_asked_s <= report.ended_s
+    assert report.stop_s == report.ended_s - report.stop_asked_s  # the wait for the last micro-step and publish
 
 
 def test_tail_trainer_stopped_before_any_feature_trains_nothing_and_keeps_late_features():
@@ -145,6 +146,7 @@ def test_a_failing_tail_trainer_reports_the_error_and_releases_the_rollout():
     tail._thread.join(timeout=60)  # it ends by itself: the error ends its loop
     report = tail.stop()
     assert report.error == "RuntimeError: hub is gone" and report.trained_steps >= 1
+    assert report.stop_s == 0.0  # it had ended before the rollout asked it to stop
 
 
 # -- a lone worker ------------------------------------------------------------------------------------------------
@@ -164,6 +166,7 @@ def test_one_worker_trains_its_drafter_in_its_own_tail_and_swaps_it_in(tmp_path)
         assert metrics["spot_train_errors"] == 0 and metrics["workers"] == 1
         # the short samples' features arrive as they finish; training starts in the tail and publishes
         assert metrics["spot_train_steps"] > 0 and metrics["drafter_versions"] and metrics["tail_train_share"] > 0
+        assert 0 < metrics["tail_stop_s"] < metrics["tail_train_share"] * metrics["step_s"]
     assert second["drafter_version"] > first["drafter_version"] >= 1
     # the long samples were served by versions trained while they decoded
     assert first["samples_hot_swapped"] + second["samples_hot_swapped"] > 0

@@ -193,6 +193,8 @@ class DistributedGRPO:
             "idle_fraction": shares["idle"],
             "spot_train_share": shares["spot_train"],
             "tail_train_share": shares["tail_train"],
+            # of the rollout's time: waiting for the tail trainer's last micro-step and publish after decoding
+            "tail_stop_s": sum(rollouts[r]["tail_train"]["stop_s"] for r in ranks),
             "spot_train_steps": sum(result["trained_steps"] for result in trainers),
             "spot_train_errors": sum(result["error"] is not None for result in trainers),
             "drafter_versions": published,

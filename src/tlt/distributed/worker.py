@@ -360,7 +360,7 @@ def _report(tail: TailReport) -> dict:
     """A tail-training report in the shape of a spot-training result (the controller counts both alike; the
     timeline overlay gives its time)."""
     return {"trained_steps": tail.trained_steps, "published": tail.published, "error": tail.error,
-            "loss": tail.loss, "top1": tail.top1}
+            "loss": tail.loss, "top1": tail.top1, "stop_s": tail.stop_s}
 
 
 def _lean_rollout(rollout):

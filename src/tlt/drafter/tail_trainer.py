@@ -40,7 +40,15 @@ class TailReport:
     published: list[int] = field(default_factory=list)
     error: str | None = None
     started_s: float | None = None  # time.time() when training started (None: the rollout never reached the tail)
-    ended_s: float | None = None
+    stop_asked_s: float | None = None  # when the rollout's last step had run and stop() was called
+    ended_s: float | None = None   # when training stopped and published its last version
+
+    @property
+    def stop_s(self) -> float:
+        """What stopping cost the rollout (the last micro-step, the final publish): it waits for it."""
+        if self.stop_asked_s is None or self.ended_s is None:  # never started
+            return 0.0
+        return max(0.0, self.ended_s - self.stop_asked_s)  # 0: it had ended on its own (a failure)
     loss: float | None = None
     top1: float | None = None
 
@@ -92,6 +100,7 @@ class TailTrainer:
         """Stop within one micro-step, publish the last version, and report (also when never started: the
         features queued meanwhile still go into the buffer for the next rollout)."""
         if self._thread is not None:
+            self._report.stop_asked_s = time.time()
             self._stop.set()
             self._thread.join()
             self._thread = None
