@@ -389,7 +389,9 @@ def test_a_run_with_a_drafter_leaves_it_beside_the_final_policy_ready_to_export_
     exported = import_eagle(tmp_path / "eagle", policy)
     own = drafter.state_dict()
     assert all(torch.equal(value, own[name]) for name, value in exported.state_dict().items() if name in own)
-    assert f"its drafter: {drafter_dir}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"its drafter: {drafter_dir}" in out
+    assert "spot-train" in out and "drafter steps" in out and "tail-train" not in out  # two workers: spot training
 
 
 def test_workers_without_a_drafter_print_their_idle_share_not_drafter_vnone(tmp_path, capsys):

@@ -25,8 +25,8 @@ METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  l
                 "{response_len_p50:.0f}/{response_len_p90:.0f}/{response_len_max}  rollout {rollout_s:.1f}s  "
                 "train {train_s:.1f}s  {rollout_tok_s:.0f} tok/s")
 EVAL_LINE = "      held-out acc {eval_accuracy:.3f}  reward {eval_reward_mean:.3f}  (greedy, {eval_s:.1f}s)"
-WORKERS_LINE = ("      idle {idle_fraction:.0%}  spot-train {spot_train_share:.0%}  tail-train {tail_train_share:.0%} "
-                "({spot_train_steps} steps)  drafter v{v}")
+# the drafter's trainer: idle workers (spot training) with several, a thread beside the tail with one
+WORKERS_LINE = "      idle {idle_fraction:.0%}  {trainer} {share:.0%} ({spot_train_steps} drafter steps)  drafter v{v}"
 # Steps in a row whose every reward call failed before the run stops: a broken reward function (a wrong
 # signature, a string returned) gives all-zero rewards, so the run would spend its compute learning nothing
 FAILED_REWARD_STEPS = 3
@@ -87,6 +87,12 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     return history
 
 
+def _workers_line(metrics: dict, version: int) -> str:
+    lone = metrics.get("workers", 1) == 1
+    return WORKERS_LINE.format(v=version, trainer="tail-train" if lone else "spot-train",
+                               share=metrics["tail_train_share" if lone else "spot_train_share"], **metrics)
+
+
 def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
     resumed_at = None if checkpoint is None else checkpoint_step(checkpoint)
     logger = open_metrics_logger(run_dir, config, resumed_at=resumed_at)
@@ -132,8 +138,7 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         if getattr(trainer, "last_timeline", None) is not None:
             save_timeline(run_dir, trainer.last_timeline)
             version = metrics.get("drafter_version")
-            console.print(WORKERS_LINE.format(v=version, **metrics) if version is not None
-                          else IDLE_LINE.format(**metrics))
+            console.print(_workers_line(metrics, version) if version is not None else IDLE_LINE.format(**metrics))
         every = config.run.checkpoint_every
         if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
             trainer.save(run_dir)
