@@ -26,6 +26,9 @@
 # captures, the cost curve). Then, here: python benchmarks/e2e_merge.py --replay ... --natural ... --trl ...
 # --spot ... --json benchmarks/results/e2e_h100.json joins the files.
 #
+# To reuse a call's cost curves in a later call (another machine measures them again), copy its
+# cost_curves.tar into .gpu/ here and add ".gpu/cost_curves.tar" to that call's carry.
+#
 # The drafter. The machine is given back 30 s after a call, and $DRAFTER with it. Phases that need one (spec, tail,
 # tail-tau, e2e, e2e-natural) take $DRAFTER if this machine still has it, else a copy carried in at $CARRIED, else
 # warm one first within the same call (bounded; the phase then gets what is left of BUDGET). A drafter warmed in a
@@ -41,6 +44,13 @@ SEEDS=${SEEDS:-0}                          # e2e-natural: the seeds of this call
 TAU_STEPS=${TAU_STEPS:-6}                  # tail-tau: RL steps per mode
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET))
+
+# Cost curves (run.gate=auto measures one per device, model and arm set: up to ~90 s each) are cached on this
+# machine and lost with it: a tarball an earlier call sent back, carried in at .gpu/cost_curves.tar, seeds the
+# cache, and each call sends the cache back as $OUT/cost_curves.tar (one file: $OUT returns at most 8).
+CURVES="${TLT_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tlt}/cost_curves"
+if [ -s .gpu/cost_curves.tar ]; then mkdir -p "$CURVES" && tar -xf .gpu/cost_curves.tar -C "$CURVES"; fi
+trap 'ls "$CURVES"/*.json >/dev/null 2>&1 && tar -cf "$OUT/cost_curves.tar" -C "$CURVES" .' EXIT
 
 run() {  # run NAME SECONDS CMD...: bounded by SECONDS and by what is left of BUDGET, logged to $OUT/NAME.log
   local name=$1 limit=$2
