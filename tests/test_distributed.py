@@ -338,3 +338,26 @@ def test_host_work_between_decode_steps_is_rollout_time_not_idle():
     assert [i["kind"] for i in merged["workers"][0]["intervals"]] == ["rollout", "rollout_sd", "rollout", "update"]
     shares = time_shares(merged)
     assert shares["idle"] == 0.0 and shares["rollout"] + shares["rollout_sd"] == pytest.approx(3.5 / 4)
+
+
+def test_spot_training_takes_turns_with_collecting_its_shards_features(tmp_path, monkeypatch):
+    """An idle worker collected all its shard's features before its first drafter step: a window about as long
+    as the collection (2 CPU cores: the default demo's every step) trained nothing. It now trains between
+    micro-batches. Here the window closes once the idle worker has collected 2 of its 4 micro-batches."""
+    from tlt.distributed.hub import DrafterHub
+
+    controller = make_controller(tmp_path, **{"optim.micro_batch_size": 1, "rollout.prompts_per_step": 4,
+                                              "rollout.samples_per_prompt": 2})
+    workers = controller.backend.workers
+    original = DrafterHub.should_stop
+
+    def closes_midway(hub, step):
+        halfway = any(w._batch is not None and (w._batch.features_done or 0) >= 2 for w in workers)
+        return original(hub, step) or halfway
+
+    monkeypatch.setattr(DrafterHub, "should_stop", closes_midway)
+    try:
+        metrics = controller.train_step()
+    finally:
+        controller.close()
+    assert metrics["spot_train_steps"] >= 2 and metrics["drafter_versions"]  # trained (and published) meanwhile

@@ -159,16 +159,25 @@ class RolloutWorker:
             return {"trained_steps": 0, "published": [], "error": None}
         started = time.time()
         published, history, error = [], [], None
+        stop = lambda: self.hub.should_stop(step)  # noqa: E731 - checked before every forward and optimizer step
         try:
-            # This shard's features first (its update would compute them, but only after the tail): one decoder
-            # forward per micro-batch, stopped as soon as the last worker is ready, like the training below.
-            phases.collect_features(self.replica, self._batch, lambda: self.hub.should_stop(step))
-            self._hand_features()
             drafter, trainer, buffer = self._spot_state()
-            self._pull_features(buffer)
             every = max(1, self.config.run.publish_every)
-            while not self.hub.should_stop(step) and len(buffer):
-                chunk = trainer.train_until(lambda: self.hub.should_stop(step), every)
+            collecting = True
+            while not stop():
+                # This shard's features (its update would compute them, but only after the tail), one decoder
+                # forward of a micro-batch at a time, taking turns with `every` drafter steps over all features
+                # so far: a short idle window (2 CPU cores: about the length of the collection) still trains.
+                if collecting:
+                    before = self._batch.features_done
+                    collecting = phases.collect_features(self.replica, self._batch, stop, limit=1) != (before or 0)
+                    self._hand_features()
+                    self._pull_features(buffer)
+                if not len(buffer):
+                    if collecting:
+                        continue
+                    break
+                chunk = trainer.train_until(stop, every)
                 history.extend(chunk)
                 if not chunk:
                     break

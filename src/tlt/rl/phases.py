@@ -139,16 +139,19 @@ def no_grad_logprobs(replica: PolicyReplica, model, packed: PackedSamples, step:
     return out
 
 
-def collect_features(replica: PolicyReplica, batch: StepBatch, should_stop=lambda: False) -> int:
+def collect_features(replica: PolicyReplica, batch: StepBatch, should_stop=lambda: False,
+                     limit: int | None = None) -> int:
     """Feed the batch's feature buffer now, micro-batch by micro-batch, with a forward of the decoder alone,
-    until `should_stop()`; the update's forward collects the rest. A worker idle in other workers' tail calls
-    it, so that spot training has this step's features at once. Returns the micro-batches collected."""
+    until `should_stop()` (or `limit` more micro-batches); the update's forward collects the rest. A worker
+    idle in other workers' tail calls it, so that spot training has this step's features at once. Returns the
+    micro-batches collected so far."""
     if batch.features_done is None:
         return 0
     chunks = micro_batches(replica.config, batch.packed)
+    end = len(chunks) if limit is None else min(len(chunks), batch.features_done + limit)
     replica.model.eval()
     with torch.no_grad(), training_autocast(replica.autocast_dtype, replica.device):  # as the other feature passes
-        while batch.features_done < len(chunks) and not should_stop():
+        while batch.features_done < end and not should_stop():
             micro = batch.packed.select(chunks[batch.features_done])
             _add_features(batch.features, micro, actor_hidden(replica.model, micro), batch.step)
             batch.features_done += 1
