@@ -48,7 +48,7 @@ deadline=$((SECONDS + BUDGET))
 # Cost curves (run.gate=auto measures one per device, model and arm set: up to ~90 s each) are cached on this
 # machine and lost with it: a tarball an earlier call sent back, carried in at .gpu/cost_curves.tar, seeds the
 # cache, and each call sends the cache back as $OUT/cost_curves.tar (one file: $OUT returns at most 8).
-CURVES="${TLT_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tlt}/cost_curves"
+CURVES="${TLT_CACHE_DIR:-${TLT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tlt}}/cost_curves"  # as cost_curve.py
 if [ -s .gpu/cost_curves.tar ]; then mkdir -p "$CURVES" && tar -xf .gpu/cost_curves.tar -C "$CURVES"; fi
 trap 'ls "$CURVES"/*.json >/dev/null 2>&1 && tar -cf "$OUT/cost_curves.tar" -C "$CURVES" .' EXIT
 

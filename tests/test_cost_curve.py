@@ -148,3 +148,19 @@ def test_workers_starting_together_measure_once(tmp_path, monkeypatch):
     for thread in threads:
         thread.join()
     assert calls == [1] and [r.plain_s for r in results] == [{1: 0.01}] * 2
+
+
+def test_the_cache_follows_tlt_cache_as_the_model_cache_does(monkeypatch, tmp_path):
+    """README: TLT_CACHE moves tlt's cache; the cost curves went on writing ~/.cache/tlt (a read-only home
+    failed the first run.gate=auto) (found by review). TLT_CACHE_DIR still names the curves' own directory."""
+    from tlt.rollout.cost_curve import default_cache_dir
+
+    monkeypatch.delenv("TLT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TLT_CACHE", str(tmp_path / "cache"))
+    assert default_cache_dir() == tmp_path / "cache" / "cost_curves"
+    monkeypatch.setenv("TLT_CACHE_DIR", str(tmp_path / "curves"))
+    assert default_cache_dir() == tmp_path / "curves" / "cost_curves"
+    monkeypatch.delenv("TLT_CACHE_DIR")
+    monkeypatch.delenv("TLT_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "tlt" / "cost_curves"

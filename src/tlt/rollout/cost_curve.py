@@ -133,8 +133,12 @@ def _exclusive(lock_path: Path):
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("TLT_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / ("" if os.environ.get("TLT_CACHE_DIR") else "tlt") / "cost_curves"
+    """TLT_CACHE_DIR/cost_curves, else beside the default model's cache: TLT_CACHE (what the README names to
+    move tlt's cache), XDG_CACHE_HOME/tlt, ~/.cache/tlt."""
+    if os.environ.get("TLT_CACHE_DIR"):
+        return Path(os.environ["TLT_CACHE_DIR"]) / "cost_curves"
+    root = os.environ.get("TLT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tlt"
+    return Path(root) / "cost_curves"
 
 
 def curve_key(engine, strategies: list[SpecStrategy], batches) -> str:
