@@ -112,7 +112,6 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             out[rows] = logits.gather(-1, targets[rows, None])[:, 0] - lse[rows]
         ctx.save_for_backward(states, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk = temperature, max(1, chunk)
-        ctx.autocast = _autocast_state(states.device.type)  # the backward's logits must be these logits
         return out
 
     @staticmethod
@@ -126,8 +125,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         scale = 1.0 if ctx.temperature in (0.0, 1.0) else 1.0 / ctx.temperature
         for start in range(0, states.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
-            with torch.autocast(**ctx.autocast):  # lse is of the forward's (e.g. bf16-GEMM) logits
-                logits = _chunk_logits(states[rows], weight, bias, ctx.temperature)
+            logits = _chunk_logits(states[rows], weight, bias, ctx.temperature)  # the forward's, exactly
             # d out / d logits = onehot(target) - softmax, in place over this chunk's logits
             grad_logits = logits.sub_(lse[rows, None]).exp_().neg_()
             grad_logits.scatter_add_(-1, targets[rows, None], torch.ones_like(lse[rows, None]))
@@ -142,20 +140,17 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
 
 def _chunk_logits(states, weight, bias, temperature: float) -> torch.Tensor:
-    """Logits of one chunk in fp32 (or wider), tempered as the rollout samples them; the head runs in the
-    model's dtype, as the model's own forward would."""
-    logits = torch.nn.functional.linear(states, weight, bias).to(_logit_dtype(weight))
+    """Logits of one chunk in fp32 (or wider), tempered as the rollout samples them. The head runs in its
+    weights' dtype whatever the caller's autocast: the rollout samples from an fp32 lm_head (models/rollout_copy)
+    and the PPO ratio must compare log-probs of the same head (a bf16-autocast head put the per-token ratio
+    ~1.9% off on average, 1.3% with it in fp32); and the backward, which runs outside the caller's autocast,
+    recomputes exactly these logits (recomputed in fp32 against a bf16 forward's logsumexp, the gradients were
+    ~12% off)."""
+    with torch.autocast(states.device.type, enabled=False):
+        logits = torch.nn.functional.linear(states.to(weight.dtype), weight, bias).to(_logit_dtype(weight))
     if temperature not in (0, 1):
         logits = logits / temperature
     return logits
-
-
-def _autocast_state(device_type: str) -> dict:
-    """The autocast the forward ran under (backward runs outside the caller's `with torch.autocast`): on CUDA
-    training autocasts to bf16 by default, and logits recomputed in fp32 against a logsumexp of bf16 logits gave
-    a softmax whose mass was not 1 (policy gradients ~12% off)."""
-    return {"device_type": device_type, "enabled": torch.is_autocast_enabled(device_type),
-            "dtype": torch.get_autocast_dtype(device_type)}
 
 
 def _logit_dtype(weight) -> torch.dtype:
