@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -60,7 +61,8 @@ def e2e_curves(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     for name, draw in (("spot_training", tau_over_steps), ("e2e", e2e_curves)):
         source = RESULTS / f"{name}.json"
         if source.exists():

@@ -63,8 +63,9 @@ class RolloutConfig:
     top_k: int = 0
     max_batch_size: int = 64       # rows decoded together by the engine
     dtype: str = "auto"            # decode precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16
-    cuda_graphs: bool = True       # on CUDA, replay decode and verification steps as CUDA graphs
-    compile: str = "off"           # on CUDA: "inductor" / "max-autotune" compile the captured forward (fused kernels)
+    cuda_graphs: bool = True       # on CUDA, replay plain decode steps and whole speculative steps as CUDA graphs
+    compile: str = "off"           # on CUDA: "inductor" / "max-autotune" compile what the graphs capture (fused
+                                   # kernels: the decode forward and the speculative step's device part)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ class RunConfig:
                                    # with `strategy` at batch <= gate) or "off" (the baseline: no SD)
     drafter: str | None = None     # drafter directory (tlt drafter warmup); none: spot training (workers >= 2)
                                    # trains one from scratch
-    strategy: str = "S4K2N8"       # static mode's strategy, as depth S, branching K, tree size N
+    strategy: str = "S4K2N8"       # static mode's strategy, and one of adaptive mode's arms: depth S, branching
+                                   # K, tree size N (target-only, e.g. S4K2N8) or SxKy[Nz]q (q-sampling: S5K1q)
     gate: int | str = "auto"       # speculate only while the running batch is at most this: an integer, or
                                    # "auto" (derived from a cost curve measured once on this device and cached)
     workers: int | str = "auto"    # rollout workers (policy replicas); prompts are sharded across them. "auto":
