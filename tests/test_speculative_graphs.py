@@ -347,3 +347,19 @@ def test_compile_needs_the_graphs_it_compiles_for():
         RolloutEngine(model, compile="inductor")
     with pytest.raises(ValueError, match="compile mode"):
         RolloutEngine(model).forward.compile("fastest")
+
+
+def test_a_rope_that_reads_positions_on_the_host_decodes_without_graphs(caplog):
+    """transformers recomputes dynamic / longrope frequencies from each call's largest position, read on the
+    host: a CUDA graph cannot capture that. Graphs by default: off, said once; asked for: one clear error."""
+    from types import SimpleNamespace
+
+    from tlt.rollout.model_runner import ModelRunner
+
+    forward = SimpleNamespace(device=torch.device("cuda"),  # stands in for a model on a GPU: nothing is captured
+                              decoder=SimpleNamespace(rotary_emb=SimpleNamespace(rope_type="dynamic")))
+    with caplog.at_level("WARNING"):
+        assert ModelRunner(forward).graphs is None
+    assert "rope_type='dynamic'" in caplog.text
+    with pytest.raises(RequestError, match="rollout.cuda_graphs=false"):
+        ModelRunner(forward, cuda_graphs=True)

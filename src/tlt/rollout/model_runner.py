@@ -9,6 +9,8 @@ eager and the graph path consume the same random numbers.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tlt.errors import RequestError
@@ -20,6 +22,11 @@ from tlt.rollout.sequence import Sequence
 from tlt.sampling import RowSampling, draw_uniforms, is_integer, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
+
+log = logging.getLogger(__name__)
+# RoPE variants whose frequencies transformers recomputes from the largest position of each call, read on the host
+# (`dynamic_rope_update`): a CUDA graph cannot capture that read
+HOST_READ_ROPE = ("dynamic", "longrope")
 
 
 class ModelRunner:
@@ -33,6 +40,14 @@ class ModelRunner:
         use_graphs = forward.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if use_graphs and forward.device.type != "cuda":
             raise RequestError("cuda_graphs=True needs a model on CUDA")
+        rope = getattr(forward.decoder.rotary_emb, "rope_type", "default")
+        if use_graphs and any(kind in rope for kind in HOST_READ_ROPE):
+            if cuda_graphs:
+                raise RequestError(f"cuda_graphs=True cannot capture this model's RoPE (rope_type={rope!r} reads "
+                                   f"positions on the host each step): set rollout.cuda_graphs=false")
+            log.warning("rope_type=%r reads positions on the host each step, which a CUDA graph cannot capture: "
+                        "decoding without CUDA graphs (slower)", rope)
+            use_graphs = False
         self.forward = forward
         self.graphs = GraphRunner(forward) if use_graphs else None  # None: every step runs eagerly
         self.max_tree_size = max_tree_size
