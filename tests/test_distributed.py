@@ -288,6 +288,32 @@ def test_each_workers_bandit_state_survives_a_resume(tmp_path):
         resumed.close()
 
 
+def test_a_rank_the_checkpoint_never_had_borrows_rank_0s_bandit_but_not_its_totals(tmp_path):
+    """Resumed with more workers (run.workers is operational), a new rank starts from rank 0's bandit state; its
+    per-arm totals, which the step sums over workers, counted rank 0's history twice (found by review)."""
+    from tlt.models.eagle import EagleDrafter
+
+    EagleDrafter(long_tail_model().config).save(tmp_path / "drafter")
+    settings = {"run.speculative": "adaptive", "run.gate": 64, "run.drafter": str(tmp_path / "drafter"),
+                "run.tail_training": "off", "run.spot_training": False}
+    lone = make_controller(tmp_path / "a", **settings, **{"run.workers": 1})
+    try:
+        lone.train_step()
+        before = lone._call(0, "speculation_state")
+        checkpoint = lone.save(tmp_path / "a")
+    finally:
+        lone.close()
+    assert before["bandit"]["stats"]  # rank 0 has totals to borrow
+    more = make_controller(tmp_path / "b", **settings)
+    try:
+        more.resume(checkpoint)
+        states = [more._call(r, "speculation_state") for r in range(2)]
+    finally:
+        more.close()
+    assert states[0] == before
+    assert states[1]["bandit"]["stats"] == [] and states[1]["bandit"]["trials"] == before["bandit"]["trials"]
+
+
 def test_data_parallel_workers_announce_the_gate_once(tmp_path, monkeypatch, caplog):
     """Every worker measures (or reads) the same cost curve and reaches the same verdict: rank 0 says it."""
     from test_cost_curve import synthetic

@@ -60,9 +60,18 @@ def resume_replica(replica: PolicyReplica, checkpoint: Path, rank: int = 0) -> i
     state = load_checkpoint(checkpoint, replica.model, replica.optimizer, replica.scheduler)
     by_rank = state.get("speculation_by_rank") or []
     own = by_rank[rank] if rank < len(by_rank) and by_rank[rank] is not None else state.get("speculation")
+    if own is not None and rank >= len(by_rank) and rank > 0:
+        own = _without_totals(own)  # borrowed from rank 0: its bandit's experience, not its per-arm totals
     if own is not None and replica.engine.speculation is not None:
         replica.engine.speculation.load_state_dict(own)
     return state["step"]
+
+
+def _without_totals(state: dict) -> dict:
+    """A speculation state less its per-arm totals ("stats"): the step sums every worker's, so a rank that starts
+    from rank 0's state would count rank 0's history once more (found by review)."""
+    return {key: _without_totals(value) if isinstance(value, dict) else value
+            for key, value in state.items() if key != "stats"}
 
 
 def read_drafter(checkpoint: Path) -> DrafterSnapshot | None:
