@@ -78,9 +78,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--spot", nargs="*", default=[], help="spot_training.py outputs (overhead and/or tau)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
-    spot = {}
-    for path in args.spot:
-        spot.update({k: v for k, v in _read(path).items() if v is not None})
+    spot, parts = {}, [_read(path) for path in args.spot]
+    for part in parts:
+        spot.update({k: v for k, v in part.items() if v is not None})
+    if parts:
+        spot["complete"] = all(part.get("complete", True) for part in parts)  # not the last file's alone
     result = merge(_read(args.replay) if args.replay else None, _pooled_natural(args.natural),
                    _read(args.trl) if args.trl else None, spot or None)
     write_json(args.json, result)

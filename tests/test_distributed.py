@@ -327,7 +327,8 @@ def test_data_parallel_workers_announce_the_gate_once(tmp_path, monkeypatch, cap
     assert len(verdicts) == 1
 
 
-@pytest.mark.parametrize("workers,spot_training,collects", [(2, True, True), (2, False, False), (1, False, False)])
+@pytest.mark.parametrize("workers,spot_training,collects", [(2, True, True), (2, False, False), (1, False, False),
+                                                             (1, True, False)])  # one worker: nobody idle to train
 def test_features_are_collected_only_when_idle_workers_train_on_them(tmp_path, workers, spot_training, collects):
     """A lone worker without tail training (or spot training off) copied every sample's features to the hub for
     nothing: the spot-training benchmark's frozen mode did that work and its spot mode did not (found by review)."""

@@ -367,7 +367,8 @@ def resolve_loggers(config: TrainConfig) -> TrainConfig:
     run.tensorboard=false drops tensorboard from run.logger (leaving jsonl, always written, when nothing else is
     left), and run.tensorboard says whether run.logger names it."""
     run = config.run
-    names = tuple(name for name in run.logger if run.tensorboard or name != "tensorboard") or ("jsonl",)
+    names = tuple(name for name in run.logger if run.tensorboard or name != "tensorboard")
+    names = names or run.logger and ("jsonl",)  # only tensorboard, switched off; an empty list stays an error
     return dataclasses.replace(config, run=dataclasses.replace(run, logger=names,
                                                                tensorboard="tensorboard" in names))
 

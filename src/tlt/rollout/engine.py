@@ -67,7 +67,8 @@ class RolloutEngine:
         if compile != "off":
             if self.model_runner.graphs is None:
                 raise RequestError(f"compile={compile!r} compiles the steps CUDA graphs capture: it needs a model "
-                                   "on CUDA with cuda_graphs on (rollout.compile=off on the CPU)")
+                                   "on CUDA with cuda_graphs on (rollout.compile=off on the CPU, or with a model "
+                                   "whose RoPE the graphs cannot capture: see the warning above)")
             forward.compile(compile)
         self.spec = forward.spec
         self.max_batch_size = max_batch_size
