@@ -33,7 +33,8 @@ from common import environment, write_json  # noqa: E402
 from rl_pairs import interleaved_runs  # noqa: E402
 
 CURVE_KEYS = ("reward_mean", "accuracy", "response_len_mean", "response_tokens", "step_s", "rollout_s", "train_s",
-              "step_tok_s", "rollout_tok_s", "rollout_tail_share", "idle_fraction", "spot_train_share", "tail_train_share", "sd/tau",
+              "step_tok_s", "rollout_tok_s", "rollout_tail_share", "idle_fraction", "spot_train_share",
+              "tail_train_share", "sd/tau",
               "sd/sd_step_share")
 SUMMARY_KEYS = ("step_s", "rollout_s", "train_s", "step_tok_s", "rollout_tok_s", "response_tokens",
                 "response_len_mean", "completion_len_mean")  # the last: TRL's name for the mean completion length

@@ -149,10 +149,11 @@ def test_the_first_token_is_a_sample_of_the_target(name, strategy):
     assert tv <= threshold, (tv, threshold)  # (a point mass: both 0)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.3, top_p=0.8),
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_k=3),
+                                    SamplingParams(temperature=1.3, top_p=0.8),
                                     SamplingParams(temperature=1.0, top_p=0.05)], ids=["topk3", "topp0.8", "topp-one"])
-@pytest.mark.parametrize("strategy", [SpecStrategy.chain(3, "q"), SpecStrategy(2, 2, rule="q"), SpecStrategy(2, 2, 4)],
-                         ids=str)
+@pytest.mark.parametrize("strategy", [SpecStrategy.chain(3, "q"), SpecStrategy(2, 2, rule="q"),
+                                      SpecStrategy(2, 2, 4)], ids=str)
 def test_in_a_batch_of_mixed_settings_each_row_follows_its_own(params, strategy):
     """Rows alternate between `params`, greedy and two other settings: each group keeps its own law."""
     target, drafter = case("random")

@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     _add_generate(commands.add_parser("generate", help="sample responses with the rollout engine"))
     _add_generate(commands.add_parser("demo", help="the default demo: a mixed-length rollout on SmolLM2"))
     _add_train(commands.add_parser("train", help="GRPO training (no arguments: the embedded default run)"))
-    drafter = commands.add_parser("drafter", help="drafter warm-up and export (EAGLE for vLLM / SGLang)").add_subparsers(dest="drafter_command",
-                                                                                 required=True)
+    drafter = commands.add_parser("drafter", help="drafter warm-up and export (EAGLE for vLLM / SGLang)")
+    drafter = drafter.add_subparsers(dest="drafter_command", required=True)
     _add_warmup(drafter.add_parser("warmup", help="train a drafter on the target's own responses"))
     export = drafter.add_parser("export", help="write a drafter as an EAGLE draft model for vLLM / SGLang")
     export.add_argument("directory", help="a tlt drafter directory")
