@@ -169,8 +169,9 @@ class RolloutWorker:
                 # forward of a micro-batch at a time, taking turns with `every` drafter steps over all features
                 # so far: a short idle window (2 CPU cores: about the length of the collection) still trains.
                 if collecting:
-                    before = self._batch.features_done
-                    collecting = phases.collect_features(self.replica, self._batch, stop, limit=1) != (before or 0)
+                    done = self._batch.features_done or 0  # (None: this batch keeps no features)
+                    # no progress: all collected, or stopped
+                    collecting = phases.collect_features(self.replica, self._batch, stop, limit=1) > done
                     self._hand_features()
                     self._pull_features(buffer)
                 if not len(buffer):

@@ -167,7 +167,8 @@ class BanditConfig:
 
 @dataclass
 class ArmStats:
-    """What one arm did: for metrics (τ and tokens/s per arm). Counts add up across workers (`add`)."""
+    """What one arm did: for metrics (τ and tokens/s per arm). Counts add up across workers
+    (`metrics.step.merge_speculation_metrics`)."""
 
     steps: int = 0
     emitted: int = 0
@@ -188,10 +189,6 @@ class ArmStats:
     def metrics(self) -> dict:
         """The counts (which add up across workers) and what they give: τ and tokens/s."""
         return {**dataclasses.asdict(self), "tau": self.tau, "tokens_per_s": self.tokens_per_s}
-
-    def add(self, other: "ArmStats") -> None:
-        for item in dataclasses.fields(self):
-            setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
 
 
 @dataclass
