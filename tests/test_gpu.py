@@ -346,3 +346,40 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
                                          "tail_train_share", "rollout_s")}
     assert metrics["spot_train_steps"] > 0 and metrics["drafter_versions"], seen
     assert metrics["samples_hot_swapped"] > 0 and metrics["tail_train_share"] > 0, seen
+
+
+def test_the_training_head_under_bf16_autocast_is_the_fp32_head_on_cuda():
+    """optim.autocast=auto is bf16 on CUDA: the chunked log-probs and their gradients must be those of the fp32
+    head the rollout samples from (a bf16 head, or a backward recomputing fp32 logits against a bf16 forward's
+    logsumexp, was measured 1.9% and 12% off on the CPU)."""
+    from tlt.rl.actor import ChunkedTokenLogprobs
+
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    states = (3 * torch.randn(512, 64, device=CUDA, generator=generator)).requires_grad_()
+    weight = torch.randn(8192, 64, device=CUDA, generator=generator).requires_grad_()
+    targets = torch.randint(0, 8192, (512,), device=CUDA, generator=generator)
+    upstream = torch.randn(512, device=CUDA, generator=generator)
+
+    def run(chunked: bool):
+        states.grad = weight.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if chunked:
+                out = ChunkedTokenLogprobs.apply(states, weight, None, targets, 1.0, 128)
+            else:
+                with torch.autocast("cuda", enabled=False):
+                    logits = torch.nn.functional.linear(states, weight)
+                out = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+        (out * upstream).sum().backward()
+        return out.detach(), states.grad.clone(), weight.grad.clone()
+
+    for mine, reference in zip(run(True), run(False)):
+        assert torch.allclose(mine, reference, rtol=1e-3, atol=1e-3)  # (TF32 matmuls, if enabled, stay within)
+
+
+def test_each_graph_runner_captures_on_a_stream_of_its_own_device():
+    from tlt.rollout.graph_runner import GraphRunner
+
+    model = tiny_model("llama").to(CUDA)
+    runner = GraphRunner(LeanForward(model))
+    assert runner._capture_stream.device == next(model.parameters()).device
+    assert runner._capture_stream != torch.cuda.current_stream()
