@@ -188,3 +188,29 @@ def test_bf16_autocast_wraps_the_training_forward(tmp_path):
     trainer = make_trainer(tmp_path, **{"optim.autocast": "bf16"})
     assert trainer.autocast_dtype is torch.bfloat16
     assert math.isfinite(trainer.train_step()["train/loss"])
+
+
+def test_an_rl_step_with_the_cuda_defaults_emulated_on_the_cpu(tmp_path):
+    """What CUDA runs by default, forced on the CPU (bf16 rollout copy, bf16 autocast of the training forward),
+    which CI's fp32 defaults never reach: the first PPO ratio is exactly 1 (old and new log-probs from the same
+    forward), a step trains, the rollout copy decodes the updated policy, and a resumed run repeats the
+    uninterrupted one exactly."""
+    from test_trainer import make_trainer as make_tied_trainer  # (a tiny model with tied embeddings)
+
+    settings = {"rollout.dtype": "bfloat16", "optim.autocast": "bf16"}
+    trainer = make_tied_trainer(tmp_path / "a", tied=True, **settings)
+    copy = trainer.engine.rollout_copy
+    assert copy is not None and trainer.autocast_dtype is torch.bfloat16
+    first = trainer.train_step()
+    assert first["train/ratio_mean"] == 1.0 and math.isfinite(first["train/loss"])
+    updated = {name: value.clone() for name, value in trainer.model.state_dict().items()}
+    trainer.train_step()  # refreshes the copy from the updated master before it decodes (then updates again)
+    for name, value in copy.model.state_dict().items():
+        assert torch.equal(value, updated[name].to(value.dtype)), name
+    expected = trainer.train_step()
+    trainer.save(tmp_path / "a")
+    resumed = make_tied_trainer(tmp_path / "b", tied=True, **settings)
+    resumed.resume(latest_checkpoint(tmp_path / "a"))
+    # the checkpoint holds steps 1-3: the next step of each must agree
+    assert trainer.train_step()["train/loss"] == resumed.train_step()["train/loss"]
+    assert expected["train/loss"] != 0.0
