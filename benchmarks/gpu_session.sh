@@ -18,6 +18,8 @@
 #                                                                  -> speculative_h100_compiled{,_greedy}.json (#13)
 #   tail        spot_training.py --lone-worker, overhead (greedy, 2 steps)      -> spot_training_h100.json (#15)
 #   tail-tau    spot_training.py --lone-worker, tau vs frozen (TAU_STEPS steps) -> spot_training_tau_h100.json (#15)
+#   head        head_precision.py: the training head in fp32 (outside autocast) vs bf16, forward + backward of
+#               16 x 1024 tokens at SmolLM2's head                               -> head_precision_h100.json
 #   e2e         e2e.py --replay (equal work), seed 0                            -> e2e_replay_h100.json (#15)
 #   e2e-natural e2e.py natural runs over SEEDS (one seed fits a call)           -> e2e_h100_seed<SEEDS>.json (#15)
 #   trl         e2e.py --trl-only: TRL's GRPOTrainer, same prompts and settings -> e2e_trl_h100.json (#15); needs
@@ -139,6 +141,8 @@ for phase in "$@"; do
         --temperature 1 --compile inductor --batches 1,4 --strategies S3K1N3,S5K1q,S4K2N8,S4K2q \
         --greedy-json "$OUT/speculative_h100_compiled_greedy.json" --json "$OUT/speculative_h100_compiled.json" \
         --png /tmp/speculative_h100_compiled.png ;;
+    head)
+      run head 120 python3 benchmarks/head_precision.py --device cuda --json "$OUT/head_precision_h100.json" ;;
     tail)
       run tail 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
         --max-new-tokens 1024 --phases overhead --steps 2 --warmup-steps 1 --json "$OUT/spot_training_h100.json" ;;
@@ -161,6 +165,6 @@ for phase in "$@"; do
       fi
       run trl 540 python3 benchmarks/e2e.py --device cuda --drafter none --trl-only --max-new-tokens 1024 \
         --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_h100.json" ;;
-    *) echo "unknown phase $phase (tests drafter spec spec-compiled kernels throughput tail tail-tau e2e e2e-natural trl)"; exit 2 ;;
+    *) echo "unknown phase $phase (tests drafter spec spec-compiled kernels throughput head tail tail-tau e2e e2e-natural trl)"; exit 2 ;;
   esac
 done
