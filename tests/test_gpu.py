@@ -352,28 +352,11 @@ def test_the_training_head_under_bf16_autocast_is_the_fp32_head_on_cuda():
     """optim.autocast=auto is bf16 on CUDA: the chunked log-probs and their gradients must be those of the fp32
     head the rollout samples from (a bf16 head, or a backward recomputing fp32 logits against a bf16 forward's
     logsumexp, was measured 1.9% and 12% off on the CPU)."""
-    from tlt.rl.actor import ChunkedTokenLogprobs
+    from test_update_phase import head_under_bf16_autocast
 
-    generator = torch.Generator(device=CUDA).manual_seed(0)
-    states = (3 * torch.randn(512, 64, device=CUDA, generator=generator)).requires_grad_()
-    weight = torch.randn(8192, 64, device=CUDA, generator=generator).requires_grad_()
-    targets = torch.randint(0, 8192, (512,), device=CUDA, generator=generator)
-    upstream = torch.randn(512, device=CUDA, generator=generator)
-
-    def run(chunked: bool):
-        states.grad = weight.grad = None
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            if chunked:
-                out = ChunkedTokenLogprobs.apply(states, weight, None, targets, 1.0, 128)
-            else:
-                with torch.autocast("cuda", enabled=False):
-                    logits = torch.nn.functional.linear(states, weight)
-                out = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
-        (out * upstream).sum().backward()
-        return out.detach(), states.grad.clone(), weight.grad.clone()
-
-    for mine, reference in zip(run(True), run(False)):
-        assert torch.allclose(mine, reference, rtol=1e-3, atol=1e-3)  # (TF32 matmuls, if enabled, stay within)
+    mine, reference = (head_under_bf16_autocast(CUDA, 512, 8192, 128, chunked) for chunked in (True, False))
+    for got, want in zip(mine, reference):
+        assert torch.allclose(got, want, rtol=1e-3, atol=1e-3)  # (TF32 matmuls, if enabled, stay within)
 
 
 def test_each_graph_runner_captures_on_a_stream_of_its_own_device():

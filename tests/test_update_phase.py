@@ -105,31 +105,33 @@ def test_chunked_head_gradients_pass_gradcheck_with_a_bias(temperature):
         lambda s, w, b: ChunkedTokenLogprobs.apply(s, w, b, targets, temperature, 3), (states, weight, bias))
 
 
+def head_under_bf16_autocast(device: str, tokens: int, vocab: int, chunk: int, chunked: bool) -> tuple:
+    """Log-probs and gradients of a [tokens, 64] x [vocab, 64] head under bf16 autocast, the backward outside it
+    (as the update phase runs them): chunked (tlt's), or plain autograd of the fp32 head. Logits ~19, SmolLM2's."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    states = (3 * torch.randn(tokens, 64, device=device, generator=generator)).requires_grad_()
+    weight = torch.randn(vocab, 64, device=device, generator=generator).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    upstream = torch.randn(tokens, device=device, generator=generator)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        if chunked:
+            out = ChunkedTokenLogprobs.apply(states, weight, None, targets, 1.0, chunk)
+        else:
+            with torch.autocast(device, enabled=False):
+                logits = torch.nn.functional.linear(states, weight)
+            out = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    (out * upstream).sum().backward()
+    return out.detach(), states.grad, weight.grad
+
+
 def test_chunked_head_under_bf16_autocast_is_the_fp32_head_with_its_gradients():
     """On CUDA training autocasts to bf16 (optim.autocast=auto). The head runs in its weights' dtype anyway (the
     rollout samples from an fp32 lm_head: the PPO ratio compares the same head), in the forward and in the
     backward, which runs outside the caller's autocast block: recomputing a chunk's logits in fp32 there, against
     the logsumexp of the forward's bf16 logits, put the policy gradient ~12% off (found by review)."""
-    generator = torch.Generator().manual_seed(0)
-    states = (3 * torch.randn(256, 64, generator=generator)).requires_grad_()  # logits ~19, like SmolLM2's
-    weight = torch.randn(4096, 64, generator=generator).requires_grad_()
-    targets = torch.randint(0, 4096, (256,), generator=generator)
-    upstream = torch.randn(256, generator=generator)
-
-    def gradients(chunked: bool):
-        states.grad = weight.grad = None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            if chunked:
-                out = ChunkedTokenLogprobs.apply(states, weight, None, targets, 1.0, 64)
-            else:
-                with torch.autocast("cpu", enabled=False):
-                    logits = torch.nn.functional.linear(states, weight)
-                out = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
-        (out * upstream).sum().backward()  # outside autocast, as the update phase does
-        return out.detach(), states.grad.clone(), weight.grad.clone()
-
-    for mine, reference in zip(gradients(True), gradients(False)):
-        assert torch.allclose(mine, reference, rtol=1e-4, atol=1e-4)
+    mine, reference = (head_under_bf16_autocast("cpu", 256, 4096, 64, chunked) for chunked in (True, False))
+    for got, want in zip(mine, reference):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 # -- skipping the old-log-prob pass ----------------------------------------------------------------------------
