@@ -35,8 +35,7 @@ def step_metrics(rollout, rewards, correct, update: dict, rollout_s: float, trai
         "train_s": train_s,
         "rollout_tok_s": rollout.generated_tokens / rollout_s if rollout_s > 0 else 0.0,
         "decode_steps": len(decode_batches),
-        "tail_steps_fraction": (sum(b <= tail_rows(max(decode_batches)) for b in decode_batches)
-                                / len(decode_batches) if decode_batches else 0.0),
+        "tail_steps_fraction": _tail_steps_fraction(decode_batches),
         "reward_failures": reward_failures,
         # τ is left out of a step without SD steps: a mean of nothing, which a curve drawn at 0 would misread
         **{f"sd/{k}": v for k, v in rollout.speculation_summary().items() if isinstance(v, (int, float))},
@@ -56,6 +55,14 @@ def speculation_metrics(engine) -> dict:
     arms = policy.summary().get("arms", {}) if policy is not None else {}
     return {**metrics, **{f"{ARM_PREFIX}{name}/{key}": value for name, stats in arms.items()
                           for key, value in stats.items()}}
+
+
+def _tail_steps_fraction(decode_batches: list[int]) -> float:
+    """Share of decode steps in the long tail (the peak taken once: it was taken again for every step)."""
+    if not decode_batches:
+        return 0.0
+    tail = tail_rows(max(decode_batches))
+    return sum(b <= tail for b in decode_batches) / len(decode_batches)
 
 
 def merge_speculation_metrics(parts: list[dict]) -> dict:
