@@ -29,9 +29,9 @@ from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
 from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.sequence import Sequence
 from tlt.sampling import is_integer
+from tlt.speculative.decoder import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
-from tlt.speculative.decoder import SpeculativeDecoder
 
 
 class RolloutEngine:
