@@ -28,7 +28,7 @@ from common import environment, write_json  # noqa: E402
 from tlt.drafter.buffer import FeatureBuffer  # noqa: E402
 from tlt.drafter.features import collect_features  # noqa: E402
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer  # noqa: E402
-from tlt.drafter.warmup import frequent_tokens  # noqa: E402
+from tlt.drafter.vocabulary import frequent_tokens  # noqa: E402
 from tlt.models import load_model  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
 from tlt.rollout.engine import RolloutEngine  # noqa: E402

@@ -63,6 +63,7 @@ def test_idle_worker_trains_the_drafter_and_the_long_worker_swaps_it_in(tmp_path
         timeline = controller.last_timeline
         history = controller.backend.hub.history()
         state = controller.backend.hub.trainer_state()
+        served = [sample.drafter_versions for sample in controller.last_rollout.samples]
     finally:
         controller.close()
     # a session's end publishes no second version of the weights its last chunk published (found by review),
@@ -73,9 +74,12 @@ def test_idle_worker_trains_the_drafter_and_the_long_worker_swaps_it_in(tmp_path
     assert "spot_train" in kinds[0] and "spot_train" not in kinds[1]
     assert "rollout_sd" in kinds[1]
     assert metrics["spot_train_steps"] > 0 and metrics["drafter_versions"]
-    long_samples = metrics["drafter_versions_per_sample"][4:]  # the long shard: samples of prompts 2 and 3
-    assert all(count > 1 for count in long_samples), long_samples  # each was served by several versions
-    assert metrics["samples_hot_swapped"] == len(long_samples)
+    # the untrained version 0 serves no step; the long shard's samples (of prompts 2 and 3) that outlived the
+    # first trained version were served by several (one that ended before it: by none)
+    assert all(0 not in versions for versions in served), served
+    long_samples = metrics["drafter_versions_per_sample"][4:]
+    assert max(long_samples) > 1, long_samples
+    assert metrics["samples_hot_swapped"] == sum(count > 1 for count in long_samples)
 
 
 def test_spot_training_adds_no_step_time_beyond_the_stop_latency(tmp_path):
@@ -116,7 +120,7 @@ def test_policy_replicas_are_identical_after_every_update(tmp_path):
 def test_spot_training_failure_keeps_the_last_good_drafter(tmp_path, monkeypatch):
     from tlt.drafter.trainer import DrafterTrainer
 
-    def broken(self):
+    def broken(self, stop=None):
         raise RuntimeError("injected drafter failure")
 
     monkeypatch.setattr(DrafterTrainer, "_step", broken)
@@ -127,7 +131,7 @@ def test_spot_training_failure_keeps_the_last_good_drafter(tmp_path, monkeypatch
         controller.close()
     assert metrics["spot_train_errors"] == 1
     assert metrics["drafter_versions"] == [] and metrics["drafter_version"] == 0
-    assert metrics["sd/sd_step_share"] > 0  # SD kept running on version 0
+    assert metrics["sd/sd_step_share"] == 0  # version 0 never trained: it serves no step (τ ≈ 1 costs time)
 
 
 def test_fewer_prompts_than_workers_is_an_error(tmp_path):
@@ -388,3 +392,40 @@ def test_spot_training_takes_turns_with_collecting_its_shards_features(tmp_path,
     finally:
         controller.close()
     assert metrics["spot_train_steps"] >= 2 and metrics["drafter_versions"]  # trained (and published) meanwhile
+
+
+def test_a_resume_goes_on_with_the_checkpoints_draft_vocabulary(tmp_path):
+    """A run resumed under another run.draft_vocab (or from a tlt whose fresh drafter drafted over the whole
+    vocabulary) goes on with its checkpoint's drafter and trainer state: loading them into a drafter of this
+    config's vocabulary failed with a shape mismatch at the first rollout."""
+    whole = make_controller(tmp_path / "a", **{"run.draft_vocab": 0})
+    try:
+        assert whole.backend.workers[0].drafter.draft_to_target is None
+        whole.train_step()
+        checkpoint = whole.save(tmp_path / "a")
+        trained = whole.backend.hub.latest_version()
+    finally:
+        whole.close()
+    assert trained > 0  # the checkpoint holds a spot-trained drafter
+    resumed = make_controller(tmp_path / "b", **{"run.draft_vocab": 8})
+    try:
+        assert resumed.backend.workers[0].drafter.draft_vocab_size == 8
+        resumed.resume(checkpoint)
+        metrics = resumed.train_step()
+        sizes = [worker.drafter.draft_vocab_size for worker in resumed.backend.workers]
+        serving = [worker.engine.spec_decoder.drafter.draft_vocab_size for worker in resumed.backend.workers]
+    finally:
+        resumed.close()
+    assert sizes == serving == [16, 16]
+    assert metrics["spot_train_errors"] == 0 and metrics["spot_train_steps"] > 0
+    assert metrics["sd/sd_step_share"] > 0  # the checkpoint's trained drafter serves from the first rollout
+
+
+def test_a_fresh_drafter_drafts_over_the_task_prompts_tokens_and_the_stop_token(tmp_path):
+    controller = make_controller(tmp_path, **{"run.draft_vocab": 8})
+    try:
+        vocabularies = [worker.drafter.draft_to_target.tolist() for worker in controller.backend.workers]
+    finally:
+        controller.close()
+    # EOS 3 always; the prompts' tokens 9, 10, 5 and 7 by frequency; topped up with the lowest ids
+    assert vocabularies == [[0, 1, 2, 3, 5, 7, 9, 10]] * 2

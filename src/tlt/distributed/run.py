@@ -26,7 +26,8 @@ METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  l
                 "train {train_s:.1f}s  {rollout_tok_s:.0f} tok/s")
 EVAL_LINE = "      held-out acc {eval_accuracy:.3f}  reward {eval_reward_mean:.3f}  (greedy, {eval_s:.1f}s)"
 # the drafter's trainer: idle workers (spot training) with several, a thread beside the tail with one
-WORKERS_LINE = "      idle {idle_fraction:.0%}  {trainer} {share:.0%} ({spot_train_steps} drafter steps)  drafter v{v}"
+WORKERS_LINE = ("      idle {idle_fraction:.0%}  {trainer} {share:.0%} ({spot_train_steps} drafter {noun})  "
+                "drafter v{v}  {speculation}")
 # Steps in a row whose every reward call failed before the run stops: a broken reward function (a wrong
 # signature, a string returned) gives all-zero rewards, so the run would spend its compute learning nothing
 FAILED_REWARD_STEPS = 3
@@ -87,10 +88,23 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     return history
 
 
-def _workers_line(metrics: dict, version: int) -> str:
+def _workers_line(metrics: dict, version: int, given_drafter: bool) -> str:
     lone = metrics.get("workers", 1) == 1
     return WORKERS_LINE.format(v=version, trainer="tail-train" if lone else "spot-train",
-                               share=metrics["tail_train_share" if lone else "spot_train_share"], **metrics)
+                               share=metrics["tail_train_share" if lone else "spot_train_share"],
+                               noun="step" if metrics["spot_train_steps"] == 1 else "steps",
+                               speculation=_speculation_text(metrics, version, given_drafter), **metrics)
+
+
+def _speculation_text(metrics: dict, version: int, given_drafter: bool) -> str:
+    """How much of the rollout speculated, and its τ (tokens per row per SD step); the starting drafter of a run
+    without run.drafter is untrained and serves no step (rollout/engine.py, `set_drafter`)."""
+    share, tau = metrics.get("sd/sd_step_share"), metrics.get("sd/tau")
+    if tau is None and version == 0 and not given_drafter:
+        return "SD waits for a trained drafter"
+    if tau is None:
+        return "SD in 0% of decode steps" if share is not None else ""
+    return f"SD in {share:.0%} of decode steps, τ {tau:.2f}"
 
 
 def _loop(config, trainer, run_dir: Path, checkpoint: Path | None, console):
@@ -138,7 +152,8 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         if getattr(trainer, "last_timeline", None) is not None:
             save_timeline(run_dir, trainer.last_timeline)
             version = metrics.get("drafter_version")
-            console.print(_workers_line(metrics, version) if version is not None else IDLE_LINE.format(**metrics))
+            console.print(_workers_line(metrics, version, bool(config.run.drafter)) if version is not None
+                          else IDLE_LINE.format(**metrics))
         every = config.run.checkpoint_every
         if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
             trainer.save(run_dir)

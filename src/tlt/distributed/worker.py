@@ -164,11 +164,15 @@ class RolloutWorker:
             drafter, trainer, buffer = self._spot_state()
             every = max(1, self.config.run.publish_every)
             collecting = True
+            self._pull_features(buffer)
+            # Earlier steps' features (their updates' forwards collected them) train first: in a short idle window
+            # (2 CPU cores: a second or two) collecting first left no time for a drafter step.
+            trained_first = len(buffer) > 0
             while not stop():
                 # This shard's features (its update would compute them, but only after the tail), one decoder
                 # forward of a micro-batch at a time, taking turns with `every` drafter steps over all features
-                # so far: a short idle window (2 CPU cores: about the length of the collection) still trains.
-                if collecting:
+                # so far: a short idle window still trains.
+                if collecting and not trained_first:
                     done = self._batch.features_done or 0  # (None: this batch keeps no features)
                     # no progress: all collected, or stopped
                     collecting = phases.collect_features(self.replica, self._batch, stop, limit=1) > done
@@ -178,6 +182,7 @@ class RolloutWorker:
                     if collecting:
                         continue
                     break
+                trained_first = False
                 chunk = trainer.train_until(stop, every)
                 history.extend(chunk)
                 if not chunk:
@@ -235,8 +240,28 @@ class RolloutWorker:
         version, weights = self.hub.latest()
         if weights is None or version == engine.drafter_version:
             return
+        self._fit_vocabulary(weights)
         self.drafter.load_state_dict(weights)
-        engine.set_drafter(self.drafter, version=version)
+        # version 0 is the run's starting drafter: untrained unless run.drafter gave one (it serves from v1 on)
+        engine.set_drafter(self.drafter, version=version, trained=version > 0 or bool(self.config.run.drafter))
+
+    def _fit_vocabulary(self, weights: dict) -> None:
+        """Rebuild this worker's drafter over the published weights' draft vocabulary when it has another: a run
+        resumed from a checkpoint written with another run.draft_vocab (or by a tlt that drafted over the whole
+        vocabulary) goes on with the checkpoint's drafter, which its trainer state fits."""
+        theirs, ours = weights.get("draft_to_target"), self.drafter.draft_to_target
+        if (theirs is None and ours is None) or (theirs is not None and ours is not None
+                                                 and torch.equal(theirs.cpu(), ours.cpu())):
+            return
+        size = "the whole vocabulary" if theirs is None else f"{theirs.shape[0]} tokens"
+        if self.rank == 0:
+            log.warning("the run's drafter drafts over %s (its checkpoint's), not over the %s this config makes",
+                        size, "whole vocabulary" if ours is None else f"{ours.shape[0]} tokens")
+        vocab = None if theirs is None else theirs.cpu()
+        self.drafter = EagleDrafter(self.drafter.config, vocab).attach(self.replica.model)
+        self._spot = None  # the training copy is made again, over the same vocabulary
+        if self.tail is not None:
+            self.tail = self._tail_trainer()
 
     def publish_initial_drafter(self) -> int:
         """Version 0: the run's starting drafter, with its warm-up optimizer state when the directory has one

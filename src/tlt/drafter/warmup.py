@@ -10,28 +10,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.drafter.chain import chain_acceptance
 from tlt.drafter.features import collect_features
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+from tlt.drafter.vocabulary import DEFAULT_DRAFT_VOCAB, frequent_tokens, limits_vocab
 from tlt.errors import TltError
 from tlt.files import refuse_a_file_in_the_way
 from tlt.lr_schedule import lr_factor
 from tlt.models.eagle import CONFIG_FILE as DRAFTER_CONFIG_FILE, EagleDrafter
+from tlt.models.loading import eos_token_ids
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
 from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
-
-
-DEFAULT_DRAFT_VOCAB = 8192  # a new drafter's output vocabulary: the responses' most frequent tokens
 
 
 @dataclass(frozen=True)
@@ -51,15 +48,6 @@ class WarmupConfig:
     def __post_init__(self):
         if self.lr_schedule not in ("constant", "cosine"):
             raise TltError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
-
-
-def frequent_tokens(sequences: list[list[int]], count: int, vocab_size: int) -> torch.Tensor:
-    """The `count` most frequent ids (ties: lower id first), topped up with the lowest unused ids."""
-    frequency = Counter(token for sequence in sequences for token in sequence)
-    ranked = [token for token, _ in sorted(frequency.items(), key=lambda kv: (-kv[1], kv[0]))][:count]
-    used = set(ranked)
-    ranked += [t for t in range(vocab_size) if t not in used][:count - len(ranked)]
-    return torch.tensor(sorted(ranked))
 
 
 def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
@@ -127,11 +115,6 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     for line in summary_lines(report, config):
         log(line)
     return report
-
-
-def limits_vocab(draft_vocab: int, vocab_size: int) -> bool:
-    """Whether a --draft-vocab of `draft_vocab` restricts the drafter (0 or >= the vocabulary: the full one)."""
-    return 0 < draft_vocab < vocab_size
 
 
 def check_warmup(out: str | Path, config: WarmupConfig, train_config: DrafterTrainConfig, overwrite: bool) -> None:
@@ -211,7 +194,8 @@ def new_trainer(loaded, drafter: EagleDrafter | None, state: dict | None, forwar
         return trainer
     vocab = loaded.spec.vocab_size
     size = DEFAULT_DRAFT_VOCAB if config.draft_vocab is None else config.draft_vocab
-    draft_vocab = frequent_tokens(responses, size, vocab) if limits_vocab(size, vocab) else None
+    stops = eos_token_ids(loaded.model, loaded.tokenizer)  # every response's last token, however rare
+    draft_vocab = frequent_tokens(responses, size, vocab, always=stops) if limits_vocab(size, vocab) else None
     return DrafterTrainer(EagleDrafter(loaded.model.config, draft_vocab).attach(forward), buffer, train_config)
 
 

@@ -116,6 +116,9 @@ class RunConfig:
                                    # with `strategy` at batch <= gate) or "off" (the baseline: no SD)
     drafter: str | None = None     # drafter directory (tlt drafter warmup); none: spot training (workers >= 2)
                                    # trains one from scratch
+    draft_vocab: int = 8192        # tokens a drafter trained from scratch can propose: the task prompts' most frequent
+                                   # (topped up with the lowest ids); 0 = the whole vocabulary (a draft pass and a
+                                   # training step cost several times more). A given run.drafter keeps its own
     strategy: str = "S4K2N8"       # static mode's strategy, and one of adaptive mode's arms: depth S, branching
                                    # K, tree size N (target-only, e.g. S4K2N8) or SxKy[Nz]q (q-sampling: S5K1q)
     gate: int | str = "auto"       # speculate only while the running batch is at most this: an integer, or
@@ -274,6 +277,9 @@ def validate(config: TrainConfig) -> TrainConfig:
            f"(rollout.max_new_tokens={rollout.max_new_tokens} + 1 tokens): raise it")
     _at_least("run.swap_poll_s", run.swap_poll_s, 0)  # 0: check for a newer drafter before every decode step
     _check(run.drafter_lr > 0, f"run.drafter_lr must be > 0, got {run.drafter_lr}")
+    widest = max(3, SpecStrategy.parse(run.strategy).branching)  # (adaptive mode's own arms branch up to 3)
+    _check(run.draft_vocab == 0 or run.draft_vocab >= widest, f"run.draft_vocab must be 0 (the whole vocabulary) or "
+           f"at least {widest}, the most children a node drafts, got {run.draft_vocab}")
     _check(run.workers == "auto" or rollout.prompts_per_step >= run.workers, f"rollout.prompts_per_step="
            f"{rollout.prompts_per_step} is fewer than run.workers={run.workers}: every worker needs at least one prompt")
     check_speculation(run)

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt.drafter.vocabulary import frequent_tokens, limits_vocab
 from tlt.errors import RequestError
 from tlt.models.eagle import EagleDrafter
-from tlt.models.loading import LoadedModel, load_model
+from tlt.models.loading import LoadedModel, eos_token_ids, load_model
 from tlt.rl.config import TrainConfig, check_speculation
 from tlt.rl.optim import (autocast_dtype, build_optimizer, build_scheduler, disable_dropout,
                           enable_grad_checkpointing)
@@ -35,6 +36,7 @@ from tlt.tasks.example import TaskExample, record_label
 # counted apart: a margin before trusting the byte bound
 TEMPLATE_SLACK = 8
 GENERATED_SAMPLE = 16  # prompts of a generated task checked before step 1
+PROMPTS_FOR_VOCAB = 512  # task prompts a drafter trained from scratch takes its draft vocabulary from
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ class PolicyReplica:
         check_prompts_fit(task, loaded.spec, config.rollout.max_new_tokens)  # before the cost curve's minute
         if disable_dropout(model) and announce:
             log.warning("the policy's dropout is set to 0 for RL: its old and new log-probs come from one forward")
-        engine = build_engine(loaded, config, announce=announce)
+        engine = build_engine(loaded, config, task=task, announce=announce)
         optimizer = build_optimizer(model, config.optim)
         scheduler = build_scheduler(optimizer, config)
         if config.optim.grad_checkpointing:
@@ -132,8 +134,9 @@ def _normalized_byte_length(tokenizer):
     return lambda text: len(normalizer.normalize_str(text).encode())
 
 
-def build_engine(loaded, config: TrainConfig, *, announce: bool = True) -> RolloutEngine:
-    """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair."""
+def build_engine(loaded, config: TrainConfig, *, task=None, announce: bool = True) -> RolloutEngine:
+    """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair.
+    `task`: where a drafter trained from scratch takes its draft vocabulary from (its prompts)."""
     run, batch = config.run, config.rollout.max_batch_size
     check_speculation(run)  # load_config checked it already; a config built in code may not have been
     # cuda_graphs=None: the engine captures graphs when its model is on CUDA (false: never)
@@ -150,7 +153,7 @@ def build_engine(loaded, config: TrainConfig, *, announce: bool = True) -> Rollo
     if run.drafter:
         drafter = EagleDrafter.load(run.drafter, loaded.model)
     else:  # untrained: spot training teaches it
-        drafter = EagleDrafter(loaded.model.config).attach(loaded.model)
+        drafter = fresh_drafter(loaded, task, run.draft_vocab)
     strategy = SpecStrategy.parse(run.strategy)
     if run.speculative == "static":
         arms = [strategy]
@@ -172,6 +175,31 @@ def build_engine(loaded, config: TrainConfig, *, announce: bool = True) -> Rollo
     else:
         engine.speculation = AdaptiveSpeculation(arms, BatchSizeGate(threshold=gate))
     return engine
+
+
+def fresh_drafter(loaded, task, draft_vocab: int) -> EagleDrafter:
+    """An untrained drafter over `draft_vocab` tokens (0: the whole vocabulary): the most frequent of the task's
+    prompts as the rollout sees them (no response exists yet), topped up with the lowest ids, the stop tokens
+    always in. Deterministic, so every replica of a run builds the same one."""
+    vocab_size = loaded.spec.vocab_size
+    ids = None
+    if limits_vocab(draft_vocab, vocab_size):
+        stops = eos_token_ids(loaded.model, loaded.tokenizer)
+        ids = frequent_tokens(_prompt_token_ids(task), draft_vocab, vocab_size, always=stops)
+    return EagleDrafter(loaded.model.config, ids).attach(loaded.model)
+
+
+def _prompt_token_ids(task) -> list[list[int]]:
+    """Token ids of a fixed sample of the task's prompts: a dataset's first ones, a generated task's seed-0 draw
+    ([] for no task, or a task given in code that cannot be sampled)."""
+    source = getattr(task, "source", None)
+    if isinstance(source, DatasetTask):
+        examples = source.examples[:PROMPTS_FOR_VOCAB]
+    elif hasattr(task, "sample") and hasattr(task, "prompt_ids"):
+        examples = task.sample(PROMPTS_FOR_VOCAB, seed=0)
+    else:
+        return []
+    return [list(task.prompt_ids(example)) for example in examples]
 
 
 def _gate_and_arms(engine: RolloutEngine, run, arms: list, announce: bool) -> tuple[int, list]:

@@ -75,6 +75,7 @@ class RolloutEngine:
         self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else eos_token_ids_of(model, tokenizer))
         self.drafter = None  # before the speculation: its setter checks the strategies against the drafter
         self.drafter_version = None
+        self.drafter_trained = True  # False: a drafter that never trained serves no step (see set_drafter)
         self.speculation = speculation  # normalized to a SpeculationPolicy (or None) by the property
         self.cost_curve = None  # set by whoever derived the gate from the device's cost curve (metrics show it)
         self.scheduler: Scheduler | None = None  # the running generate()'s (the last one's once it returns)
@@ -83,16 +84,19 @@ class RolloutEngine:
         if drafter is not None:
             self.set_drafter(drafter)
 
-    def set_drafter(self, drafter, version: int | None = None) -> None:
+    def set_drafter(self, drafter, version: int | None = None, *, trained: bool = True) -> None:
         """Use (or hot-swap to) this drafter; its state is rebuilt from the cached features at the next SD step.
 
         Safe between decode steps of a running generate() (see `between_steps`): the drafter's KV cache is
         rebuilt from the target features kept per slot, so no target forward is repeated. An engine built without a
         drafter keeps no such features: a drafter attached to it mid-rollout serves from the next generate().
-        `version` is recorded in each sample's `drafter_versions` when this drafter serves it."""
+        `version` is recorded in each sample's `drafter_versions` when this drafter serves it. trained=False: a
+        drafter at its random initialization, whose drafts are accepted at chance (τ ≈ 1.0), so every speculative
+        step would cost more than a plain one: the engine decodes plainly until a trained one is set."""
         for strategy in policy_strategies(self.speculation):  # refused here, not at the bandit's first wide arm
             check_branching(strategy, drafter)
         self.drafter_version = version
+        self.drafter_trained = trained
         self.drafter = drafter  # the caller's, in its own dtype: what a worker reloads and publishes
         self.model_runner.set_drafter(drafter)
 
@@ -252,7 +256,7 @@ class RolloutEngine:
                                      timed=self.model_runner.warmups == warmups)
 
     def _choose(self, batch_size: int):
-        if self.speculation is None or self.model_runner.serving is None:
+        if self.speculation is None or self.model_runner.serving is None or not self.drafter_trained:
             return None
         return self.speculation.choose(batch_size)
 
