@@ -394,11 +394,13 @@ def test_spot_training_takes_turns_with_collecting_its_shards_features(tmp_path,
     assert metrics["spot_train_steps"] >= 2 and metrics["drafter_versions"]  # trained (and published) meanwhile
 
 
-def test_a_resume_goes_on_with_the_checkpoints_draft_vocabulary(tmp_path):
+@pytest.mark.parametrize("trainer", [{}, {"run.workers": 1, "run.tail_training": "on"}], ids=["spot", "tail"])
+def test_a_resume_goes_on_with_the_checkpoints_draft_vocabulary(tmp_path, trainer):
     """A run resumed under another run.draft_vocab (or from a tlt whose fresh drafter drafted over the whole
     vocabulary) goes on with its checkpoint's drafter and trainer state: loading them into a drafter of this
-    config's vocabulary failed with a shape mismatch at the first rollout."""
-    whole = make_controller(tmp_path / "a", **{"run.draft_vocab": 0})
+    config's vocabulary failed with a shape mismatch at the first rollout. Also with one worker training beside
+    its own tail (its trainer is remade over the checkpoint's vocabulary)."""
+    whole = make_controller(tmp_path / "a", **{"run.draft_vocab": 0}, **trainer)
     try:
         assert whole.backend.workers[0].drafter.draft_to_target is None
         whole.train_step()
@@ -407,7 +409,7 @@ def test_a_resume_goes_on_with_the_checkpoints_draft_vocabulary(tmp_path):
     finally:
         whole.close()
     assert trained > 0  # the checkpoint holds a spot-trained drafter
-    resumed = make_controller(tmp_path / "b", **{"run.draft_vocab": 8})
+    resumed = make_controller(tmp_path / "b", **{"run.draft_vocab": 8}, **trainer)
     try:
         assert resumed.backend.workers[0].drafter.draft_vocab_size == 8
         resumed.resume(checkpoint)
@@ -416,7 +418,8 @@ def test_a_resume_goes_on_with_the_checkpoints_draft_vocabulary(tmp_path):
         serving = [worker.engine.spec_decoder.drafter.draft_vocab_size for worker in resumed.backend.workers]
     finally:
         resumed.close()
-    assert sizes == serving == [16, 16]
+    workers = len(sizes)
+    assert sizes == serving == [16] * workers
     assert metrics["spot_train_errors"] == 0 and metrics["spot_train_steps"] > 0
     assert metrics["sd/sd_step_share"] > 0  # the checkpoint's trained drafter serves from the first rollout
 
