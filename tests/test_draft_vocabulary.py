@@ -69,6 +69,8 @@ def test_a_step_line_says_when_speculation_waits_for_a_trained_drafter():
     assert _speculation_text({"sd/sd_step_share": 0.0}, 0, given_drafter=True) == "SD in 0% of decode steps"
     assert _speculation_text({"sd/sd_step_share": 0.25, "sd/tau": 1.5}, 3, given_drafter=False) == \
         "SD in 25% of decode steps, τ 1.50"
+    assert _speculation_text({"sd/sd_step_share": 0.0, "sd/gate": 0}, 0, given_drafter=True).startswith(
+        "SD off: no arm pays on this device")
 
 
 def test_the_warm_up_drafts_over_its_responses_tokens_and_the_stop_tokens():

@@ -100,6 +100,8 @@ def _speculation_text(metrics: dict, version: int, given_drafter: bool) -> str:
     """How much of the rollout speculated, and its τ (tokens per row per SD step); the starting drafter of a run
     without run.drafter is untrained and serves no step (rollout/engine.py, `set_drafter`)."""
     share, tau = metrics.get("sd/sd_step_share"), metrics.get("sd/tau")
+    if metrics.get("sd/gate") == 0:
+        return "SD off: no arm pays on this device (run.gate=auto)"
     if tau is None and version == 0 and not given_drafter:
         return "SD waits for a trained drafter"
     if tau is None:
