@@ -1,9 +1,9 @@
 """The draft vocabulary: the tokens a drafter can propose, a subset of the target's (EAGLE-3's reduced head).
 
 The drafter's head is the target's lm_head restricted to these rows. Over SmolLM2's 49,152 tokens the full head
-(28M multiply-adds per token) is ~7x the rest of the drafter: 8,192 rows take a draft pass from 32.5M to 8.9M, and a
-spot-training step over 1,200 pairs from 3.4 s to 0.86 s on one CPU core (measured; the target's distribution and
-the drafter's are both computed over the draft vocabulary).
+(28M multiply-adds per token) is ~7x the rest of the drafter. With 8,192 rows, measured side by side on 2 CPU threads
+(benchmarks/draft_vocab.py): a spot-training step is 4.0x cheaper (the target's distribution and the drafter's are
+both computed over the draft vocabulary), drafting 3.2x, a whole SD step at batch 1 1.65x.
 The price is the target's probability mass outside it, which no rule can ever accept. Measured on 4,113 positions
 of fresh T=1 responses of SmolLM2 on the built-in task (docs/architecture.md, "A drafter from scratch"): 8.0% for a
 vocabulary made before any response exists (the task prompts' tokens, topped up with the lowest ids: byte-level
