@@ -1,7 +1,9 @@
 """The draft vocabulary of a drafter trained from scratch, and an untrained drafter serving no speculative step."""
 
 import pytest
-from conftest import markov_model, oracle_drafter
+import torch
+
+from conftest import markov_model, oracle_drafter, tiny_model
 from tlt.drafter.vocabulary import frequent_tokens, limits_vocab
 from tlt.rl.config import ConfigError, load_config
 from tlt.rollout.engine import RolloutEngine
@@ -30,19 +32,23 @@ def test_a_vocabulary_as_large_as_the_models_is_the_whole_one(size, limits):
     assert limits_vocab(size, 20) is limits
 
 
-@pytest.mark.parametrize("value, message", [
-    (2, r"run.draft_vocab must be 0 \(the whole vocabulary\) or at least 3"),
-    (-1, r"run.draft_vocab must be 0"),
+@pytest.mark.parametrize("overrides, message", [
+    (["run.draft_vocab=2"], r"run.draft_vocab must be 0 \(the whole vocabulary\) or at least 3"),
+    (["run.draft_vocab=-1"], r"run.draft_vocab must be >= 0"),
+    (["run.strategy=S2K4N8", "run.draft_vocab=3"], "at least 4"),
+    (["run.speculative=static", "run.strategy=S4K2N8", "run.draft_vocab=1"], "at least 2"),
 ])
-def test_a_draft_vocabulary_narrower_than_a_node_is_refused(value, message):
+def test_a_draft_vocabulary_narrower_than_a_node_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [f"run.draft_vocab={value}"])
+        load_config(None, overrides)
 
 
-def test_the_widest_strategy_sets_the_floor():
-    with pytest.raises(ConfigError, match="at least 4"):
-        load_config(None, ["run.strategy=S2K4N8", "run.draft_vocab=3"])
-    assert load_config(None, ["run.draft_vocab=0"]).run.draft_vocab == 0
+@pytest.mark.parametrize("overrides", [["run.draft_vocab=0"], ["run.speculative=static", "run.strategy=S3K1N3",
+                                                                "run.draft_vocab=1"],
+                                       ["run.speculative=off", "run.draft_vocab=1"],
+                                       ["run.drafter=drafters/x", "run.draft_vocab=1"]])
+def test_a_draft_vocabulary_is_checked_only_where_a_drafter_from_scratch_uses_it(overrides):
+    assert load_config(None, overrides).run.draft_vocab in (0, 1)
 
 
 def _sd_steps(trained: bool) -> int:
@@ -65,12 +71,12 @@ def test_an_untrained_drafter_serves_no_step_and_a_trained_one_does():
 def test_a_step_line_says_when_speculation_waits_for_a_trained_drafter():
     from tlt.distributed.run import _speculation_text
 
-    assert _speculation_text({"sd/sd_step_share": 0.0}, 0, given_drafter=False) == "SD waits for a trained drafter"
-    assert _speculation_text({"sd/sd_step_share": 0.0}, 0, given_drafter=True) == "SD in 0% of decode steps"
-    assert _speculation_text({"sd/sd_step_share": 0.25, "sd/tau": 1.5}, 3, given_drafter=False) == \
+    waiting = {"sd/sd_step_share": 0.0, "drafter_trained": False}
+    assert _speculation_text(waiting) == "SD waits for a trained drafter"
+    assert _speculation_text({**waiting, "drafter_trained": True}) == "SD in 0% of decode steps"
+    assert _speculation_text({"sd/sd_step_share": 0.25, "sd/tau": 1.5, "drafter_trained": True}) == \
         "SD in 25% of decode steps, τ 1.50"
-    assert _speculation_text({"sd/sd_step_share": 0.0, "sd/gate": 0}, 0, given_drafter=True).startswith(
-        "SD off: no arm pays on this device")
+    assert _speculation_text({**waiting, "sd/gate": 0}).startswith("SD off: no arm pays on this device")
 
 
 def test_the_warm_up_drafts_over_its_responses_tokens_and_the_stop_tokens():
@@ -90,3 +96,74 @@ def test_the_warm_up_drafts_over_its_responses_tokens_and_the_stop_tokens():
                           WarmupConfig(draft_vocab=5), DrafterTrainConfig())
     # the stop tokens (the model config's 3, the tokenizer's 13), then 5 and 6, then 7 (tied with 8: lower id)
     assert trainer.drafter.draft_to_target.tolist() == [3, 5, 6, 7, 13]
+
+
+def test_token_ids_given_as_tensors_count_as_their_values_and_ids_outside_the_vocabulary_are_skipped():
+    """A task's prompt_ids may return a tensor (the rollout accepts one): 0-d tensors hash by identity, so each
+    occurrence counted apart and the vocabulary repeated ids (the drafter refused it at start-up)."""
+    as_tensors = [list(torch.tensor([5, 5, 6, 7, 5]))]
+    assert frequent_tokens(as_tensors, 2, 10).tolist() == [5, 6]
+    assert frequent_tokens([[99, -3, 6, 6]], 2, 10).tolist() == [0, 6]
+
+
+class FewRecords:
+    """A task given in code over a few records, drawing without replacement as one naturally writes it."""
+
+    def __init__(self, records: int = 20, fail: bool = False):
+        from tlt.tasks.example import TaskExample
+
+        self.examples = [TaskExample(f"p{i}", "x", {"ids": [9, i % 12]}) for i in range(records)]
+        self.fail = fail
+
+    def sample(self, count, seed):
+        import random
+
+        if self.fail:
+            raise RuntimeError("the prompt service is down")
+        return random.Random(seed).sample(self.examples, count)
+
+    def prompt_ids(self, example):
+        return example.meta["ids"]
+
+
+def test_a_task_given_in_code_is_asked_for_its_usual_draws_and_its_failure_does_not_stop_the_run(caplog):
+    """It was asked for 512 prompts at once (a task of 20 records raised "sample larger than population" and the
+    run could not start); a failing draw leaves the stop tokens and the lowest ids, with a warning."""
+    from tlt.rl.replica import _prompt_token_ids
+
+    drawn = _prompt_token_ids(FewRecords())
+    assert drawn and all(ids[0] == 9 for ids in drawn)
+    with caplog.at_level("WARNING", logger="tlt.rl.replica"):
+        assert _prompt_token_ids(FewRecords(fail=True)) == []
+    assert "sampling the task's prompts failed (RuntimeError: the prompt service is down)" in caplog.text
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_every_drivers_engine_holds_back_an_untrained_drafter(tmp_path, given):
+    """The rule was the distributed worker's alone: the in-process GRPOTrainer speculated every step with the
+    random drafter (τ 1.0)."""
+    from test_trainer import make_trainer
+    from tlt.models.eagle import EagleDrafter
+
+    overrides = {"run.speculative": "static", "run.strategy": "S3K1N3", "run.gate": 64}
+    if given:
+        EagleDrafter(tiny_model("llama", vocab_size=16).config).save(tmp_path / "drafter")
+        overrides["run.drafter"] = str(tmp_path / "drafter")
+    else:
+        overrides.update({"run.workers": 2})  # (a drafter from scratch needs a trainer in the config)
+    trainer = make_trainer(tmp_path / "run", **overrides)
+    assert trainer.engine.drafter_trained is given
+    metrics = trainer.train_step()
+    assert (metrics["sd/sd_step_share"] > 0) is given
+
+
+def test_the_cost_curves_cache_key_knows_the_draft_vocabulary():
+    """A curve measured with a whole-vocabulary drafter priced the 8,192-token one (3.2x cheaper drafting)."""
+    from tlt.models.eagle import EagleDrafter
+    from tlt.rollout.cost_curve import curve_key
+
+    model, _ = markov_model(16, seed=3)
+    arms = [SpecStrategy.chain(3)]
+    keys = {curve_key(RolloutEngine(model, drafter=EagleDrafter(model.config, vocab)), arms, (1, 2))
+            for vocab in (None, torch.arange(8), torch.arange(1, 9))}
+    assert len(keys) == 2  # the whole vocabulary, and 8 tokens (which 8 does not change the cost)

@@ -185,6 +185,7 @@ class DistributedGRPO:
         trainers = list(spot.values()) + [rollouts[r]["tail_train"] for r in ranks]
         published = [v for result in trainers for v in result["published"]]
         served = [s.drafter_versions for s in merged.samples]
+        version = self.backend.hub.latest_version() if self.speculative else None
         metrics.update({
             "step_s": timeline["duration"],
             "rollout_tail_share": tail_time_share(
@@ -198,7 +199,9 @@ class DistributedGRPO:
             "spot_train_steps": sum(result["trained_steps"] for result in trainers),
             "spot_train_errors": sum(result["error"] is not None for result in trainers),
             "drafter_versions": published,
-            "drafter_version": self.backend.hub.latest_version() if self.speculative else None,
+            "drafter_version": version,
+            "drafter_trained": None if version is None else self.backend.hub.is_trained(version),
+            # versions that served a sample's SD steps (an untrained version serves none): > 1 = hot-swapped
             "samples_hot_swapped": sum(len(v) > 1 for v in served),
             "drafter_versions_per_sample": [len(v) for v in served],  # the full lists are in the RolloutResult
             "lr": updates[0]["lr"],

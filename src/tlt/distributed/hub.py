@@ -27,6 +27,7 @@ class DrafterHub:
         self._weights: dict | None = None      # latest published drafter state (own layers)
         self._trainer_state: dict | None = None  # the trainer's optimizer state, for the next spot session
         self._history: list[dict] = []          # (version, step, trainer worker, optimizer steps) per publish
+        self._untrained: set[int] = set()       # versions at their random initialization: they serve no SD step
         self._features: deque = deque()         # (sequence number, FeatureEntry)
         self._feature_tokens = 0
         self._next_feature = 0
@@ -38,9 +39,13 @@ class DrafterHub:
     # -- drafter versions -----------------------------------------------------------------------------
 
     def publish(self, weights: dict, *, step: int, worker: int, trainer_steps: int,
-                trainer_state: dict | None = None) -> int:
+                trainer_state: dict | None = None, trained: bool = True) -> int:
+        """A new version. trained=False: a drafter at its random initialization (a run's starting drafter without
+        run.drafter), which the engines keep from serving until a trained version replaces it."""
         with self._lock:
             self._version += 1
+            if not trained:
+                self._untrained.add(self._version)
             self._weights = weights
             if trainer_state is not None:
                 self._trainer_state = trainer_state
@@ -68,10 +73,19 @@ class DrafterHub:
         with self._lock:
             return list(self._history)
 
-    def restore(self, version: int, weights: dict, trainer_state: dict | None) -> None:
+    def restore(self, version: int, weights: dict, trainer_state: dict | None, trained: bool = True) -> None:
         """Resume: the checkpointed drafter becomes the current version again."""
         with self._lock:
             self._version, self._weights, self._trainer_state = version, weights, trainer_state
+            self._untrained.discard(version)
+            if not trained:
+                self._untrained.add(version)
+
+    def is_trained(self, version: int) -> bool:
+        """Whether that version ever trained (or was given trained): what decides if it may serve SD steps,
+        carried with the version rather than guessed from a config that may change on --resume."""
+        with self._lock:
+            return version not in self._untrained
 
     # -- features ---------------------------------------------------------------------------------------
 

@@ -88,21 +88,21 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     return history
 
 
-def _workers_line(metrics: dict, version: int, given_drafter: bool) -> str:
+def _workers_line(metrics: dict, version: int) -> str:
     lone = metrics.get("workers", 1) == 1
     return WORKERS_LINE.format(v=version, trainer="tail-train" if lone else "spot-train",
                                share=metrics["tail_train_share" if lone else "spot_train_share"],
                                noun="step" if metrics["spot_train_steps"] == 1 else "steps",
-                               speculation=_speculation_text(metrics, version, given_drafter), **metrics)
+                               speculation=_speculation_text(metrics), **metrics)
 
 
-def _speculation_text(metrics: dict, version: int, given_drafter: bool) -> str:
+def _speculation_text(metrics: dict) -> str:
     """How much of the rollout speculated, and its τ (tokens per row per SD step); the starting drafter of a run
     without run.drafter is untrained and serves no step (rollout/engine.py, `set_drafter`)."""
     share, tau = metrics.get("sd/sd_step_share"), metrics.get("sd/tau")
     if metrics.get("sd/gate") == 0:
         return "SD off: no arm pays on this device (run.gate=auto)"
-    if tau is None and version == 0 and not given_drafter:
+    if tau is None and metrics.get("drafter_trained") is False:
         return "SD waits for a trained drafter"
     if tau is None:
         return "SD in 0% of decode steps" if share is not None else ""
@@ -154,8 +154,7 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         if getattr(trainer, "last_timeline", None) is not None:
             save_timeline(run_dir, trainer.last_timeline)
             version = metrics.get("drafter_version")
-            console.print(_workers_line(metrics, version, bool(config.run.drafter)) if version is not None
-                          else IDLE_LINE.format(**metrics))
+            console.print(_workers_line(metrics, version) if version is not None else IDLE_LINE.format(**metrics))
         every = config.run.checkpoint_every
         if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
             trainer.save(run_dir)

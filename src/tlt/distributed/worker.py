@@ -242,8 +242,8 @@ class RolloutWorker:
             return
         self._fit_vocabulary(weights)
         self.drafter.load_state_dict(weights)
-        # version 0 is the run's starting drafter: untrained unless run.drafter gave one (it serves from v1 on)
-        engine.set_drafter(self.drafter, version=version, trained=version > 0 or bool(self.config.run.drafter))
+        # an untrained version (the starting drafter of a run without run.drafter) serves no SD step
+        engine.set_drafter(self.drafter, version=version, trained=self.hub.is_trained(version))
 
     def _fit_vocabulary(self, weights: dict) -> None:
         """Rebuild this worker's drafter over the published weights' draft vocabulary when it has another: a run
@@ -255,12 +255,15 @@ class RolloutWorker:
             return
         size = "the whole vocabulary" if theirs is None else f"{theirs.shape[0]} tokens"
         if self.rank == 0:
-            log.warning("the run's drafter drafts over %s (its checkpoint's), not over the %s this config makes",
-                        size, "whole vocabulary" if ours is None else f"{ours.shape[0]} tokens")
+            log.warning("the run's drafter drafts over %s (a resumed run's checkpoint may hold another vocabulary "
+                        "than run.draft_vocab makes): worker %d goes on with it instead of the %s it built", size,
+                        self.rank, "whole vocabulary" if ours is None else f"{ours.shape[0]} tokens")
         vocab = None if theirs is None else theirs.cpu()
         self.drafter = EagleDrafter(self.drafter.config, vocab).attach(self.replica.model)
         self._spot = None  # the training copy is made again, over the same vocabulary
         if self.tail is not None:
+            if self.tail.running:  # (not at a rollout's start, where a resume refits: its thread starts in the tail)
+                self.tail.stop()
             self.tail = self._tail_trainer()
 
     def publish_initial_drafter(self) -> int:
@@ -273,7 +276,7 @@ class RolloutWorker:
             trainer.load_optimizer(source)
             state = {"optimizer": trainer.optimizer.state_dict(), "steps": trainer.steps}
         return self.hub.publish(_cpu_state(self.drafter), step=self._step, worker=self.rank, trainer_steps=0,
-                                trainer_state=state)
+                                trainer_state=state, trained=bool(source))
 
     def _spot_objects(self) -> list:
         """[training drafter, DrafterTrainer, local FeatureBuffer, next hub feature sequence], made on first use.
@@ -335,7 +338,7 @@ class RolloutWorker:
         with a trained drafter (spot-trained, or given as run.drafter), the drafter's latest version in its
         `drafter/` folder: the deployable byproduct."""
         snapshot = self._drafter_snapshot()
-        if snapshot is not None and snapshot.version == 0 and not self.config.run.drafter:
+        if snapshot is not None and not snapshot.trained:
             snapshot = None  # the untrained drafter the run started from: nothing worth serving
         also = None if snapshot is None else (
             lambda staging: save_final_drafter(staging / FINAL_DRAFTER_DIR, self.drafter, snapshot))
@@ -345,7 +348,8 @@ class RolloutWorker:
         if self.drafter is None:
             return None
         version, weights = self.hub.latest()
-        return None if weights is None else DrafterSnapshot(version, weights, self.hub.trainer_state())
+        return None if weights is None else DrafterSnapshot(version, weights, self.hub.trainer_state(),
+                                                            self.hub.is_trained(version))
 
     def resume(self, checkpoint: str) -> int:
         """Restore this replica from the checkpoint; returns its step."""
@@ -361,7 +365,7 @@ class RolloutWorker:
         snapshot = read_drafter(checkpoint)
         if snapshot is None:
             return self.hub.latest_version()  # a checkpoint from a run without a drafter: keep the initial one
-        self.hub.restore(snapshot.version, snapshot.weights, snapshot.trainer_state)
+        self.hub.restore(snapshot.version, snapshot.weights, snapshot.trainer_state, snapshot.trained)
         return snapshot.version
 
     def parameter_digest(self) -> str:

@@ -30,7 +30,9 @@ def frequent_tokens(sequences: list[list[int]], count: int, vocab_size: int, alw
     """The `count` most frequent ids (ties: lower id first), topped up with the lowest unused ids, sorted.
     `always`: ids that are in it whatever their frequency (the stop tokens: a drafter that cannot propose the
     end of a response drafts past it every time)."""
-    frequency = Counter(token for sequence in sequences for token in sequence)
+    # ints: a 0-d tensor hashes by identity (every occurrence its own key); ids outside the vocabulary are the
+    # engine's to refuse, naming the prompt, not a reason to fail here
+    frequency = Counter(t for sequence in sequences for t in map(int, sequence) if 0 <= t < vocab_size)
     forced = list(dict.fromkeys(int(t) for t in always if 0 <= int(t) < vocab_size))[:count]
     by_frequency = [token for token, _ in sorted(frequency.items(), key=lambda kv: (-kv[1], kv[0]))]
     ranked = list(dict.fromkeys(forced + by_frequency))[:count]

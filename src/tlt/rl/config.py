@@ -277,9 +277,13 @@ def validate(config: TrainConfig) -> TrainConfig:
            f"(rollout.max_new_tokens={rollout.max_new_tokens} + 1 tokens): raise it")
     _at_least("run.swap_poll_s", run.swap_poll_s, 0)  # 0: check for a newer drafter before every decode step
     _check(run.drafter_lr > 0, f"run.drafter_lr must be > 0, got {run.drafter_lr}")
-    widest = max(3, SpecStrategy.parse(run.strategy).branching)  # (adaptive mode's own arms branch up to 3)
-    _check(run.draft_vocab == 0 or run.draft_vocab >= widest, f"run.draft_vocab must be 0 (the whole vocabulary) or "
-           f"at least {widest}, the most children a node drafts, got {run.draft_vocab}")
+    _at_least("run.draft_vocab", run.draft_vocab, 0)
+    if run.speculative != "off" and not run.drafter:  # a drafter from scratch drafts over it: every node's children
+        widest = SpecStrategy.parse(run.strategy).branching
+        if run.speculative == "adaptive":
+            widest = max(widest, 3)  # its own arms branch up to 3
+        _check(run.draft_vocab == 0 or run.draft_vocab >= widest, f"run.draft_vocab must be 0 (the whole "
+               f"vocabulary) or at least {widest}, the most children a node drafts, got {run.draft_vocab}")
     _check(run.workers == "auto" or rollout.prompts_per_step >= run.workers, f"rollout.prompts_per_step="
            f"{rollout.prompts_per_step} is fewer than run.workers={run.workers}: every worker needs at least one prompt")
     check_speculation(run)

@@ -152,7 +152,7 @@ def build_engine(loaded, config: TrainConfig, *, task=None, announce: bool = Tru
         return RolloutEngine(loaded, max_batch_size=batch, **precision)
     if run.drafter:
         drafter = EagleDrafter.load(run.drafter, loaded.model)
-    else:  # untrained: spot training teaches it
+    else:  # untrained: spot training teaches it (an engine serves it no SD step until a trained version comes)
         drafter = fresh_drafter(loaded, task, run.draft_vocab)
     strategy = SpecStrategy.parse(run.strategy)
     if run.speculative == "static":
@@ -167,6 +167,7 @@ def build_engine(loaded, config: TrainConfig, *, task=None, announce: bool = Tru
                                    SpecStrategy(3, 2, rule="q")]))
     engine = RolloutEngine(loaded, max_batch_size=batch, drafter=drafter,
                            max_tree_size=max(a.cache_slots for a in arms), **precision)
+    engine.drafter_trained = bool(run.drafter)  # every driver's engine, until a worker sets a trained version
     gate, arms = _gate_and_arms(engine, run, arms, announce)
     if gate == 0:
         return engine  # speculation cannot pay on this device: plain decoding (the drafter is kept for metrics)
@@ -190,16 +191,24 @@ def fresh_drafter(loaded, task, draft_vocab: int) -> EagleDrafter:
 
 
 def _prompt_token_ids(task) -> list[list[int]]:
-    """Token ids of a fixed sample of the task's prompts: a dataset's first ones, a generated task's seed-0 draw
-    ([] for no task, or a task given in code that cannot be sampled)."""
-    source = getattr(task, "source", None)
-    if isinstance(source, DatasetTask):
-        examples = source.examples[:PROMPTS_FOR_VOCAB]
-    elif hasattr(task, "sample") and hasattr(task, "prompt_ids"):
-        examples = task.sample(PROMPTS_FOR_VOCAB, seed=0)
-    else:
+    """Token ids of a fixed, seeded sample of the task's prompts ([] for no task, or a task given in code that
+    cannot be sampled: the vocabulary is then the stop tokens and the lowest ids). A task given in code is asked
+    in draws of 16: one of a few records may not hold 512, and its draw must not stop the run."""
+    if not (hasattr(task, "sample") and hasattr(task, "prompt_ids")):
         return []
-    return [list(task.prompt_ids(example)) for example in examples]
+    source = getattr(task, "source", None)
+    try:
+        if isinstance(source, DatasetTask):  # seeded, without replacement (a file may be ordered by topic)
+            examples = source.sample(PROMPTS_FOR_VOCAB, seed=0)
+        elif isinstance(task, ChatTask):
+            examples = task.sample(PROMPTS_FOR_VOCAB, seed=0)
+        else:
+            examples = [e for seed in range(PROMPTS_FOR_VOCAB // 16) for e in task.sample(16, seed=seed)]
+        return [list(task.prompt_ids(example)) for example in examples]
+    except Exception as error:  # noqa: BLE001 - a task's own sampling: the lowest ids serve instead
+        log.warning("the drafter's vocabulary is the stop tokens and the lowest ids: sampling the task's prompts "
+                    "failed (%s: %s)", type(error).__name__, error)
+        return []
 
 
 def _gate_and_arms(engine: RolloutEngine, run, arms: list, announce: bool) -> tuple[int, list]:

@@ -33,6 +33,7 @@ class DrafterSnapshot:
     version: int
     weights: dict[str, torch.Tensor]
     trainer_state: dict | None = None
+    trained: bool = True  # False: the run's starting drafter at its random initialization, never trained
 
 
 def save_run_checkpoint(run_dir: Path, replica: PolicyReplica, step: int, *, drafter: DrafterSnapshot | None = None,
@@ -41,7 +42,7 @@ def save_run_checkpoint(run_dir: Path, replica: PolicyReplica, step: int, *, dra
     state, files = dict(extra or {}), {}
     if drafter is not None:
         files[DRAFTER_FILE] = drafter.weights
-        state["drafter"] = {"version": drafter.version, "trainer": None}
+        state["drafter"] = {"version": drafter.version, "trainer": None, "trained": drafter.trained}
         if drafter.trainer_state is not None:
             tensors, meta = flatten_optimizer(drafter.trainer_state["optimizer"])
             files[DRAFTER_OPTIMIZER_FILE] = tensors
@@ -84,15 +85,19 @@ def read_drafter(checkpoint: Path) -> DrafterSnapshot | None:
     if meta["trainer"] is not None:
         optimizer = unflatten_optimizer(read_tensors(path / DRAFTER_OPTIMIZER_FILE), meta["trainer"]["optimizer"])
         trainer = {"optimizer": optimizer, "steps": meta["trainer"]["steps"]}
-    return DrafterSnapshot(meta["version"], read_tensors(path / DRAFTER_FILE), trainer)
+    # a checkpoint from before "trained" was kept: a version past 0, or one with a trainer state, has trained
+    trained = meta.get("trained", meta["version"] > 0 or trainer is not None)
+    return DrafterSnapshot(meta["version"], read_tensors(path / DRAFTER_FILE), trainer, trained)
 
 
 def save_final_drafter(directory: Path, like: EagleDrafter, snapshot: DrafterSnapshot) -> Path:
     """The run's latest drafter as a tlt drafter directory (config, weights and, once spot training has run,
     its trainer state): `tlt drafter export` makes it an EAGLE draft model for vLLM / SGLang, and
     `run.drafter=` starts the next run's spot training where this one stopped. `like`: a drafter of the same
-    shape (its config and draft vocabulary)."""
-    draft_vocab = None if like.draft_to_target is None else like.draft_to_target.cpu()
+    target (its config); the draft vocabulary is the snapshot's own (a resumed run's may differ from the one its
+    config builds)."""
+    draft_vocab = snapshot.weights.get("draft_to_target")
+    draft_vocab = None if draft_vocab is None else draft_vocab.cpu()
     drafter = EagleDrafter(like.config, draft_vocab)  # unattached, on the CPU: only its own layers are written
     drafter.load_state_dict(snapshot.weights)
     drafter.save(directory)

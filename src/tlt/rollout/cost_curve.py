@@ -143,9 +143,13 @@ def default_cache_dir() -> Path:
 
 def curve_key(engine, strategies: list[SpecStrategy], batches) -> str:
     spec = engine.spec
+    # the drafter's draft vocabulary sizes its head, a large part of a draft pass (3.2x the drafting time at 8,192
+    # tokens against SmolLM2's 49,152: benchmarks §11): a curve measured with one does not price the other
+    drafter = engine.spec_decoder.drafter if engine.spec_decoder is not None else None
     parts = [device_name(engine.device), spec.model_type, spec.num_layers, spec.hidden_size, spec.vocab_size,
              str(engine.forward.dtype), engine.runner is not None, torch.__version__, linear_kind(engine.forward),
-             sorted(s.name for s in strategies), list(batches), CONTEXT]
+             sorted(s.name for s in strategies), list(batches), CONTEXT,
+             None if drafter is None else drafter.draft_vocab_size]
     compile_mode = getattr(engine.forward, "compile_mode", None)
     if compile_mode is not None:  # only then: the keys of uncompiled engines stay what they were
         parts.append(compile_mode)
@@ -164,7 +168,7 @@ def linear_kind(forward) -> str:
 def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: int = MEASURE_REPEATS,
             tau: float = EXPECTED_TAU, budget_s: float = MEASURE_BUDGET_S) -> CostCurve:
     """Time plain and SD steps at every batch size on scratch buffers (random KV; a random drafter costs what a
-    trained one does, the arm fixes the shapes). Plain and SD steps alternate and each arm keeps the median of its
+    trained one does: the arm and the draft vocabulary fix the shapes). Plain and SD steps alternate and each arm keeps the median of its
     paired ratios, so load that drifts while measuring (other processes) cancels. An arm is no longer timed past
     the batch where it stops paying, measuring ends when none pays, or when `budget_s` of timed steps has passed
     (warm-ups, i.e. graph captures and compiles, are not charged: with rollout.compile they take tens of
