@@ -37,6 +37,18 @@
 # call comes back in $OUT/drafter/: drafter_config.json and the weights in parts of 15 MiB (a file over 16 MiB does
 # not come back; the SmolLM2 drafter is 16.8 MB in fp32). To reuse it in a later call, copy those files into
 # .gpu/drafter/ here and add ".gpu/drafter" to the call's carry: the parts are joined there.
+#
+# A call plan for one session's ~30 device minutes (each call <= 10; the machine is given back after 30 s idle, so
+# each call follows the last at once), most needed numbers first; prepare here: `mkdir -p .git/info && bash
+# ../shared/gpu/prepare.sh && bash benchmarks/gpu_trl_wheels.sh`. Carry ".gpu/whl", ".gpu/env.sh",
+# ".gpu/model.sha256" in every call, plus what each line names; after each call copy back what it sent
+# ($OUT/cost_curves.tar -> .gpu/, $OUT/drafter/* -> .gpu/drafter/) and carry those in the next calls.
+#   1. carry .gpu/a:  cp .gpu/a/part.aa /root/ && echo ok
+#   2. carry .gpu/b:  . .gpu/env.sh && BUDGET=560 bash benchmarks/gpu_session.sh tests throughput   (#13)
+#   3.                . .gpu/env.sh && BUDGET=560 bash benchmarks/gpu_session.sh drafter           (a warmed drafter)
+#   4. carry .gpu/drafter .gpu/cost_curves.tar:  ... gpu_session.sh spec                        (#13, #14)
+#   5. same carry:    ... gpu_session.sh e2e                                                      (#15)
+# then, as time is left: tail, trl (carry .gpu/trl), e2e-natural, kernels, spec-compiled, head, tail-tau.
 set -u
 OUT=${OUT:-/tmp/out}
 DRAFTER=${DRAFTER:-/root/drafter-smollm2}  # this machine's drafter (lost when the machine is given back)
