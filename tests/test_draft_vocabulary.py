@@ -68,11 +68,11 @@ def test_an_untrained_drafter_serves_no_step_and_a_trained_one_does():
     assert _sd_steps(trained=True) > 0
 
 
-def test_a_step_line_says_when_speculation_waits_for_a_trained_drafter():
+def test_a_step_line_says_when_speculation_waited_for_a_trained_drafter():
     from tlt.distributed.run import _speculation_text
 
     waiting = {"sd/sd_step_share": 0.0, "drafter_trained": False}
-    assert _speculation_text(waiting) == "SD waits for a trained drafter"
+    assert _speculation_text(waiting) == "SD waited for a trained drafter"
     assert _speculation_text({**waiting, "drafter_trained": True}) == "SD in 0% of decode steps"
     assert _speculation_text({"sd/sd_step_share": 0.25, "sd/tau": 1.5, "drafter_trained": True}) == \
         "SD in 25% of decode steps, τ 1.50"
@@ -167,3 +167,30 @@ def test_the_cost_curves_cache_key_knows_the_draft_vocabulary():
     keys = {curve_key(RolloutEngine(model, drafter=EagleDrafter(model.config, vocab)), arms, (1, 2))
             for vocab in (None, torch.arange(8), torch.arange(1, 9))}
     assert len(keys) == 2  # the whole vocabulary, and 8 tokens (which 8 does not change the cost)
+
+
+def test_the_step_line_of_a_real_run_says_speculation_waited(tmp_path, monkeypatch):
+    """The line `tlt train` prints, from a run whose drafter never trained (its trainer fails), and from the
+    same run once trained versions serve."""
+    import io
+
+    from rich.console import Console
+
+    from test_distributed import make_controller
+    from tlt.distributed.run import train
+    from tlt.drafter.trainer import DrafterTrainer
+
+    def lines(directory, **overrides):
+        output = io.StringIO()
+        controller = make_controller(directory, **{"run.steps": 2, **overrides})
+        try:
+            train(controller.config, trainer=controller, console=Console(file=output, width=200))
+        finally:
+            controller.close()
+        return [line for line in output.getvalue().splitlines() if "drafter v" in line]
+
+    trained = lines(tmp_path / "trained")
+    assert "SD in " in trained[1] and "τ " in trained[1], trained
+    monkeypatch.setattr(DrafterTrainer, "_step", lambda self, stop=None: 1 / 0)
+    untrained = lines(tmp_path / "untrained")
+    assert all(line.endswith("drafter v0  SD waited for a trained drafter") for line in untrained), untrained

@@ -44,6 +44,7 @@ class DistributedGRPO:
         self.backend = backend or make_backend(config, self.placement, **backend_kwargs)
         self.size = self.backend.size
         self.step = 0
+        self._ready_at_start: bool | None = None  # this step's rollouts began with a trained drafter
         self.progress = False
         self.on_phase = None  # callable(text): the driver's status line, told when the rollout is over
         self.last_timeline: dict | None = None
@@ -63,6 +64,8 @@ class DistributedGRPO:
         shards = _shard(examples, self.size)
         replay = self._length_shards(lengths, shards)
         self.backend.hub.begin_step(self.step)
+        # whether the drafter the rollouts start with has trained (an untrained one serves no SD step)
+        self._ready_at_start = self.speculative and self.backend.hub.is_trained(self.backend.hub.latest_version())
         rollouts, prepared, spot = self._run_workers(shards, replay)
         rollout_end = max(r["end"] for r in rollouts.values())
         totals = _sum_totals([prepared[r]["totals"] for r in range(self.size)])
@@ -200,7 +203,8 @@ class DistributedGRPO:
             "spot_train_errors": sum(result["error"] is not None for result in trainers),
             "drafter_versions": published,
             "drafter_version": version,
-            "drafter_trained": None if version is None else self.backend.hub.is_trained(version),
+            # the version the rollouts started with had trained (false: SD waited for a trained one)
+            "drafter_trained": self._ready_at_start if self.speculative else None,
             # versions that served a sample's SD steps (an untrained version serves none): > 1 = hot-swapped
             "samples_hot_swapped": sum(len(v) > 1 for v in served),
             "drafter_versions_per_sample": [len(v) for v in served],  # the full lists are in the RolloutResult

@@ -103,7 +103,7 @@ def _speculation_text(metrics: dict) -> str:
     if metrics.get("sd/gate") == 0:
         return "SD off: no arm pays on this device (run.gate=auto)"
     if tau is None and metrics.get("drafter_trained") is False:
-        return "SD waits for a trained drafter"
+        return "SD waited for a trained drafter"
     if tau is None:
         return "SD in 0% of decode steps" if share is not None else ""
     return f"SD in {share:.0%} of decode steps, τ {tau:.2f}"
