@@ -7,7 +7,10 @@ Equal work (`equal_work: true`): `speedup_vs_baseline` and the per-mode times co
 replay (every mode decodes the same tokens per sample). TRL cannot replay lengths, so `speedup_vs_trl` compares
 natural runs on the same prompts (median step times, TRL's over its own file, tlt's pooled over the natural
 seeds), with both sides' completion lengths beside it. `spot_overhead_ratio` is spot_training.py's overhead phase
-(a lone worker training beside its tail, serving the starting drafter).
+(a lone worker training beside its tail, serving the starting drafter); `tau_gain_late` / `tau_gain_last` its tau
+phase (spot-trained over frozen drafter, over the run's second half / at its last step, after `tau_steps`).
+Per mode (`*_by_mode`): `step_s`, `rollout_s`, `train_s` (the update phase: rewards, log-probs, update) and the
+completion lengths (`response_len_mean`). Inputs measured on different devices are named in `devices`.
 """
 
 from __future__ import annotations
@@ -64,10 +67,24 @@ def merge(replay: dict | None, natural: dict, trl: dict | None, spot: dict | Non
         result["spot_overhead_ratio"] = spot.get("spot_overhead_ratio")
         result["overlap_slowdown_median"] = spot.get("overlap_slowdown_median")
         result["spot_overhead_serves_trained_versions"] = spot.get("overhead_serves_trained_versions")
-        if "tau_gain_late" in spot:
-            result["tau_gain_late"] = spot["tau_gain_late"]
+        for key in ("tau_gain_late", "tau_gain_last", "tau_steps"):
+            if key in spot:
+                result[key] = spot[key]
+    if trl is not None and "speedup_vs_trl" not in result:
+        print("WARNING: no speedup_vs_trl: it compares TRL with tlt's natural runs (e2e.py without --replay, "
+              "e.g. the e2e-natural phase); pass them with --natural", file=sys.stderr)
     result["complete"] = all(part.get("complete", True) for part in (replay, trl, spot) if part is not None)
     return result
+
+
+def devices(named: dict[str, dict | None]) -> dict[str, str]:
+    """The device each input ran on (its environment's device name, else its device)."""
+    found = {}
+    for name, data in named.items():
+        environment = (data or {}).get("environment") or {}
+        if environment:
+            found[name] = environment.get("device_name") or environment.get("device")
+    return found
 
 
 def main(argv=None) -> dict:
@@ -83,8 +100,12 @@ def main(argv=None) -> dict:
         spot.update({k: v for k, v in part.items() if v is not None})
     if parts:
         spot["complete"] = all(part.get("complete", True) for part in parts)  # not the last file's alone
-    result = merge(_read(args.replay) if args.replay else None, _pooled_natural(args.natural),
-                   _read(args.trl) if args.trl else None, spot or None)
+    replay, trl = (_read(args.replay) if args.replay else None), (_read(args.trl) if args.trl else None)
+    result = merge(replay, _pooled_natural(args.natural), trl, spot or None)
+    inputs = {"replay": replay, "trl": trl, **{path: _read(path) for path in args.natural}, "spot": spot}
+    result["devices"] = devices(inputs)
+    if len(set(result["devices"].values())) > 1:
+        print(f"WARNING: the inputs ran on different devices: {result['devices']}", file=sys.stderr)
     write_json(args.json, result)
     return result
 

@@ -44,18 +44,22 @@
 # ".gpu/model.sha256" in every call, plus what each line names; after each call copy back what it sent
 # ($OUT/cost_curves.tar -> .gpu/, $OUT/drafter/* -> .gpu/drafter/) and carry those in the next calls.
 #   1. carry .gpu/a:  cp .gpu/a/part.aa /root/ && echo ok
-#   2. carry .gpu/b:  . .gpu/env.sh && BUDGET=560 bash benchmarks/gpu_session.sh tests throughput   (#13)
-#   3.                . .gpu/env.sh && BUDGET=560 bash benchmarks/gpu_session.sh drafter           (a warmed drafter)
+#   2. carry .gpu/b:  . .gpu/env.sh && bash benchmarks/gpu_session.sh throughput tests             (#13)
+#   3.                . .gpu/env.sh && bash benchmarks/gpu_session.sh drafter  (a warmed drafter; it saves every
+#                     60 s, so a drafter comes back even from a call cut short)
 #   4. carry .gpu/drafter .gpu/cost_curves.tar:  ... gpu_session.sh spec                        (#13, #14)
 #   5. same carry:    ... gpu_session.sh e2e                                                      (#15)
-# then, as time is left: tail, trl (carry .gpu/trl), e2e-natural, kernels, spec-compiled, head, tail-tau.
+# then, as time is left: e2e-natural and trl (carry .gpu/trl; speedup_vs_trl needs both), tail, tail-tau, kernels,
+# spec-compiled, head. The tests phase takes what throughput leaves of BUDGET (540 s: under a call's 600 with room
+# for the cost-curve tarball on exit).
 set -u
 OUT=${OUT:-/tmp/out}
 DRAFTER=${DRAFTER:-/root/drafter-smollm2}  # this machine's drafter (lost when the machine is given back)
 CARRIED=${CARRIED:-.gpu/drafter}           # a drafter an earlier call sent back, carried in (whole or in parts)
 BUDGET=${BUDGET:-540}                      # seconds for all phases of this call (a call may run 600 in all)
 SEEDS=${SEEDS:-0}                          # e2e-natural: the seeds of this call, e.g. SEEDS=1
-TAU_STEPS=${TAU_STEPS:-6}                  # tail-tau: RL steps per mode
+TAU_STEPS=${TAU_STEPS:-10}                 # tail-tau: RL steps per mode (#15: after 10 RL steps)
+TAU_TOKENS=${TAU_TOKENS:-512}              # tail-tau: max_new_tokens (1024 x 10 steps x 2 modes exceeds a call)
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET))
 
@@ -100,7 +104,13 @@ send_drafter() {  # $OUT/drafter/: the config, and the weights whole or (over 16
 
 warm_drafter() {  # warm_drafter SECONDS PROMPTS STEPS: train a drafter into $DRAFTER and send it back
   run drafter "$1" python3 -m tlt.cli drafter warmup --out "$DRAFTER" --overwrite --prompts "$2" --steps "$3" \
-    --lr-schedule cosine && send_drafter
+    --lr-schedule cosine
+  local rc=$?
+  if [ $rc -ne 0 ] && have_drafter; then  # the warm-up saves every 60 s: a cut-short one still left a drafter
+    echo "== drafter: the warm-up stopped (rc=$rc); its last save ($(grep -o '"steps": [0-9]*' \
+      "$DRAFTER/drafter_trainer.json") optimizer steps) is what the phases get"
+  fi
+  send_drafter
 }
 
 ensure_drafter() {  # this machine's drafter, else the carried copy, else one warmed now
@@ -132,12 +142,13 @@ for phase in "$@"; do
       run tests 540 python3 -m pytest -m gpu tests/test_gpu.py -q -rfE --durations=15 -o faulthandler_timeout=120 \
         --junitxml="$OUT/tests.xml" ;;
     drafter) warm_drafter 540 "${WARM_PROMPTS:-1024}" "${WARM_STEPS:-2000}" ;;
-    spec)
+    spec)  # T=1 first: speculative_h100.json is the file #13 and #14 need; the greedy run's results go into it
+      run spec_t1 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
+        --batches 1,4,16 --json "$OUT/speculative_h100.json" --png /tmp/speculative_h100.png
       run spec_greedy 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
         --batches 1,4,16 --json "$OUT/speculative_h100_greedy.json" --png /tmp/speculative_h100_greedy.png
-      run spec_t1 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
-        --batches 1,4,16 --greedy-json "$OUT/speculative_h100_greedy.json" --json "$OUT/speculative_h100.json" \
-        --png /tmp/speculative_h100.png ;;
+      [ -s "$OUT/speculative_h100.json" ] && python3 benchmarks/speculative.py \
+        --add-greedy-to "$OUT/speculative_h100.json" --greedy-json "$OUT/speculative_h100_greedy.json" ;;
     throughput)
       run throughput 540 python3 benchmarks/rollout_throughput.py --device cuda --batches 1,16,64 \
         --max-new-tokens 128 --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
@@ -158,9 +169,9 @@ for phase in "$@"; do
     tail)
       run tail 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
         --max-new-tokens 1024 --phases overhead --steps 2 --warmup-steps 1 --json "$OUT/spot_training_h100.json" ;;
-    tail-tau)
+    tail-tau)  # 10 RL steps per mode as #15 asks: at 1024 tokens they do not fit a call, at TAU_TOKENS they may
       run tail_tau 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
-        --max-new-tokens 1024 --phases tau --tau-steps "$TAU_STEPS" --warmup-steps 1 \
+        --max-new-tokens "$TAU_TOKENS" --phases tau --tau-steps "$TAU_STEPS" --warmup-steps 1 \
         --json "$OUT/spot_training_tau_h100.json" ;;
     e2e)
       run e2e_replay 540 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --replay --max-new-tokens 1024 \

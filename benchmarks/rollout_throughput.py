@@ -189,6 +189,10 @@ def main_cuda(args, max_new: int) -> dict:
         results["tokens"][key] = {"engine": engine_tokens, "hf_static": hf_tokens}
         results["step_ms"][key] = statistics.median(decode_ms)
         results["graphs_captured"][key] = graphed.runner.captures
+        # as the engine ran, not as asked: the rollout copy is bf16 but keeps its lm_head in fp32 (the sampling
+        # distribution), so the all-bf16 transformers baseline does less work there
+        results["dtype"] = str(graphed.forward.dtype).removeprefix("torch.")
+        results["lm_head_dtype"] = str(graphed.forward.lm_head.weight.dtype).removeprefix("torch.")
         line = (f"batch {batch:3d}: engine {results['engine_tok_s'][key]:9.1f} tok/s  step "
                 f"{results['step_ms'][key]:.3f} ms")
         if compiled_ok:

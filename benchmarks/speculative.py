@@ -38,6 +38,7 @@ QUICK = ["S3K1N3", "S4K2N8", "S3K1N3q", "S4K2N14q"]
 
 
 COMPILED_ENGINES: dict[int, RolloutEngine] = {}  # --compile: one engine per batch size serves every arm and plain
+ENGINE_SETUP: dict = {}  # the rollout dtype and whether CUDA graphs ran, as the engines had them (into the JSON)
 
 
 def engine_for(loaded, drafter, batch, strategy, compile_mode):
@@ -66,6 +67,7 @@ def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, tempera
     else:
         engine.generate([Request(prompts[0], params=SamplingParams(max_new_tokens=4, seed=seed))])  # warm-up
     result = engine.generate(requests)
+    ENGINE_SETUP.update(dtype=str(engine.forward.dtype).removeprefix("torch."), cuda_graphs=engine.runner is not None)
     return result.tokens_per_s, result.speculation_summary()
 
 
@@ -87,7 +89,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--greedy-json", help="a --temperature 0 run's file: its results go beside these")
     parser.add_argument("--rounds", type=int, default=1, help="prompts per batch slot: batch x rounds distinct "
                         "prompts decoded at that batch size (more tokens behind τ at small batch)")
+    parser.add_argument("--add-greedy-to", metavar="FILE", help="only put --greedy-json's results into FILE, a "
+                        "T=1 run's (a GPU session runs T=1 first, so that a short call still gets the T=1 file)")
     args = parser.parse_args(argv)
+    if args.add_greedy_to:
+        results = json.loads(Path(args.add_greedy_to).read_text())
+        add_greedy(results, args.greedy_json)
+        write_json(args.add_greedy_to, results, echo=False)
+        return results
     batches = [1, 4, 16] if args.quick else [1, 2, 4, 8, 16, 32]
     strategies = [s for s in STRATEGIES if s.name in QUICK] if args.quick else STRATEGIES
     if args.batches:
@@ -149,16 +158,22 @@ def main(argv=None) -> dict:
         print(f"batch {batch:2d}: plain {plain:6.1f} tok/s  best SD {best[0]:6.1f} tok/s ({best[2]}, "
               f"tau {best[1]:.2f})  x{results['speedup'][key]:.2f}", file=sys.stderr)
         write_json(args.json, results, echo=False)
-    if args.greedy_json and Path(args.greedy_json).exists():  # (a greedy run that never started left none)
-        greedy = json.loads(Path(args.greedy_json).read_text())
-        results.update({f"{key}_greedy": greedy.get(key) for key in ("speedup", "tau", "strategy", "by_strategy",
-                                                                      "complete", "temperature")})
+    add_greedy(results, args.greedy_json)
+    results.update(ENGINE_SETUP)
     results["complete"] = True
     write_json(args.json, results)
     png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if png:
         plot(results, png)
     return results
+
+
+def add_greedy(results: dict, greedy_json: str | None) -> None:
+    """A greedy run's results beside these (a greedy run that never started left no file: nothing)."""
+    if greedy_json and Path(greedy_json).exists():
+        greedy = json.loads(Path(greedy_json).read_text())
+        results.update({f"{key}_greedy": greedy.get(key) for key in ("speedup", "tau", "strategy", "by_strategy",
+                                                                      "complete", "temperature")})
 
 
 def plot(results: dict, path: str) -> None:

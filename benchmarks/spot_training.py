@@ -160,6 +160,10 @@ def main() -> None:
         late = {name: [t for t in taus[name][-last:] if t is not None] for name in ("spot", "frozen")}
         if late["spot"] and late["frozen"]:
             result["tau_gain_late"] = round(statistics.median(late["spot"]) / statistics.median(late["frozen"]) - 1, 4)
+        both = [(s, f) for s, f in zip(taus["spot"], taus["frozen"]) if s is not None and f is not None]
+        result["tau_steps"] = len(taus["spot"])  # RL steps per mode run (a run cut at its time limit: fewer)
+        if both:
+            result["tau_gain_last"] = round(both[-1][0] / both[-1][1] - 1, 4)  # at the last step both measured
     result["complete"] = True
     write_json(args.json, result)
     print(f"overhead ratio (median of per-step spot/frozen): {result.get('spot_overhead_ratio')}")

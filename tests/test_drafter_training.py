@@ -281,6 +281,35 @@ def test_warmup_goes_on_from_an_earlier_drafter_with_its_optimizer(tmp_path):
     assert (first["init"], second["init"], second["lr_schedule"]) == (None, str(tmp_path / "a"), "cosine")
 
 
+def test_a_killed_warmup_keeps_the_drafter_of_its_last_save(tmp_path, monkeypatch):
+    """A warm-up saved only at its end: killed at a time limit (the GPU session's), it left nothing. It saves as it
+    trains; `--init` goes on from the save, optimizer steps included."""
+    import json
+
+    import tlt.drafter.warmup as warmup_module
+    from tlt.drafter.trainer import DrafterTrainer
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.tasks.synthetic import TargetTokenTask
+
+    monkeypatch.setattr(warmup_module, "SAVE_EVERY_S", 0.0)
+    step = DrafterTrainer.train_steps
+
+    def killed_at_the_fifth(trainer, count):
+        if trainer.steps == 4:
+            raise KeyboardInterrupt
+        return step(trainer, count)
+
+    monkeypatch.setattr(DrafterTrainer, "train_steps", killed_at_the_fifth)
+    small = dict(prompts=6, samples_per_prompt=1, eval_prompts=1, max_new_tokens=8, draft_vocab=12,
+                 eval_strategy=SpecStrategy.chain(2))
+    loaded, out = _markov_loaded(), tmp_path / "drafter"
+    with pytest.raises(KeyboardInterrupt):
+        warmup(loaded, TargetTokenTask(vocab_size=16), out, WarmupConfig(steps=10, **small), log=lambda line: None)
+    assert json.loads((out / "drafter_trainer.json").read_text())["steps"] == 4
+    assert EagleDrafter.load(out, loaded.model).draft_vocab_size == 12
+    assert not (out / "warmup_report.json").exists()  # a finished warm-up's mark
+
+
 def test_warmup_refuses_an_init_drafter_of_another_vocabulary_before_sampling(tmp_path, monkeypatch):
     from tlt.drafter.warmup import WarmupConfig, warmup
     from tlt.errors import TltError

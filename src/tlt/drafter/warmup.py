@@ -31,6 +31,11 @@ from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
 
 
+# Seconds of training between saves of the drafter so far: a warm-up killed (a time limit, a lost machine) keeps
+# it, weights and optimizer state, and `--init OUT` goes on from it; only the final save adds warmup_report.json.
+SAVE_EVERY_S = 60.0
+
+
 @dataclass(frozen=True)
 class WarmupConfig:
     prompts: int = 64               # training prompts
@@ -82,6 +87,7 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
                           config, train_config)
     drafter = trainer.drafter
     held = list(held_buffer.entries)
+    saved = time.perf_counter()
     with tqdm(total=config.steps, desc="drafter warm-up", unit="step") as bar:
         for step in range(config.steps):
             for group in trainer.optimizer.param_groups:
@@ -90,6 +96,9 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
             stats = trainer.train_steps(1)[-1]
             bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.2f}")
             bar.update(1)
+            if time.perf_counter() - saved >= SAVE_EVERY_S and step + 1 < config.steps:
+                trainer.save(out)  # a warm-up killed later keeps this drafter (go on with --init OUT)
+                saved = time.perf_counter()
     held_out = trainer.evaluate(held)
     log(f"scoring greedy draft chains on the {len(prompts) - held_from} held-out responses")
     chain = chain_acceptance(drafter, engine.policy_forward, prompts[held_from:], responses[held_from:],
