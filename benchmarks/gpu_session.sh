@@ -9,7 +9,7 @@
 #   tests       pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training)
 #               -> tests.log, tests.xml (JUnit: every test's outcome and time)
 #   drafter     warm a drafter on the GPU (WARM_PROMPTS 1024, WARM_STEPS 2000: data-bound) into $DRAFTER, sent back
-#   spec        benchmarks/speculative.py, greedy and T=1, batches 1,4,16       -> speculative_h100.json (#13, #14)
+#   spec        benchmarks/speculative.py, greedy and T=1, batches 1,4,16,32 (32: the largest gate a cost curve can give; SD must not lose there)-> speculative_h100.json (#13, #14)
 #   throughput  benchmarks/rollout_throughput.py, batches 1,16,64, also with rollout.compile=inductor (no eager
 #               engine: measured before)                                         -> rollout_throughput_h100.json (#13)
 #   kernels     decode_step.py: kernels per captured forward and their names, uncompiled / inductor / max-autotune
@@ -144,9 +144,9 @@ for phase in "$@"; do
     drafter) warm_drafter 540 "${WARM_PROMPTS:-1024}" "${WARM_STEPS:-2000}" ;;
     spec)  # T=1 first: speculative_h100.json is the file #13 and #14 need; the greedy run's results go into it
       run spec_t1 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
-        --batches 1,4,16 --json "$OUT/speculative_h100.json" --png /tmp/speculative_h100.png
+        --batches 1,4,16,32 --json "$OUT/speculative_h100.json" --png /tmp/speculative_h100.png
       run spec_greedy 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
-        --batches 1,4,16 --json "$OUT/speculative_h100_greedy.json" --png /tmp/speculative_h100_greedy.png
+        --batches 1,4,16,32 --json "$OUT/speculative_h100_greedy.json" --png /tmp/speculative_h100_greedy.png
       [ -s "$OUT/speculative_h100.json" ] && python3 benchmarks/speculative.py \
         --add-greedy-to "$OUT/speculative_h100.json" --greedy-json "$OUT/speculative_h100_greedy.json" ;;
     throughput)
