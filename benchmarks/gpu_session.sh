@@ -9,7 +9,8 @@
 #   tests       pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training)
 #               -> tests.log, tests.xml (JUnit: every test's outcome and time)
 #   drafter     warm a drafter on the GPU (WARM_PROMPTS 1024, WARM_STEPS 2000: data-bound) into $DRAFTER, sent back
-#   spec        benchmarks/speculative.py, greedy and T=1, batches 1,4,16,32 (32: the largest gate a cost curve can give; SD must not lose there)-> speculative_h100.json (#13, #14)
+#   spec        benchmarks/speculative.py, T=1 then greedy, batches 1,4,16,32 (32: the largest gate a cost curve
+#               gives; SD must not lose where it turns on)                 -> speculative_h100.json (#13, #14)
 #   throughput  benchmarks/rollout_throughput.py, batches 1,16,64, also with rollout.compile=inductor (no eager
 #               engine: measured before)                                         -> rollout_throughput_h100.json (#13)
 #   kernels     decode_step.py: kernels per captured forward and their names, uncompiled / inductor / max-autotune
