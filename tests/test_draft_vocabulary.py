@@ -1,9 +1,12 @@
 """The draft vocabulary of a drafter trained from scratch, and an untrained drafter serving no speculative step."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from conftest import markov_model, oracle_drafter, tiny_model
+from test_distributed import long_tail_model, make_controller
 from tlt.drafter.vocabulary import frequent_tokens, limits_vocab
 from tlt.rl.config import ConfigError, load_config
 from tlt.rollout.engine import RolloutEngine
@@ -176,7 +179,6 @@ def test_the_step_line_of_a_real_run_says_speculation_waited(tmp_path, monkeypat
 
     from rich.console import Console
 
-    from test_distributed import make_controller
     from tlt.distributed.run import train
     from tlt.drafter.trainer import DrafterTrainer
 
@@ -194,3 +196,105 @@ def test_the_step_line_of_a_real_run_says_speculation_waited(tmp_path, monkeypat
     monkeypatch.setattr(DrafterTrainer, "_step", lambda self, stop=None: 1 / 0)
     untrained = lines(tmp_path / "untrained")
     assert all(line.endswith("drafter v0  SD waited for a trained drafter") for line in untrained), untrained
+
+
+@pytest.mark.parametrize("trainer", [{}, {"run.workers": 1, "run.tail_training": "on"}], ids=["spot", "tail"])
+def test_a_resume_goes_on_with_the_checkpoints_draft_vocabulary(tmp_path, trainer):
+    """A run resumed under another run.draft_vocab (or from a tlt whose fresh drafter drafted over the whole
+    vocabulary) goes on with its checkpoint's drafter and trainer state: loading them into a drafter of this
+    config's vocabulary failed with a shape mismatch at the first rollout. Also with one worker training beside
+    its own tail (its trainer is remade over the checkpoint's vocabulary)."""
+    whole = make_controller(tmp_path / "a", **{"run.draft_vocab": 0}, **trainer)
+    try:
+        assert whole.backend.workers[0].drafter.draft_to_target is None
+        whole.train_step()
+        checkpoint = whole.save(tmp_path / "a")
+        trained = whole.backend.hub.latest_version()
+    finally:
+        whole.close()
+    assert trained > 0  # the checkpoint holds a spot-trained drafter
+    resumed = make_controller(tmp_path / "b", **{"run.draft_vocab": 8}, **trainer)
+    try:
+        assert resumed.backend.workers[0].drafter.draft_vocab_size == 8
+        resumed.resume(checkpoint)
+        metrics = resumed.train_step()
+        sizes = [worker.drafter.draft_vocab_size for worker in resumed.backend.workers]
+        served = [sample.drafter_versions for sample in resumed.last_rollout.samples]
+    finally:
+        resumed.close()
+    assert sizes == [16] * len(sizes)
+    assert metrics["spot_train_errors"] == 0 and metrics["spot_train_steps"] > 0
+    assert any(trained in versions for versions in served), served  # the checkpoint's drafter served
+
+
+def test_a_fresh_drafter_drafts_over_the_task_prompts_tokens_and_the_stop_token(tmp_path):
+    controller = make_controller(tmp_path, **{"run.draft_vocab": 8})
+    try:
+        vocabularies = [worker.drafter.draft_to_target.tolist() for worker in controller.backend.workers]
+    finally:
+        controller.close()
+    # EOS 3 always; the prompts' tokens 9, 10, 5 and 7 by frequency; topped up with the lowest ids
+    assert vocabularies == [[0, 1, 2, 3, 5, 7, 9, 10]] * 2
+
+
+def test_a_resume_under_another_draft_vocabulary_saves_the_final_drafter_without_a_step(tmp_path):
+    """`tlt train --resume` of a run already at run.steps only writes final/: its drafter (the checkpoint's, of
+    another vocabulary than the config builds) was loaded into the config's drafter and the save failed."""
+    whole = make_controller(tmp_path / "a", **{"run.draft_vocab": 0})
+    try:
+        whole.train_step()
+        checkpoint = whole.save(tmp_path / "a")
+    finally:
+        whole.close()
+    resumed = make_controller(tmp_path / "b", **{"run.draft_vocab": 8})
+    try:
+        resumed.resume(checkpoint)
+        final = Path(resumed.save_final(tmp_path / "final"))
+    finally:
+        resumed.close()
+    from tlt.models.eagle import EagleDrafter
+
+    assert EagleDrafter.load(final / "drafter", long_tail_model()).draft_to_target is None
+
+
+def test_whether_a_drafter_trained_travels_with_it_not_with_the_config(tmp_path, monkeypatch):
+    """A resumed run's version 0 is its checkpoint's: trained when the run was given one (even if the resumed
+    config no longer names it), untrained when spot training never ran (even if the resumed config names a
+    drafter, which the checkpoint's replaces)."""
+    from tlt.drafter.trainer import DrafterTrainer
+    from tlt.models.eagle import EagleDrafter
+
+    given = tmp_path / "given"
+    EagleDrafter(long_tail_model().config).save(given)
+    lone = {"run.workers": 1, "run.speculative": "static", "run.tail_training": "off"}
+    first = make_controller(tmp_path / "a", **lone, **{"run.drafter": str(given)})
+    try:
+        first.train_step()
+        checkpoint = first.save(tmp_path / "a")
+    finally:
+        first.close()
+    resumed = make_controller(tmp_path / "b", **{**lone, "run.tail_training": "on"})
+    try:
+        resumed.resume(checkpoint)
+        resumed.train_step()
+        served = [sample.drafter_versions for sample in resumed.last_rollout.samples]
+    finally:
+        resumed.close()
+    assert any(0 in versions for versions in served), served  # the given drafter served from the first step
+
+    monkeypatch.setattr(DrafterTrainer, "_step", lambda self, stop=None: 1 / 0)  # spot training never trains
+    untrained = make_controller(tmp_path / "c")
+    try:
+        untrained.train_step()
+        checkpoint = untrained.save(tmp_path / "c")
+    finally:
+        untrained.close()
+    resumed = make_controller(tmp_path / "d", **{"run.drafter": str(given)})
+    try:
+        resumed.resume(checkpoint)
+        metrics = resumed.train_step()
+        final = Path(resumed.save_final(tmp_path / "final"))
+    finally:
+        resumed.close()
+    assert metrics["sd/sd_step_share"] == 0 and metrics["drafter_trained"] is False
+    assert not (final / "drafter").exists()  # nothing trained to serve
