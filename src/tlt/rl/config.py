@@ -5,11 +5,8 @@ Unknown keys are an error that lists the valid keys closest to the typo; values 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
 import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +16,11 @@ import yaml
 
 from tlt.errors import TltError
 from tlt.models.lean_forward import COMPILE_MODES
+from tlt.rl.config_text import (ConfigError, FlowListDumper, UniqueKeyLoader, check_key, coerce, parse_text,
+                                 yaml_problem)
 from tlt.rl.grpo import AGGREGATIONS
 from tlt.rl.optim import decay_steps
 from tlt.speculative.strategy import SpecStrategy
-
-
-class ConfigError(TltError):
-    """A config file or override that cannot be applied."""
 
 
 @dataclass(frozen=True)
@@ -156,16 +151,16 @@ class TrainConfig:
         section_name, _, name = key.partition(".")
         if not name:
             raise ConfigError(f"config key {key!r} needs a section: one of {', '.join(_section_names())}")
-        section = getattr(self, _check_key(section_name, _section_names(), "section"))
+        section = getattr(self, check_key(section_name, _section_names(), "section"))
         fields = {f.name: f for f in dataclasses.fields(section)}
-        name = _check_key(name, list(fields), f"key in [{section_name}]", prefix=f"{section_name}.")
+        name = check_key(name, list(fields), f"key in [{section_name}]", prefix=f"{section_name}.")
         annotation = typing.get_type_hints(type(section))[name]
         if text:
             try:
-                value = _parse_text(value, annotation)
+                value = parse_text(value, annotation)
             except yaml.YAMLError as error:
-                raise ConfigError(f"{key}={value}: not a value YAML can read ({_yaml_problem(error)})") from None
-        coerced = _coerce(key, value, annotation)
+                raise ConfigError(f"{key}={value}: not a value YAML can read ({yaml_problem(error)})") from None
+        coerced = coerce(key, value, annotation)
         return dataclasses.replace(self, **{section_name: dataclasses.replace(section, **{name: coerced})})
 
 
@@ -352,11 +347,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         if path.is_dir():
             raise ConfigError(f"{path} is a directory, not a YAML config file")
         try:
-            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
         except UnicodeDecodeError:
             raise ConfigError(f"{path}: not a YAML config file (not UTF-8 text)") from None
         except yaml.YAMLError as error:
-            raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(error)})") from None
+            raise ConfigError(f"{path}: not valid YAML ({yaml_problem(error)})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
         for section, values in data.items():
@@ -398,116 +393,12 @@ def expand_home(config: TrainConfig) -> TrainConfig:
     return config
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load, except that a key given twice in one mapping is an error: YAML keeps the last silently, so a
-    second `run:` section would drop every key of the first."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor` (its keys may be overridden: that is what it is for)
-            key = self.construct_object(key_node, deep=deep)
-            with contextlib.suppress(TypeError):  # an unhashable key fails in the constructor, as in safe_load
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"{key!r} is given twice in one mapping (YAML would keep only the last)",
-                        key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    """A YAML error in one line: what is wrong and where (line and column, 1-based)."""
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
-
-
 def config_yaml(config: TrainConfig) -> str:
     """The full config as YAML that `load_config` reads back to an equal config (`tlt train --print-config`)."""
     sections = {name: {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
                 for name, values in config.to_dict().items()}
-    return yaml.dump(sections, Dumper=_FlowListDumper, sort_keys=False, width=120)
-
-
-class _FlowListDumper(yaml.SafeDumper):
-    """Sections as blocks, lists inline (`betas: [0.9, 0.99]`)."""
-
-
-_FlowListDumper.add_representer(
-    list, lambda dumper, value: dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=True))
-
-
-def _parse_text(raw: str, annotation):
-    optional = type(None) in typing.get_args(annotation)
-    if optional and raw.lower() in ("", "null", "none", "~"):
-        return None
-    if annotation is str or (optional and str in typing.get_args(annotation)) or (
-            _is_name_list(annotation) and not raw.lstrip().startswith("[")):
-        return raw  # a name list's comma string is split by _coerce
-    return yaml.safe_load(raw)  # a float field's 1e-3 (a string to YAML 1.1) is converted by _coerce
-
-
-def _is_name_list(annotation) -> bool:
-    """tuple[str, ...]: a list of names (YAML list or "a,b" string)."""
-    return typing.get_origin(annotation) is tuple and typing.get_args(annotation) == (str, ...)
+    return yaml.dump(sections, Dumper=FlowListDumper, sort_keys=False, width=120)
 
 
 def _section_names() -> list[str]:
     return [f.name for f in dataclasses.fields(TrainConfig)]
-
-
-def _check_key(name: str, valid: list[str], what: str, prefix: str = "") -> str:
-    if name in valid:
-        return name
-    near = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(prefix + n for n in near)}?" if near else ""
-    raise ConfigError(f"unknown config {what} {prefix + name!r}{hint} (valid: {', '.join(prefix + v for v in valid)})")
-
-
-def _coerce(key: str, value, annotation):
-    """Check a value against a field's annotation (int, float, bool, str, optional, tuple of floats)."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        if value is None:
-            return None
-        annotation = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    elif origin in (typing.Union, types.UnionType):  # e.g. int | str: first fit
-        for option in args:
-            try:
-                return _coerce(key, value, option)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key} expects {' or '.join(a.__name__ for a in args)}, got {value!r}")
-    if _is_name_list(annotation):
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
-            raise ConfigError(f"{key} expects a list of names or a comma string, got {value!r}")
-        return tuple(item.strip() for item in items if item.strip())
-    if origin is tuple:
-        if isinstance(value, str) and "," in value:  # `optim.betas=0.9,0.99`, as `run.logger=jsonl,wandb`
-            value = [item.strip() for item in value.strip("[]() ").split(",")]
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key} must be a list of {len(args)} numbers (e.g. {key}=0.9,0.99), got {value!r}")
-        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-    elif annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
-            with contextlib.suppress(ValueError):
-                return float(value)
-    elif annotation is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} expects a string, but YAML read {value!r} (from off/no/yes/on...): "
-                              f"quote it, e.g. \"off\"")
-    raise ConfigError(f"{key} expects {getattr(annotation, '__name__', annotation)}, got {value!r}")
