@@ -1,0 +1,62 @@
+"""The CPU default's worker layout on equal work: 2 Ray workers x 1 thread vs 1 worker x 2 threads, SD off.
+
+`tlt train` on the CPU defaults to 2 workers (the layout in which a worker idle in the tail spot-trains the
+drafter). This times the rest of the step under each layout: the same prompts, every sample decoding exactly the
+length a reference run of the default layout gave it (stop tokens ignored: rollout/replay.py), one step of each
+mode in turn, medians over steps. Speculation is off in every mode, so only the layout differs.
+
+    python benchmarks/worker_layout.py --json benchmarks/results/worker_layout.json [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import environment, write_json  # noqa: E402
+from rl_pairs import interleaved_runs  # noqa: E402
+
+KEYS = ("step_s", "rollout_s", "train_s")
+
+
+def modes(out: str) -> dict[str, list[str]]:
+    common = ["run.speculative=off", "run.tensorboard=false", "run.checkpoint_every=0"]
+    return {"reference": [*common, "run.workers=2", f"run.out_dir={out}/reference"],
+            "two_workers": [*common, "run.workers=2", f"run.out_dir={out}/two_workers"],
+            "one_worker": [*common, "run.workers=1", f"run.out_dir={out}/one_worker"]}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup-steps", type=int, default=1)
+    parser.add_argument("--out", default="/tmp/tlt-worker-layout")
+    args = parser.parse_args(argv)
+    result = {"environment": environment(), "steps": args.steps, "equal_work": True, "complete": False}
+
+    def partial(history):
+        result["by_mode"] = summarize(history)
+        write_json(args.json, result, echo=False)
+
+    history = interleaved_runs(modes(args.out), args.steps, replay_from="reference", on_step=partial,
+                               warmup_steps=args.warmup_steps)
+    result["by_mode"] = summarize(history)
+    two, one = result["by_mode"]["two_workers"], result["by_mode"]["one_worker"]
+    result.update({f"{key}_ratio_two_over_one": two[key] / one[key] for key in KEYS})
+    result["complete"] = True
+    write_json(args.json, result)
+    return result
+
+
+def summarize(history: dict) -> dict:
+    return {name: {**{key: statistics.median(m[key] for m in steps) for key in KEYS},
+                   "response_tokens": [sum(m["response_lengths"]) for m in steps]}
+            for name, steps in history.items() if steps}
+
+
+if __name__ == "__main__":
+    main()
