@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import e2e  # noqa: E402
 import spot_training  # noqa: E402
+import worker_layout  # noqa: E402
 from tlt.rl.config import load_config  # noqa: E402
 
 
@@ -32,6 +33,12 @@ def test_e2e_modes_load(argv):
     assert set(modes) == ({"reference", "baseline", "tlt"} if args.replay else {"baseline", "tlt"})
     for overrides in modes.values():
         assert load_config(None, overrides).run.seed == 3
+
+
+def test_worker_layout_modes_load_and_differ_only_in_workers():
+    configs = {name: load_config(None, overrides) for name, overrides in worker_layout.modes("/tmp/x").items()}
+    assert {c.run.speculative for c in configs.values()} == {"off"}
+    assert [c.run.workers for c in configs.values()] == [2, 2, 1]
 
 
 def _curves(step_s: float, length: float) -> dict:
