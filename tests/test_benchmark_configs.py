@@ -35,9 +35,11 @@ def test_e2e_modes_load(argv):
         assert load_config(None, overrides).run.seed == 3
 
 
-def test_worker_layout_modes_load_and_differ_only_in_workers():
-    configs = {name: load_config(None, overrides) for name, overrides in worker_layout.modes("/tmp/x").items()}
-    assert {c.run.speculative for c in configs.values()} == {"off"}
+@pytest.mark.parametrize("speculative", [False, True])
+def test_worker_layout_modes_load_and_differ_only_in_workers(speculative):
+    modes = worker_layout.modes("/tmp/x", speculative)
+    configs = {name: load_config(None, overrides) for name, overrides in modes.items()}
+    assert [c.run.speculative for c in configs.values()] == ["off"] + ["adaptive" if speculative else "off"] * 2
     assert [c.run.workers for c in configs.values()] == [2, 2, 1]
 
 
