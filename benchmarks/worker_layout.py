@@ -62,7 +62,8 @@ def main(argv=None) -> dict:
 def summarize(history: dict) -> dict:
     return {name: {**{key: statistics.median(m[key] for m in steps) for key in KEYS},
                    "response_tokens": [sum(m["response_lengths"]) for m in steps],
-                   "tau": [m.get("sd/tau") for m in steps], "drafter_steps": [m["spot_train_steps"] for m in steps]}
+                   "tau": [m.get("sd/tau") for m in steps], "sd_step_share": [m.get("sd/sd_step_share") for m in steps],
+                   "drafter_steps": [m["spot_train_steps"] for m in steps]}
             for name, steps in history.items() if steps}
 
 
