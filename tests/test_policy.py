@@ -281,3 +281,39 @@ def test_a_strategy_whose_frontier_outnumbers_its_tree_gets_its_slots():
     result = engine.generate([Request(p, params=SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
                               for p in random_prompts([4, 7], seed=1)])
     assert result.speculation_summary()["sd_step_share"] > 0
+
+
+def _forced_trials_at_batch_1(price, tau: float) -> int:
+    """SD steps the bandit takes at batch 1 (a new bucket) with ε = 0, after learning τ at batch 8."""
+    bandit = StrategyBandit([OFF, "chain"], BanditConfig(epsilon=0.0, min_trials=2), price=price)
+    for batch in (8, 1):
+        sd_steps = 0
+        for _ in range(20):
+            arm = bandit.choose(batch)
+            sd_steps += arm != OFF
+            emitted = round(tau * batch) if arm != OFF else batch
+            bandit.observe(batch, arm, emitted_tokens=emitted, wall_s=0.01 * (2.0 if arm != OFF else 1.0))
+    return sd_steps
+
+
+def test_an_arm_whose_tau_cannot_pay_its_priced_step_gets_no_forced_trials_in_a_new_bucket():
+    """With the device's cost curve as the price of a step (2 plain steps here), an arm that emitted 1.1 tokens
+    per step where it was tried is not tried twice more in every further bucket; with τ 3 it is (it pays), and
+    without a price it always was (the control)."""
+    assert _forced_trials_at_batch_1(lambda arm, batch: 2.0, tau=1.1) == 0
+    assert _forced_trials_at_batch_1(lambda arm, batch: 2.0, tau=3.0) >= 2
+    assert _forced_trials_at_batch_1(None, tau=1.1) == 2
+
+
+def test_the_default_engine_prices_its_arms_with_the_devices_cost_curve(tmp_path, monkeypatch):
+    from test_cost_curve import synthetic
+    from test_trainer import make_trainer
+    from tlt.rl import replica
+
+    curve = synthetic({"S3K1N3": [1.5, 1.7, 2.0]}, (1, 2, 4))
+    monkeypatch.setattr(replica, "curve_for", lambda engine, arms: curve)
+    trainer = make_trainer(tmp_path, **{"run.speculative": "adaptive", "run.strategy": "S3K1N3", "run.gate": "auto",
+                                        "run.workers": 2})
+    bandit = trainer.engine.speculation.bandit
+    chain = next(arm for arm in bandit.arms if arm != OFF and arm.name == "S3K1N3")
+    assert bandit.price(chain, 1) == pytest.approx(1.5) and bandit.price(chain, 3) == pytest.approx(1.7)

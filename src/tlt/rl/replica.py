@@ -174,7 +174,9 @@ def build_engine(loaded, config: TrainConfig, *, task=None, announce: bool = Tru
     if run.speculative == "static":
         engine.speculation = FixedSpeculation(strategy, gate)
     else:
-        engine.speculation = AdaptiveSpeculation(arms, BatchSizeGate(threshold=gate))
+        curve = engine.cost_curve  # (run.gate=auto) prices each arm's step: no forced trials of a losing arm
+        price = None if curve is None else (lambda arm, batch: curve.cost(arm.name, batch))
+        engine.speculation = AdaptiveSpeculation(arms, BatchSizeGate(threshold=gate), price=price)
     return engine
 
 

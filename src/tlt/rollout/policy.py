@@ -18,7 +18,7 @@ import dataclasses
 import random
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Hashable, Protocol, runtime_checkable
+from typing import Callable, Hashable, Protocol, runtime_checkable
 
 from tlt.errors import TltError
 from tlt.sampling import is_integer
@@ -197,6 +197,11 @@ class StrategyBandit:
 
     arms: list[Hashable]
     config: BanditConfig = field(default_factory=BanditConfig)
+    # price(arm, batch_size): what a step of the arm costs in plain steps on this device (the cost curve), or
+    # None. With it, an arm whose pooled τ cannot pay that price gets no forced trials in a new bucket (ε still
+    # tries it there): a barely trained drafter was tried 2x per arm in every bucket, a fifth of a short CPU
+    # rollout spent on steps the curve already said would lose.
+    price: Callable[[Hashable, int], float] | None = None
 
     def __post_init__(self):
         if not self.arms or len(set(self.arms)) != len(self.arms):
@@ -216,7 +221,8 @@ class StrategyBandit:
 
     def choose(self, batch_size: int) -> Hashable:
         bucket = self.bucket(batch_size)
-        untried = [a for a in self.arms if self._trials[bucket, a] < self.config.min_trials]
+        untried = [a for a in self.arms
+                   if self._trials[bucket, a] < self.config.min_trials and not self._priced_out(batch_size, a)]
         if untried:
             arm = untried[0]
         elif self._rng.random() < self.config.epsilon:
@@ -246,6 +252,13 @@ class StrategyBandit:
         if timed:
             totals.timed_emitted += emitted_tokens
             totals.timed_wall_s += wall_s
+
+    def _priced_out(self, batch_size: int, arm: Hashable) -> bool:
+        """Whether the arm's τ, known from its tries anywhere, is below what its step costs at this batch size:
+        then it emits fewer tokens per second than plain decoding here, by the device's own measurement."""
+        if arm == OFF or self.price is None or len(self._tau[arm]) < self.config.min_trials:
+            return False
+        return sum(self._tau[arm]) / len(self._tau[arm]) < self.price(arm, batch_size)
 
     def estimate(self, batch_size: int, arm: Hashable) -> float:
         """Expected tokens/s of `arm` at this batch size (0 if never tried in this bucket)."""
@@ -313,11 +326,14 @@ class AdaptiveSpeculation:
     RL steps (or checkpoint `state_dict()`) so what it learned carries over.
     """
 
-    def __init__(self, strategies: list, gate: BatchSizeGate | None = None, config: BanditConfig | None = None):
+    def __init__(self, strategies: list, gate: BatchSizeGate | None = None, config: BanditConfig | None = None,
+                 price: Callable[[Hashable, int], float] | None = None):
+        """price(strategy, batch_size): a step's cost in plain steps (e.g. from the device's cost curve); see
+        `StrategyBandit.price`."""
         if not strategies:
             raise PolicyError("AdaptiveSpeculation needs at least one strategy (plain decoding is always an arm)")
         self.gate = gate or BatchSizeGate()
-        self.bandit = StrategyBandit([OFF, *strategies], config or BanditConfig())
+        self.bandit = StrategyBandit([OFF, *strategies], config or BanditConfig(), price)
         self.gated_steps = 0
 
     def choose(self, batch_size: int):
