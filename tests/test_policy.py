@@ -317,3 +317,25 @@ def test_the_default_engine_prices_its_arms_with_the_devices_cost_curve(tmp_path
     bandit = trainer.engine.speculation.bandit
     chain = next(arm for arm in bandit.arms if arm != OFF and arm.name == "S3K1N3")
     assert bandit.price(chain, 1) == pytest.approx(1.5) and bandit.price(chain, 3) == pytest.approx(1.7)
+
+
+def _sd_share_of_exploitation(price, steps: int = 4000) -> float:
+    """With ε = 0.5 and an arm that loses (τ 1.1, a step costs 2 plain ones), the share of steps it still gets."""
+    bandit = StrategyBandit([OFF, "chain"], BanditConfig(epsilon=0.5, min_trials=2, seed=3), price=price)
+    sd = 0
+    for _ in range(steps):
+        arm = bandit.choose(1)
+        sd += arm != OFF
+        bandit.observe(1, arm, emitted_tokens=round(1.1 * 10) if arm != OFF else 1, wall_s=0.02 if arm != OFF else 0.01,
+                       verify_steps=10 if arm != OFF else 1)
+    return sd / steps
+
+
+def test_exploration_rarely_tries_an_arm_its_price_rules_out_but_still_does():
+    """ε explored a losing arm as often as any: a fifth of a short CPU rollout went to SD steps at τ ≈ 1.1. Priced
+    out, it gets 1 in PRICED_OUT_EXPLORATION of the explorations (still tried: a better drafter's τ shows)."""
+    from tlt.rollout.policy import PRICED_OUT_EXPLORATION
+
+    unpriced, priced = _sd_share_of_exploitation(None), _sd_share_of_exploitation(lambda arm, batch: 2.0)
+    assert unpriced == pytest.approx(0.25, abs=0.03)  # ε/2: half the explorations pick the SD arm
+    assert priced == pytest.approx(0.25 / PRICED_OUT_EXPLORATION, abs=0.02) and priced > 0

@@ -25,6 +25,7 @@ from tlt.sampling import is_integer
 from tlt.speculative.strategy import SpecStrategy
 
 OFF = "off"  # the arm that decodes one token per step without a drafter
+PRICED_OUT_EXPLORATION = 5  # when the price rules out every speculative arm, 1 in this many ε-explorations tries one
 
 
 class PolicyError(TltError):
@@ -226,7 +227,7 @@ class StrategyBandit:
         if untried:
             arm = untried[0]
         elif self._rng.random() < self.config.epsilon:
-            arm = self._rng.choice(self.arms)
+            arm = self._explore(batch_size)
         else:
             arm = max(self.arms, key=lambda a: self.estimate(batch_size, a))
         self.choices.append((bucket, arm))
@@ -252,6 +253,16 @@ class StrategyBandit:
         if timed:
             totals.timed_emitted += emitted_tokens
             totals.timed_wall_s += wall_s
+
+    def _explore(self, batch_size: int) -> Hashable:
+        """ε's random arm, among those the price does not rule out here. When it rules out every speculative
+        arm (a barely trained drafter, τ ≈ 1.1, on a device where a step costs ~2 plain ones), one exploration in
+        PRICED_OUT_EXPLORATION still tries one, so a better drafter's τ is noticed: exploring them at the full ε
+        cost a short CPU rollout a fifth of its time, in the tail, where the wall time is."""
+        open_arms = [a for a in self.arms if not self._priced_out(batch_size, a)]
+        if len(open_arms) > 1 or self._rng.random() < 1 / PRICED_OUT_EXPLORATION:
+            return self._rng.choice(open_arms if len(open_arms) > 1 else self.arms)
+        return OFF if OFF in self.arms else open_arms[0]
 
     def _priced_out(self, batch_size: int, arm: Hashable) -> bool:
         """Whether the arm's τ, known from its tries anywhere, is below what its step costs at this batch size:
