@@ -67,7 +67,8 @@ def train_step_times(loaded, sizes: list[int], repeats: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     buffer = FeatureBuffer(200_000)
     for _ in range(8):
-        buffer.add(torch.randint(0, 8000, (150,), generator=generator), torch.randn(150, hidden, generator=generator), 1)
+        tokens = torch.randint(0, 8000, (150,), generator=generator)
+        buffer.add(tokens, torch.randn(150, hidden, generator=generator), 1)
     times = {}
     for size in sizes:
         vocab = None if size == 0 else torch.arange(size)

@@ -44,7 +44,6 @@ class DistributedGRPO:
         self.backend = backend or make_backend(config, self.placement, **backend_kwargs)
         self.size = self.backend.size
         self.step = 0
-        self._ready_at_start: bool | None = None  # this step's rollouts began with a trained drafter
         self.progress = False
         self.on_phase = None  # callable(text): the driver's status line, told when the rollout is over
         self.last_timeline: dict | None = None
@@ -65,7 +64,7 @@ class DistributedGRPO:
         replay = self._length_shards(lengths, shards)
         self.backend.hub.begin_step(self.step)
         # whether the drafter the rollouts start with has trained (an untrained one serves no SD step)
-        self._ready_at_start = self.speculative and self.backend.hub.is_trained(self.backend.hub.latest_version())
+        ready = self.backend.hub.is_trained(self.backend.hub.latest_version()) if self.speculative else None
         rollouts, prepared, spot = self._run_workers(shards, replay)
         rollout_end = max(r["end"] for r in rollouts.values())
         totals = _sum_totals([prepared[r]["totals"] for r in range(self.size)])
@@ -74,7 +73,7 @@ class DistributedGRPO:
         step_end = time.time()
         timeline = merge_step(self.step, [updates[r]["timeline"] for r in range(self.size)], step_start, step_end)
         self.last_timeline = timeline
-        metrics = self._metrics(rollouts, prepared, spot, updates, timeline, rollout_end - step_start,
+        metrics = self._metrics(rollouts, prepared, spot, updates, timeline, ready, rollout_end - step_start,
                                 step_end - rollout_end)
         if self.config.task.eval_size > 0 and evaluation_due(self.config, self.step):
             self._phase(f"step {self.step}: held-out evaluation")
@@ -172,7 +171,7 @@ class DistributedGRPO:
 
     # -- metrics ----------------------------------------------------------------------------------------------
 
-    def _metrics(self, rollouts, prepared, spot, updates, timeline, rollout_s, train_s) -> dict:
+    def _metrics(self, rollouts, prepared, spot, updates, timeline, ready, rollout_s, train_s) -> dict:
         ranks = range(self.size)
         merged = RolloutResult([s for r in ranks for s in rollouts[r]["rollout"].samples],
                                [t for r in ranks for t in rollouts[r]["rollout"].steps],
@@ -204,7 +203,7 @@ class DistributedGRPO:
             "drafter_versions": published,
             "drafter_version": version,
             # the version the rollouts started with had trained (false: SD waited for a trained one)
-            "drafter_trained": self._ready_at_start if self.speculative else None,
+            "drafter_trained": ready,
             # versions that served a sample's SD steps (an untrained version serves none): > 1 = hot-swapped
             "samples_hot_swapped": sum(len(v) > 1 for v in served),
             "drafter_versions_per_sample": [len(v) for v in served],  # the full lists are in the RolloutResult

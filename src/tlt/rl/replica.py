@@ -198,11 +198,8 @@ def _prompt_token_ids(task) -> list[list[int]]:
     in draws of 16: one of a few records may not hold 512, and its draw must not stop the run."""
     if not (hasattr(task, "sample") and hasattr(task, "prompt_ids")):
         return []
-    source = getattr(task, "source", None)
     try:
-        if isinstance(source, DatasetTask):  # seeded, without replacement (a file may be ordered by topic)
-            examples = source.sample(PROMPTS_FOR_VOCAB, seed=0)
-        elif isinstance(task, ChatTask):
+        if isinstance(task, ChatTask):  # a dataset's draw is seeded, without replacement (files may be ordered)
             examples = task.sample(PROMPTS_FOR_VOCAB, seed=0)
         else:
             examples = [e for seed in range(PROMPTS_FOR_VOCAB // 16) for e in task.sample(16, seed=seed)]

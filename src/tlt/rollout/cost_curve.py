@@ -167,11 +167,11 @@ def linear_kind(forward) -> str:
 @torch.no_grad()
 def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: int = MEASURE_REPEATS,
             tau: float = EXPECTED_TAU, budget_s: float = MEASURE_BUDGET_S) -> CostCurve:
-    """Time plain and SD steps at every batch size on scratch buffers (random KV; a random drafter costs what a
-    trained one does: the arm and the draft vocabulary fix the shapes). Plain and SD steps alternate and each arm keeps the median of its
-    paired ratios, so load that drifts while measuring (other processes) cancels. An arm is no longer timed past
-    the batch where it stops paying, measuring ends when none pays, or when `budget_s` of timed steps has passed
-    (warm-ups, i.e. graph captures and compiles, are not charged: with rollout.compile they take tens of
+    """Time plain and SD steps at every batch size on scratch buffers (random KV; a random drafter costs what a trained
+    one does: the arm and the draft vocabulary fix the shapes). Plain and SD steps alternate and each arm keeps the
+    median of its paired ratios, so load that drifts while measuring (other processes) cancels. An arm is no longer
+    timed past the batch where it stops paying, measuring ends when none pays, or when `budget_s` of timed steps has
+    passed (warm-ups, i.e. graph captures and compiles, are not charged: with rollout.compile they take tens of
     seconds per arm on the first batch, which would otherwise end the measurement there)."""
     if engine.spec_decoder is None:
         raise ValueError("measuring SD costs needs an engine with a drafter")
