@@ -32,10 +32,10 @@ def _read(path: str) -> dict:
     return data
 
 
-def _pooled_natural(paths: list[str]) -> dict:
+def _pooled_natural(files: list[dict]) -> dict:
     runs = {}
-    for path in paths:
-        for seed, modes in _read(path)["runs"].items():
+    for data in files:
+        for seed, modes in data["runs"].items():
             runs.setdefault(seed, {}).update(modes)
     return runs
 
@@ -101,8 +101,9 @@ def main(argv=None) -> dict:
     if parts:
         spot["complete"] = all(part.get("complete", True) for part in parts)  # not the last file's alone
     replay, trl = (_read(args.replay) if args.replay else None), (_read(args.trl) if args.trl else None)
-    result = merge(replay, _pooled_natural(args.natural), trl, spot or None)
-    inputs = {"replay": replay, "trl": trl, **{path: _read(path) for path in args.natural}, "spot": spot}
+    natural = {path: _read(path) for path in args.natural}
+    result = merge(replay, _pooled_natural(list(natural.values())), trl, spot or None)
+    inputs = {"replay": replay, "trl": trl, **natural, "spot": spot}
     result["devices"] = devices(inputs)
     if len(set(result["devices"].values())) > 1:
         print(f"WARNING: the inputs ran on different devices: {result['devices']}", file=sys.stderr)
