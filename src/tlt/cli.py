@@ -56,7 +56,11 @@ def main(argv=None) -> int:
     export.add_argument("--model", default=None, help="the target model the drafter was trained for: HF directory, "
                         ".gguf file, or 'smollm2' (default)")
     export.add_argument("--out", required=True)
-    export.add_argument("--overwrite", action="store_true", help="replace the config.json and model.safetensors "
+    export.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                        help="of the written weights and config (auto: what --model's config.json names, so that "
+                        "SGLang's --dtype auto serves draft and target alike; bfloat16 for a .gguf and for the "
+                        "default smollm2, as published)")
+    export.add_argument("--overwrite", action="store_true", help="replace the files of an export (or a model) "
                         "already in --out")
     report = commands.add_parser("report", help="an HTML page with curves, tables and timelines for a run")
     report.add_argument("run_dir", help="a `tlt train` run directory (holds metrics.jsonl)")
@@ -197,9 +201,10 @@ def _warmup_from_run_config(args, config, train_config) -> int:
 
 
 def _run_export(args) -> int:
-    from tlt.drafter.export import check_export_out, export_eagle
+    from tlt.drafter.export import DTYPES, check_export_out, export_eagle, serve_command, target_dtype
     from tlt.models import load_model
     from tlt.models.eagle import DrafterError, EagleDrafter, check_drafter_dir
+    from tlt.models.loading import is_default_source
 
     check_export_out(args.out, args.overwrite)  # before the model loads
     check_drafter_dir(args.directory)
@@ -211,12 +216,21 @@ def _run_export(args) -> int:
             raise
         raise DrafterError(f"{error} (no --model: the default smollm2 was loaded; pass --model, the model the "
                            f"drafter was trained for)") from None
-    out = export_eagle(drafter, args.out, args.target, args.overwrite)
-    print(f"wrote {out} ({args.target}); embed_tokens and lm_head stay with the target")
-    if drafter.draft_to_target is not None:
+    default = is_default_source(args.model)  # served as the published SmolLM2: bf16
+    if args.dtype != "auto":
+        dtype = DTYPES[args.dtype]
+    else:
+        dtype = DTYPES["bfloat16"] if default else target_dtype(loaded.source)
+    out = export_eagle(drafter, args.out, args.target, args.overwrite, dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    print(f"wrote {out} ({args.target}, {dtype_name}); embed_tokens and lm_head stay with the target")
+    vocab = drafter.draft_to_target is not None
+    if vocab and args.target == "vllm":
         print(f"note: its draft vocabulary ({drafter.draft_vocab_size} of {drafter.config.vocab_size} tokens) is not "
-              f"exported: EAGLE-1 in vLLM and SGLang drafts over the target's whole lm_head (for a warmed drafter "
-              f"a small change: docs/benchmarks.md, section 5)")
+              f"exported: vLLM's EAGLE-1 drafts over the target's whole lm_head (SGLang takes it: --target sglang; "
+              f"docs/benchmarks.md, section 5)")
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct" if default else args.model
+    print(f"serve: {serve_command(out, args.target, model, vocab, dtype_name)}")
     return 0
 
 

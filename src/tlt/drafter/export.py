@@ -1,13 +1,24 @@
 """Export a tlt drafter as an EAGLE(-1) draft model that vLLM and SGLang load.
 
 Layout matched by reading their loaders (not copying them): vllm-project/vllm
-`vllm/model_executor/models/llama_eagle.py` at 00da923 (EagleLlamaForCausalLM) and sgl-project/sglang
-`python/sglang/srt/models/llama_eagle.py` at 034b3be (LlamaForCausalLMEagle). Both read a Llama config with
-`num_hidden_layers` = 1 and weights named `fc.weight` and `layers.0.<HF decoder layer names>` (they prefix
-`model.` themselves), skip `embed_tokens`/`lm_head` (shared with the target), and drop layer 0's input norm.
-SGLang's `fc` has a bias and vLLM's does not: a zero `fc.bias` is written (vLLM skips it, SGLang needs it).
-Only the architecture name differs: SGLang resolves `LlamaForCausalLMEagle`; vLLM takes the draft's
-`LlamaForCausalLM` config under `speculative_config={"method": "eagle", "model": DIR}`.
+`vllm/model_executor/models/llama_eagle.py` (EagleLlamaForCausalLM; at e1c4a55, the line its releases follow) and
+sgl-project/sglang `python/sglang/srt/models/llama_eagle.py` at 034b3be (LlamaForCausalLMEagle) with its EAGLE
+worker. Both read a Llama config with `num_hidden_layers` = 1 and weights named `fc.weight` and
+`layers.0.<HF decoder layer names>` (they prefix `model.` themselves), share `embed_tokens`/`lm_head` with the
+target, and drop layer 0's input norm. They differ in three places, so each target gets its own files:
+
+- `fc`: vLLM's has no bias and its loader fails on any name it does not hold (KeyError: 'fc.bias'); SGLang's has
+  one (nn.Linear's default), so a zero `fc.bias` is written for SGLang only.
+- The architecture: SGLang resolves `LlamaForCausalLMEagle`; vLLM takes `LlamaForCausalLM` under
+  `speculative_config={"method": "eagle", ...}` and renames it to its EagleLlamaForCausalLM.
+- The draft vocabulary: SGLang's EAGLE slices the target's lm_head to a "hot" token list given as
+  `--speculative-token-map` (a torch-saved list of ids, row i of the draft head = target id i: tlt's
+  `draft_to_target`), written as `draft_vocab.pt`; vLLM's EAGLE-1 drafts over the whole head, so there the
+  drafter's untrained rows of the head take part (docs/benchmarks.md, section 5).
+
+The weights and the config's dtype are the serving dtype (`dtype`): SGLang gives the draft the dtype its own
+config names under `--dtype auto` (and the target its own), so the two must agree; vLLM runs the draft in the
+target's dtype whatever the draft's config says.
 """
 
 from __future__ import annotations
@@ -22,13 +33,14 @@ from tlt.files import refuse_a_file_in_the_way, share_as_umask
 from tlt.models.eagle import EagleDrafter
 
 ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class ExportError(TltError):
     """A drafter that cannot be written in the requested format."""
 
 
-EXPORT_FILES = ("config.json", "model.safetensors")
+EXPORT_FILES = ("config.json", "model.safetensors", "draft_vocab.pt")
 
 
 def check_export_out(out: str | Path, overwrite: bool = False) -> None:
@@ -42,7 +54,10 @@ def check_export_out(out: str | Path, overwrite: bool = False) -> None:
                           f"--overwrite to replace them, or another --out")
 
 
-def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", overwrite: bool = False) -> Path:
+def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", overwrite: bool = False,
+                 dtype: torch.dtype | None = None) -> Path:
+    """Write `drafter` into `out` for `target` ("vllm" or "sglang"), its weights in `dtype` (default: as they
+    are). Files of an earlier export that this one does not write (draft_vocab.pt) are removed."""
     from safetensors.torch import save_file
 
     check_export_out(out, overwrite)
@@ -53,17 +68,56 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
                           f"{drafter.config.model_type!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {"fc.weight": drafter.fc.weight.detach(), "fc.bias": torch.zeros(drafter.fc.weight.shape[0])}
+    dtype = dtype or drafter.fc.weight.dtype
+    tensors = {"fc.weight": drafter.fc.weight.detach()}
+    if target == "sglang":
+        tensors["fc.bias"] = torch.zeros(drafter.fc.weight.shape[0])
     for name, tensor in drafter.layer.state_dict().items():
         tensors[f"layers.0.{name}"] = tensor.detach()
-    save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+    save_file({k: v.to("cpu", dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     share_as_umask(out / "model.safetensors")  # the serving engine may run as another user
+    _write_draft_vocab(drafter, out, target)
     config = drafter.config.to_dict()
-    config.update(architectures=[ARCHITECTURES[target]], num_hidden_layers=1, tie_word_embeddings=False)
+    dtype_name = str(dtype).removeprefix("torch.")
+    config.update(architectures=[ARCHITECTURES[target]], num_hidden_layers=1, tie_word_embeddings=False,
+                  dtype=dtype_name, torch_dtype=dtype_name)
     config.pop("layer_types", None)
     (out / "config.json").write_text(json.dumps(_with_legacy_keys(config), indent=1))
     return out
+
+
+def _write_draft_vocab(drafter: EagleDrafter, out: Path, target: str) -> None:
+    """SGLang's `--speculative-token-map` file: the target id of each row of the draft head, as its loader reads
+    it (`torch.load(..., weights_only=True)`, a list of ints)."""
+    path = out / "draft_vocab.pt"
+    if target == "sglang" and drafter.draft_to_target is not None:
+        torch.save(drafter.draft_to_target.tolist(), path)
+        share_as_umask(path)
+    else:
+        path.unlink(missing_ok=True)  # an earlier export's (check_export_out let --overwrite replace it)
+
+
+def serve_command(out: str | Path, target: str, model: str, has_draft_vocab: bool, dtype: str) -> str:
+    """How to serve the target with this export as its EAGLE draft (printed after an export)."""
+    if target == "vllm":
+        config = json.dumps({"method": "eagle", "model": str(out), "num_speculative_tokens": 3})
+        return f"vllm serve {model} --speculative-config '{config}'"
+    token_map = f" --speculative-token-map {Path(out) / 'draft_vocab.pt'}" if has_draft_vocab else ""
+    return (f"python -m sglang.launch_server --model-path {model} --dtype {dtype} --speculative-algorithm EAGLE "
+            f"--speculative-draft-model-path {out}{token_map}")
+
+
+def target_dtype(model_path: str | Path) -> torch.dtype:
+    """The dtype a target model directory's config.json names (float32 when it names none, as transformers
+    reads it): the draft's config names the same, so that SGLang's `--dtype auto` maps both alike. A GGUF file
+    has no such config: bfloat16."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return torch.bfloat16
+    data = json.loads(config.read_text())
+    name = data.get("torch_dtype") or data.get("dtype") or "float32"
+    return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
 
 
 def _with_legacy_keys(config: dict) -> dict:
@@ -88,6 +142,10 @@ def import_eagle(directory: str | Path, target_model) -> EagleDrafter:
     directory = Path(directory)
     config = LlamaConfig.from_pretrained(directory)
     tensors = load_file(str(directory / "model.safetensors"))
+    shared = ("embed_tokens.", "lm_head.")  # the target's are used (EAGLE shares them)
+    unknown = [k for k in tensors if not k.startswith(("fc.", "layers.0.", *shared))]
+    if unknown:
+        raise ExportError(f"{directory}: weights an EAGLE-1 Llama draft does not hold: {unknown[:3]}")
     if "fc.bias" in tensors and bool(tensors["fc.bias"].abs().max() > 0):
         raise ExportError(f"{directory}: fc has a non-zero bias, which tlt's drafter does not model")
     drafter = EagleDrafter(config).attach(target_model)
