@@ -1,7 +1,7 @@
 """The CPU default's worker layout on equal work: 2 Ray workers x 1 thread vs 1 worker x 2 threads, SD off.
 
-`tlt train` on the CPU defaults to 2 workers (the layout in which a worker idle in the tail spot-trains the
-drafter). This times the rest of the step under each layout: the same prompts, every sample decoding exactly the
+`tlt train` on the CPU defaulted to 2 workers (the layout in which a worker idle in the tail spot-trains the
+drafter) until this benchmark moved it to 1 (docs/benchmarks.md section 12). This times the rest of the step under each layout: the same prompts, every sample decoding exactly the
 length a reference run of the default layout gave it (stop tokens ignored: rollout/replay.py), one step of each
 mode in turn, medians over steps. Speculation is off in every mode, so only the layout differs.
 

@@ -16,7 +16,7 @@ SHARES = (1.0, 0.5, 0.34)
 def expected_workers(workers, gpus, share):
     """The rule, written independently of the planner: None when it cannot be placed."""
     if gpus == 0:
-        return 2 if workers == "auto" else workers
+        return 1 if workers == "auto" else workers  # one worker per device: the CPU is one
     per_gpu = int(1 / share + 1e-9)  # 1, 2, 2 (0.34: three would need 1.02 GPUs)
     count = gpus * per_gpu if workers == "auto" else workers
     return count if count <= gpus * per_gpu else None
@@ -76,16 +76,17 @@ def test_one_gpu_defaults_to_one_worker_and_refuses_a_second_without_a_fraction(
     assert plan("auto", device="cuda", gpus=1, gpus_per_worker=0.5, ray_installed=True).workers == 2
 
 
-def test_cpu_keeps_two_workers_and_ignores_the_gpu_share():
-    assert plan("auto", device="cpu", gpus=0).workers == 2
-    assert plan("auto", device="cpu", gpus=0, ray_installed=True).backend == "ray"
-    assert plan("auto", device="cpu", gpus=0, ray_installed=False).backend == "inprocess"
+def test_cpu_is_one_worker_and_ignores_the_gpu_share():
+    assert plan("auto", device="cpu", gpus=0, ray_installed=True) == plan(1, device="cpu", gpus=0)
+    assert plan("auto", device="cpu", gpus=0).backend == "inprocess" and plan(1, device="cpu", gpus=0).workers == 1
+    assert plan(2, device="cpu", gpus=0, ray_installed=True).backend == "ray"
+    assert plan(2, device="cpu", gpus=0, ray_installed=False).backend == "inprocess"
     assert plan("auto", device="cpu", gpus=4, gpus_per_worker=0.25).gpus_per_worker == 0  # model.device=cpu on GPUs
     assert plan(5, device="cpu", gpus=0).workers == 5
 
 
 def test_auto_never_asks_for_more_workers_than_prompts():
-    assert plan("auto", device="cpu", gpus=0, at_most=1).workers == 1
+    assert plan("auto", device="cuda", gpus=4, at_most=1).workers == 1
     assert plan("auto", device="cuda", gpus=4, at_most=2).workers == 2
     assert plan(3, device="cpu", gpus=0, at_most=1).workers == 3  # explicit: the controller names the conflict
 
@@ -154,7 +155,7 @@ def test_workers_default_to_auto_and_take_integers_or_auto(tmp_path):
     ("run.workers=0", "run.workers must be >= 1"), ("run.workers=true", "run.workers expects int or str"),
     ("run.gpus_per_worker=0", "run.gpus_per_worker must be in \\(0, 1\\]"),
     ("run.gpus_per_worker=1.5", "run.gpus_per_worker must be in"),
-    ("run.workers=1 run.speculative=adaptive", "run.speculative=adaptive needs run.drafter")])
+    ("run.workers=1 run.tail_training=off", "run.speculative=adaptive needs run.drafter")])
 def test_bad_worker_settings(override, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(None, override.split())
@@ -167,10 +168,14 @@ def fake_gpus(monkeypatch, count):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
 
-def test_resolve_on_the_cpu_machine_keeps_two_workers():
+def test_resolve_on_the_cpu_machine_is_one_worker_that_trains_its_drafter_in_its_own_tail():
+    """One worker per device, the CPU too (docs/benchmarks.md section 12: one worker on both cores beat two)."""
     config, placed, notes = resolve(load_config())
-    assert config.run.workers == 2 == placed.workers and placed.device == "cpu" and notes == []
-    assert config.run.speculative == "adaptive" and config.run.backend in ("ray", "inprocess")
+    assert config.run.workers == 1 == placed.workers and placed.device == "cpu" and notes == []
+    assert config.run.speculative == "adaptive" and config.run.backend == "inprocess"
+    assert tail_training_active(config.run, placed.workers)
+    config, placed, _ = resolve(load_config(None, ["run.workers=2"]))  # spot training on the idle one, as asked
+    assert placed.workers == 2 and not tail_training_active(config.run, placed.workers)
 
 
 def test_resolve_on_one_gpu_is_one_worker_that_trains_its_drafter_in_its_own_tail(monkeypatch):
@@ -178,7 +183,7 @@ def test_resolve_on_one_gpu_is_one_worker_that_trains_its_drafter_in_its_own_tai
     config, placed, notes = resolve(load_config())
     assert (config.run.workers, config.run.backend, placed.devices) == (1, "inprocess", ("cuda:0",))
     assert config.run.speculative == "adaptive" and notes == []  # run.tail_training=auto: on, on CUDA
-    assert tail_training_active(config.run, placed.workers, placed.device)
+    assert tail_training_active(config.run, placed.workers)
     config, _, notes = resolve(load_config(None, ["run.tail_training=off"]))  # nobody would train the drafter
     assert config.run.speculative == "off" and "decodes without speculation" in notes[0]
     config, _, notes = resolve(load_config(None, ["run.drafter=some/dir", "run.tail_training=off"]))
@@ -187,7 +192,7 @@ def test_resolve_on_one_gpu_is_one_worker_that_trains_its_drafter_in_its_own_tai
         resolve(load_config(None, ["run.workers=2"]))
     config, placed, _ = resolve(load_config(None, ["run.gpus_per_worker=0.5"]))
     assert config.run.workers == 2 and placed.gpus_per_worker == 0.5
-    assert resolve(load_config(None, ["model.device=cpu"]))[1].workers == 2  # CPU on a GPU machine
+    assert resolve(load_config(None, ["model.device=cpu"]))[1].devices == ("cpu",)  # CPU on a GPU machine
 
 
 def test_tlt_train_refuses_an_unplaceable_config_before_anything_loads(tmp_path, monkeypatch, capfd):

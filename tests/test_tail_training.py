@@ -177,10 +177,11 @@ def test_one_worker_trains_its_drafter_in_its_own_tail_and_swaps_it_in(tmp_path)
 
 
 def test_one_worker_without_a_drafter_needs_tail_training():
-    with pytest.raises(ConfigError, match="run.tail_training=on"):
-        load_config(None, ["run.workers=1", "run.speculative=adaptive"])
-    config = load_config(None, ["run.workers=1", "run.speculative=adaptive", "run.tail_training=on"])
-    assert config.run.tail_training == "on"
+    with pytest.raises(ConfigError, match="with one worker run.tail_training auto or on"):
+        load_config(None, ["run.workers=1", "run.speculative=adaptive", "run.tail_training=off"])
+    for value in ("auto", "on"):  # auto: on, on every device
+        config = load_config(None, ["run.workers=1", "run.speculative=adaptive", f"run.tail_training={value}"])
+        assert config.run.tail_training == value
     with pytest.raises(ConfigError, match="run.tail_training must be one of auto, on, off"):
         load_config(None, ["run.tail_training=yes"])
 

@@ -4,8 +4,10 @@
 machine (device kind, visible GPUs, whether Ray is installed); it returns a `Placement` or raises one
 `PlacementError` naming the keys to change. The rules:
 
-- `run.workers=auto`: one worker per GPU on CUDA (so 1 on a one-GPU machine), `1 / run.gpus_per_worker` per GPU
-  when a fraction packs several; 2 on CPU (threads of one machine, as before); 1 on any other accelerator.
+- `run.workers=auto`: one worker per device: one per GPU on CUDA (so 1 on a one-GPU machine), `1 /
+  run.gpus_per_worker` per GPU when a fraction packs several; 1 on the CPU (all its cores: on 2 cores one worker
+  ran the same work 1.15-1.27x faster than two, SD off and on, docs/benchmarks.md section 12); 1 on any other
+  accelerator. A lone worker trains its drafter beside its own tail (`run.tail_training`).
 - A GPU holds at most floor(1 / run.gpus_per_worker) workers (default 1: a whole GPU each). More workers than
   that fails here, before anything loads: never N full replicas and optimizers silently stacked on one GPU.
 - Ray actors ask for `run.gpus_per_worker` GPUs each (Ray sets each actor's CUDA_VISIBLE_DEVICES, so its GPU is
@@ -26,7 +28,7 @@ from tlt.errors import TltError
 from tlt.rl.config import tail_training_active
 
 AUTO = "auto"
-CPU_DEFAULT_WORKERS = 2  # CPU: two worker processes split the cores (the long tail leaves one idle for spot training)
+CPU_DEFAULT_WORKERS = 1  # CPU: one worker on all cores (faster than two splitting them: module docstring)
 
 
 class PlacementError(TltError):
@@ -134,20 +136,20 @@ def placement_for(config, device: str | None = None) -> Placement:
 def resolve(config, device: str | None = None):
     """(config with run.workers and run.backend made concrete, its Placement, notes for the user).
 
-    One case changes more: `run.workers=auto` that comes to a single worker with a speculative mode and no
-    `run.drafter` has no idle worker to spot-train a drafter; on CUDA the worker trains it beside its own tail
-    (`run.tail_training=auto`), elsewhere that run decodes without speculation (lossless either way: the same
-    samples in distribution) and a note says so. An explicit `run.workers=1` there stays an error."""
+    One case changes more: `run.workers=auto` that comes to a single worker with a speculative mode, no
+    `run.drafter` and `run.tail_training=off` has no way to train a drafter: that run decodes without speculation
+    (lossless either way: the same samples in distribution) and a note says so. An explicit `run.workers=1` there
+    stays an error."""
     placement = placement_for(config, device)
     run = dataclasses.replace(config.run, workers=placement.workers, backend=placement.backend)
     notes = []
     if (config.run.workers == AUTO and placement.workers == 1 and run.speculative != "off" and not run.drafter
-            and not tail_training_active(run, 1, placement.device)):
+            and not tail_training_active(run, 1)):
         run = dataclasses.replace(run, speculative="off")
         notes.append(f"run.speculative={config.run.speculative} without run.drafter needs a second worker to "
-                     f"spot-train the drafter, and run.workers=auto gives one here ({placement.describe()}): this "
-                     f"run decodes without speculation. Give run.drafter (tlt drafter warmup) to speculate, or "
-                     f"run.tail_training=on to train it beside this worker's own rollout tail.")
+                     f"spot-train the drafter, run.workers=auto gives one here ({placement.describe()}) and "
+                     f"run.tail_training=off: this run decodes without speculation. Give run.drafter (tlt drafter "
+                     f"warmup) to speculate, or run.tail_training=auto to train it beside this worker's own tail.")
     return dataclasses.replace(config, run=run), placement, notes
 
 

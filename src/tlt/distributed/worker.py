@@ -89,7 +89,7 @@ class RolloutWorker:
         self._last_publish: tuple | None = None  # (trainer, its steps, the version) of this worker's last publish
         self.tail = None   # a TailTrainer when this lone worker trains the drafter beside its own tail
         speculates = self.drafter is not None and self.engine.speculation is not None  # (a gate of 0: never)
-        if speculates and tail_training_active(config.run, world_size, self.engine.device.type):
+        if speculates and tail_training_active(config.run, world_size):
             self.tail = self._tail_trainer()
         # The features the step's forwards yield, handed to the hub as they come, for the workers idle in the
         # tail to train on. None when nothing does (no drafter; one worker, or run.spot_training=false) or when

@@ -8,7 +8,8 @@ rollout's device, and publishes versions that the decode loop hot-swaps between 
 worker). The thread takes the GIL only to launch kernels; the decode loop releases it while it waits for the GPU.
 
 Lossless whatever it does: speculative sampling is exact for every drafter, so only the speed depends on it.
-On the CPU the thread competes with decoding for the same cores (`run.tail_training=auto` leaves it off there).
+On the CPU the thread competes with decoding for the same cores; there it still beat a second worker that
+splits them (docs/benchmarks.md section 12), so `run.tail_training=auto` turns it on everywhere.
 """
 
 from __future__ import annotations
