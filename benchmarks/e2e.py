@@ -2,8 +2,9 @@
 
 Same model (SmolLM2-135M-Instruct by default), task (built-in arithmetic, chat template), reward, seeds, batch
 (--prompts x --samples), --max-new-tokens at T=1, optimizer and step count. The tlt modes run interleaved, one
-step each in turn. On CPU tlt runs 2 Ray workers x 1 thread and TRL one process with 2 threads (same cores); on
-CUDA tlt places `run.workers=auto` (one worker per GPU) and TRL uses the GPU.
+step each in turn; TRL (trl_baseline.py: its default transformers generation, no vLLM) runs after them. tlt places
+`run.workers=auto` as `tlt train` does (one worker per device: on the CPU one process on every core, as TRL's; on
+CUDA one per GPU).
 
 Natural runs (default) compare different samples: at T=1 each mode draws its own responses, and their lengths
 differ (one mode's step may simply decode fewer tokens), so each step also reports its response tokens and
@@ -34,10 +35,10 @@ from rl_pairs import interleaved_runs  # noqa: E402
 
 CURVE_KEYS = ("reward_mean", "accuracy", "response_len_mean", "response_tokens", "step_s", "rollout_s", "train_s",
               "step_tok_s", "rollout_tok_s", "rollout_tail_share", "idle_fraction", "spot_train_share",
-              "tail_train_share", "sd/tau",
-              "sd/sd_step_share")
+              "tail_train_share", "sd/tau", "sd/sd_step_share", "response_len_max")
 SUMMARY_KEYS = ("step_s", "rollout_s", "train_s", "step_tok_s", "rollout_tok_s", "response_tokens",
-                "response_len_mean", "completion_len_mean")  # the last: TRL's name for the mean completion length
+                "response_len_mean", "response_len_max",
+                "completion_len_mean", "completion_len_max")  # TRL's names for the completion lengths
 
 
 def tlt_modes(args, seed: int) -> dict[str, list[str]]:
@@ -46,8 +47,6 @@ def tlt_modes(args, seed: int) -> dict[str, list[str]]:
               f"model.device={args.device}", "run.tensorboard=false"]
     if args.model:
         common.append(f"model.path={args.model}")
-    if args.device == "cpu":  # the CPU setup measured so far: Ray workers of one thread each
-        common += ["run.threads_per_worker=1"] + (["run.backend=ray"] if args.workers != "1" else [])
     off = common + ["run.speculative=off"]
     modes = {"baseline": off,
              "tlt": common + ["run.speculative=adaptive", f"run.drafter={args.drafter}", "run.spot_training=true"]}
@@ -64,7 +63,8 @@ def run_trl(args, seed: int) -> list[dict]:
     from tlt.tasks import ArithmeticTask, ArithmeticTaskConfig
     from trl_baseline import trl_step_times
 
-    torch.set_num_threads(2)
+    if args.device == "cpu":
+        torch.set_num_threads(torch.get_num_threads())  # every core, as tlt's one CPU worker
     config = TrainConfig()
     task = ArithmeticTask(ArithmeticTaskConfig(min_operations=config.task.min_operations,
                                                max_operations=config.task.max_operations))
@@ -72,7 +72,7 @@ def run_trl(args, seed: int) -> list[dict]:
     examples = [task.sample(args.prompts, seed=seed * 1_000_003 + k) for k in range(args.warmup_steps + args.steps)]
     steps = trl_step_times(args.model or str(default_model_dir()), examples, build_reward(config.task),
                            samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, seed=seed,
-                           use_cpu=args.device == "cpu")
+                           use_cpu=args.device == "cpu", micro_batch_size=config.optim.micro_batch_size)
     return steps[args.warmup_steps:]
 
 
@@ -80,6 +80,7 @@ def curves(history: list[dict]) -> dict:
     for metrics in history:
         metrics["response_tokens"] = sum(metrics["response_lengths"])
         metrics["step_tok_s"] = metrics["response_tokens"] / metrics["step_s"]
+        metrics["response_len_max"] = max(metrics["response_lengths"])  # the rollout waits for it
     # a key a step lacks stays null (τ of a step without a speculative step is no 0)
     out = {key: [None if m.get(key) is None else round(float(m[key]), 4) for m in history] for key in CURVE_KEYS}
     out["response_lengths"] = [m["response_lengths"] for m in history]  # every sample's, per step
@@ -88,8 +89,11 @@ def curves(history: list[dict]) -> dict:
 
 def trl_curves(trl: list[dict], batch: int) -> dict:
     lengths = [t.get("completion_len_mean") for t in trl]
+    rollout = [None if t.get("rollout_s") is None else round(t["rollout_s"], 2) for t in trl]
     return {"step_s": [round(t["step_s"], 2) for t in trl], "reward_mean": [t.get("reward_mean") for t in trl],
-            "completion_len_mean": lengths,
+            "rollout_s": rollout, "train_s": [None if r is None else round(t["step_s"] - r, 2)
+                                              for r, t in zip(rollout, trl)],
+            "completion_len_mean": lengths, "completion_len_max": [t.get("completion_len_max") for t in trl],
             "step_tok_s": [round(length * batch / t["step_s"], 2) if length is not None else None
                            for length, t in zip(lengths, trl)]}
 
@@ -104,7 +108,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt (GRPO group size)")
-    parser.add_argument("--workers", default=None, help="run.workers (default: 2 on CPU, auto on CUDA)")
+    parser.add_argument("--workers", default="auto", help="run.workers (default: auto, as tlt train)")
     parser.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--replay", action="store_true", help="equal work: replay a reference run's lengths")
     parser.add_argument("--quick", action="store_true", help="1 step, 128 new tokens, no TRL")
@@ -115,8 +119,6 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.max_new_tokens = 1, 128
-    if args.workers is None:
-        args.workers = "2" if args.device == "cpu" else "auto"
     return args
 
 
@@ -142,8 +144,11 @@ def main(argv=None) -> dict:
     except ImportError:
         pass
     if args.trl_only or not (args.quick or args.skip_trl or args.replay):
+        from trl_baseline import versions
+
         trl = run_trl(args, args.seeds[0])
         result["runs"].setdefault(f"seed{args.seeds[0]}", {})["trl"] = trl_curves(trl, args.prompts * args.samples)
+        result["trl_versions"] = versions()
     summarize(result)
     result["complete"] = True
     write_json(args.json, result)
@@ -169,8 +174,7 @@ def summarize(result: dict) -> None:
         return [v for run in runs if mode in run for v in run[mode].get(key, []) if v is not None]
 
     def med(mode: str, key: str):
-        values = pooled(mode, key)
-        return round(statistics.median(values), 3) if values else None
+        return _median(pooled(mode, key))
 
     modes = [m for m in ("reference", "baseline", "tlt", "trl") if pooled(m, "step_s")]
     result["by_mode"] = {m: {key: med(m, key) for key in SUMMARY_KEYS if med(m, key) is not None} for m in modes}
@@ -187,13 +191,33 @@ def summarize(result: dict) -> None:
                        "rollout_share_baseline": round(statistics.median(shares), 3),
                        "rollout_tail_share_baseline": med("baseline", "rollout_tail_share"),
                        "baseline_rollout_s": med("baseline", "rollout_s"), "tlt_rollout_s": med("tlt", "rollout_s")})
-    trl = pooled("trl", "step_s")
-    if trl:
-        result["trl_step_s"] = round(statistics.median(trl), 2)
-        result["trl_step_tok_s"] = med("trl", "step_tok_s")
-        result["trl_completion_len_mean"] = med("trl", "completion_len_mean")
-        if tlt is not None:
-            result["speedup_vs_trl"] = round(statistics.median(trl) / tlt, 3)
+    summarize_trl(result)
+
+
+def summarize_trl(result: dict) -> None:
+    """TRL against tlt over the seeds TRL ran (the same prompts; tlt's other seeds drew other problems): median
+    step times and tokens per step-second, both tlt modes, and both sides' completion lengths."""
+    same = {name: run for name, run in result["runs"].items() if "trl" in run}
+    if not same:
+        return
+    median = lambda mode, key: _median([v for run in same.values() if mode in run
+                                        for v in run[mode].get(key, []) if v is not None])
+    trl = median("trl", "step_s")
+    result.update({"trl_seeds": sorted(same), "trl_step_s": trl, "trl_step_tok_s": median("trl", "step_tok_s"),
+                   "trl_rollout_s": median("trl", "rollout_s"),
+                   "trl_completion_len_mean": median("trl", "completion_len_mean"),
+                   "trl_completion_len_max": median("trl", "completion_len_max")})
+    for mode, name in (("tlt", "speedup_vs_trl"), ("baseline", "baseline_speedup_vs_trl")):
+        step, tok_s = median(mode, "step_s"), median(mode, "step_tok_s")
+        if step is not None and trl is not None:
+            result[name] = round(trl / step, 3)
+        if tok_s is not None and result["trl_step_tok_s"]:
+            result[name.replace("speedup", "tok_s_ratio")] = round(tok_s / result["trl_step_tok_s"], 3)
+
+
+def _median(values: list[float]):
+    return round(statistics.median(values), 3) if values else None
+
 
 if __name__ == "__main__":
     main()

@@ -5,8 +5,11 @@
 
 Equal work (`equal_work: true`): `speedup_vs_baseline` and the per-mode times come from the length-matched
 replay (every mode decodes the same tokens per sample). TRL cannot replay lengths, so `speedup_vs_trl` compares
-natural runs on the same prompts (median step times, TRL's over its own file, tlt's pooled over the natural
-seeds), with both sides' completion lengths beside it. `spot_overhead_ratio` is spot_training.py's overhead phase
+natural runs on the same prompts: median step times over the seeds TRL ran (`trl_seeds`; tlt's other natural
+seeds drew other problems), with tokens per step-second (`tok_s_ratio_vs_trl`), the baseline's ratios beside
+TLT mode's (`baseline_speedup_vs_trl`: what tlt does without SD) and both sides' completion lengths (mean, max).
+TRL ran in a call of its own: the ratios against it are left out when it ran on another device than the natural
+runs. `spot_overhead_ratio` is spot_training.py's overhead phase
 (a lone worker training beside its tail, serving the starting drafter); `tau_gain_late` / `tau_gain_last` its tau
 phase (spot-trained over frozen drafter, over the run's second half / at its last step, after `tau_steps`).
 Per mode (`*_by_mode`): `step_s`, `rollout_s`, `train_s` (the update phase: rewards, log-probs, update) and the
@@ -23,6 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_json  # noqa: E402
 from e2e import summarize  # noqa: E402
+
+
+TRL_KEYS = ("speedup_vs_trl", "baseline_speedup_vs_trl", "tok_s_ratio_vs_trl", "baseline_tok_s_ratio_vs_trl",
+            "trl_seeds", "trl_step_s", "trl_step_tok_s", "trl_rollout_s", "trl_completion_len_mean",
+            "trl_completion_len_max")
+VS_TRL = ("speedup_vs_trl", "baseline_speedup_vs_trl", "tok_s_ratio_vs_trl", "baseline_tok_s_ratio_vs_trl")
 
 
 def _read(path: str) -> dict:
@@ -58,9 +67,11 @@ def merge(replay: dict | None, natural: dict, trl: dict | None, spot: dict | Non
         summarize(pooled)
         result["natural_by_mode"] = pooled["by_mode"]
         result["natural_seeds"] = sorted(runs)
-        for key in ("speedup_vs_trl", "trl_step_s", "trl_completion_len_mean", "tok_s_ratio_vs_baseline"):
+        for key in (*TRL_KEYS, "tok_s_ratio_vs_baseline"):
             if key in pooled:
                 result[key] = pooled[key]
+        if trl is not None:
+            result["trl_versions"] = trl.get("trl_versions")
         if "speedup_vs_baseline" in pooled:
             result["natural_speedup_vs_baseline"] = pooled["speedup_vs_baseline"]
     if spot is not None:
@@ -107,8 +118,19 @@ def main(argv=None) -> dict:
     result["devices"] = devices(inputs)
     if len(set(result["devices"].values())) > 1:
         print(f"WARNING: the inputs ran on different devices: {result['devices']}", file=sys.stderr)
+    drop_ratios_across_devices(result, devices({"trl": trl}), devices(natural))
     write_json(args.json, result)
     return result
+
+
+def drop_ratios_across_devices(result: dict, trl_device: dict, natural_devices: dict) -> None:
+    """Step times on two devices are no ratio: TRL's ratios go when TRL ran on another device than tlt's runs."""
+    other = set(natural_devices.values()) - set(trl_device.values())
+    if trl_device and other:
+        for key in VS_TRL:
+            result.pop(key, None)
+        print(f"WARNING: TRL ran on {trl_device['trl']}, tlt's natural runs on {sorted(other)}: no ratio against "
+              f"TRL (run both on one device)", file=sys.stderr)
 
 
 if __name__ == "__main__":

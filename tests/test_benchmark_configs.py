@@ -56,10 +56,13 @@ def test_e2e_summary_of_a_trl_only_file_and_of_both():
     e2e.summarize(alone)  # a --trl-only call: no tlt mode to compare with yet
     assert alone["trl_step_s"] == 42.0 and alone["trl_completion_len_mean"] == 300.0
     assert "speedup_vs_trl" not in alone and "speedup_vs_baseline" not in alone
-    both = {"runs": {"seed0": {"baseline": _curves(20.0, 310.0), "tlt": _curves(10.0, 305.0), "trl": trl}}}
+    both = {"runs": {"seed0": {"baseline": _curves(20.0, 310.0), "tlt": _curves(10.0, 305.0), "trl": trl},
+                     "seed1": {"baseline": _curves(30.0, 310.0), "tlt": _curves(30.0, 305.0)}}}
     e2e.summarize(both)
-    assert both["speedup_vs_baseline"] == 2.0 and both["speedup_vs_trl"] == 4.2
-    assert both["by_mode"]["tlt"]["response_len_mean"] == 305.0
+    # against TRL: only the seed TRL ran (the same prompts; pooled with seed 1 tlt's median would be 30 s)
+    assert both["speedup_vs_trl"] == 4.2 and both["baseline_speedup_vs_trl"] == 2.1 and both["trl_seeds"] == ["seed0"]
+    assert both["tok_s_ratio_vs_trl"] == round(16 * 305.0 / 10.0 / 114.0, 3)
+    assert both["by_mode"]["tlt"]["response_len_mean"] == 305.0 and both["speedup_vs_baseline"] == 1.25
     assert both["by_mode"]["trl"]["completion_len_mean"] == 300.0
 
 
@@ -79,3 +82,28 @@ def test_e2e_merge_joins_a_sessions_files():
     assert merged["natural_by_mode"]["trl"]["completion_len_mean"] == 305.0
     assert merged["equal_work_by_mode"]["tlt"]["train_s"] == 1.05
     assert merged["spot_overhead_ratio"] == 1.01 and merged["complete"]
+
+
+def test_e2e_merge_gives_no_ratio_against_trl_measured_on_another_device(capsys):
+    import e2e_merge
+
+    result = {"speedup_vs_trl": 5.0, "tok_s_ratio_vs_trl": 1.2, "trl_step_s": 60.0}
+    e2e_merge.drop_ratios_across_devices(result, {"trl": "H100"}, {"natural.json": "H100"})
+    assert result["speedup_vs_trl"] == 5.0  # one device: kept
+    e2e_merge.drop_ratios_across_devices(result, {"trl": "H200"}, {"natural.json": "H100"})
+    assert result == {"trl_step_s": 60.0} and "no ratio against TRL" in capsys.readouterr().err
+
+
+def test_trl_runs_tlts_step_without_gradient_checkpointing():
+    """TRL turns gradient checkpointing on by default, tlt's is off: every TRL micro-batch recomputed its forward
+    (found by review). One generation of tlt's 16 completions, one optimizer step over tlt's micro-batches."""
+    pytest.importorskip("trl")
+    import trl_baseline
+
+    config = trl_baseline.grpo_config(16, 4, 2, 256, steps=3)
+    assert not getattr(config, "activation_checkpointing", False) and not config.gradient_checkpointing
+    assert config.generation_batch_size == 16
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps, config.num_iterations) == (2, 8, 1)
+    assert (config.beta, config.loss_type, config.temperature, config.top_k) == (0.0, "grpo", 1.0, 0)
+    with pytest.raises(ValueError, match="micro-batches of 3"):
+        trl_baseline.grpo_config(16, 4, 3, 256, steps=3)
