@@ -55,17 +55,13 @@ def tlt_modes(args, seed: int) -> dict[str, list[str]]:
 
 def run_trl(args, seed: int) -> list[dict]:
     """args.warmup_steps + args.steps TRL steps on tlt's prompts; the measured ones (the warm-up's dropped)."""
-    import torch
-
     from tlt.models.default_model import default_model_dir
     from tlt.rl.config import TrainConfig
     from tlt.rl.rewards import build_reward
     from tlt.tasks import ArithmeticTask, ArithmeticTaskConfig
     from trl_baseline import trl_step_times
 
-    if args.device == "cpu":
-        torch.set_num_threads(torch.get_num_threads())  # every core, as tlt's one CPU worker
-    config = TrainConfig()
+    config = TrainConfig()  # TRL keeps torch's own thread count: every core, as tlt's one CPU worker
     task = ArithmeticTask(ArithmeticTaskConfig(min_operations=config.task.min_operations,
                                                max_operations=config.task.max_operations))
     # exactly the prompts tlt draws: step k uses seed run.seed * 1_000_003 + k

@@ -1,9 +1,10 @@
 """The CPU default's worker layout on equal work: 2 Ray workers x 1 thread vs 1 worker x 2 threads, SD off.
 
 `tlt train` on the CPU defaulted to 2 workers (the layout in which a worker idle in the tail spot-trains the
-drafter) until this benchmark moved it to 1 (docs/benchmarks.md section 12). This times the rest of the step under each layout: the same prompts, every sample decoding exactly the
-length a reference run of the default layout gave it (stop tokens ignored: rollout/replay.py), one step of each
-mode in turn, medians over steps. Speculation is off in every mode, so only the layout differs.
+drafter) until this benchmark moved it to 1 (docs/benchmarks.md section 12). This times the rest of the step under
+each layout: the same prompts, every sample decoding exactly the length a reference run of the default layout gave
+it (stop tokens ignored: rollout/replay.py), one step of each mode in turn, medians over steps. Speculation is off
+in every mode, so only the layout differs.
 
     python benchmarks/worker_layout.py --json benchmarks/results/worker_layout.json [--steps 3]
     python benchmarks/worker_layout.py --speculative --json benchmarks/results/worker_layout_tlt.json

@@ -423,3 +423,18 @@ def test_spot_training_starts_on_the_features_earlier_steps_left_in_the_hub(tmp_
         controller.close()
     first = {step: next(kind for s, kind in events if s == step) for step in (0, 1)}
     assert first == {0: "collect", 1: "train"}, events
+
+
+@pytest.mark.parametrize("workers,threads,expected", [(1, 1, 1), (2, 1, 2), (1, 0, None)])
+def test_in_process_workers_use_their_thread_budget(tmp_path, workers, threads, expected):
+    """run.threads_per_worker was a Ray worker's only: the in-process backend (the CPU default since one worker
+    became it) left torch's pool as it found it (found by review). Threads share the process's one pool."""
+    import os
+
+    torch.set_num_threads(1 if expected is None else 3)  # not what the run asks for
+    controller = make_controller(tmp_path, **{"run.workers": workers, "run.threads_per_worker": threads,
+                                              "run.speculative": "off"})
+    try:
+        assert torch.get_num_threads() == (expected or os.cpu_count())  # 0: cores // workers, per worker
+    finally:
+        controller.close()

@@ -96,6 +96,20 @@ def test_round_trip_in_the_serving_dtype(tmp_path, target):
                                    atol=3e-2, rtol=3e-2)  # bf16 weights: about 3 significant digits
 
 
+@pytest.mark.parametrize("written,expected", [({"torch_dtype": "bfloat16"}, torch.bfloat16),
+                                              ({"dtype": "torch.float16"}, torch.float16), ({}, torch.float32),
+                                              ({"torch_dtype": "half"}, torch.float16),
+                                              ({"torch_dtype": "float64"}, torch.float32), (None, torch.bfloat16)])
+def test_the_served_dtype_is_the_one_the_targets_config_names(tmp_path, written, expected):
+    """--dtype auto: SGLang's --dtype auto serves each model in its own config's dtype (float32 -> float16 for
+    both), so the draft's config names the target's; a .gguf has no config.json: bfloat16."""
+    from tlt.drafter.export import target_dtype
+
+    if written is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **written}))
+    assert target_dtype(tmp_path) == expected
+
+
 def test_import_refuses_weights_it_would_drop(tmp_path):
     from safetensors.torch import save_file
 

@@ -168,8 +168,9 @@ def fake_gpus(monkeypatch, count):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
 
-def test_resolve_on_the_cpu_machine_is_one_worker_that_trains_its_drafter_in_its_own_tail():
+def test_resolve_on_the_cpu_machine_is_one_worker_that_trains_its_drafter_in_its_own_tail(monkeypatch):
     """One worker per device, the CPU too (docs/benchmarks.md section 12: one worker on both cores beat two)."""
+    fake_gpus(monkeypatch, 0)
     config, placed, notes = resolve(load_config())
     assert config.run.workers == 1 == placed.workers and placed.device == "cpu" and notes == []
     assert config.run.speculative == "adaptive" and config.run.backend == "inprocess"

@@ -162,8 +162,10 @@ def test_speculative_modes_share_the_step(tmp_path, mode, drafter):
 def test_speculative_mode_without_a_drafter_is_a_clear_error(tmp_path):
     from tlt.errors import TltError
 
+    with pytest.raises(TltError, match="needs run.drafter here: GRPOTrainer neither spot-trains nor tail-trains"):
+        make_trainer(tmp_path, **{"run.speculative": "adaptive", "run.workers": 1})  # validate() lets it pass
     with pytest.raises(TltError, match="needs run.drafter"):
-        make_trainer(tmp_path, **{"run.speculative": "adaptive", "run.workers": 1})
+        make_trainer(tmp_path, **{"run.speculative": "adaptive", "run.workers": 1, "run.tail_training": "off"})
 
 
 def test_bandit_state_is_checkpointed_and_restored(tmp_path):

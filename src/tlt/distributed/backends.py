@@ -11,6 +11,8 @@ import copy
 import dataclasses
 import os
 
+import torch
+
 from tlt.distributed.collective import ThreadReducer
 from tlt.distributed.hub import DrafterHub
 from tlt.distributed.placement import check_ray_resources
@@ -51,6 +53,8 @@ class InProcessBackend:
     def __init__(self, config, placement, *, loaded=None, task=None, reward=None):
         size = placement.workers
         self.size = size
+        # one pool for the process (torch's is global): run.threads_per_worker for each of its workers
+        torch.set_num_threads(threads_per_worker(config) * size)
         self._hub = DrafterHub(config.run.drafter_buffer_tokens)
         self.hub = HubClient(self._hub)
         reducer = self._reducer = ThreadReducer(size) if size > 1 else None

@@ -24,6 +24,7 @@ target's dtype whatever the draft's config says.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import torch
@@ -100,12 +101,13 @@ def _write_draft_vocab(drafter: EagleDrafter, out: Path, target: str) -> None:
 
 def serve_command(out: str | Path, target: str, model: str, has_draft_vocab: bool, dtype: str) -> str:
     """How to serve the target with this export as its EAGLE draft (printed after an export)."""
+    quote = shlex.quote
     if target == "vllm":
         config = json.dumps({"method": "eagle", "model": str(out), "num_speculative_tokens": 3})
-        return f"vllm serve {model} --speculative-config '{config}'"
-    token_map = f" --speculative-token-map {Path(out) / 'draft_vocab.pt'}" if has_draft_vocab else ""
-    return (f"python -m sglang.launch_server --model-path {model} --dtype {dtype} --speculative-algorithm EAGLE "
-            f"--speculative-draft-model-path {out}{token_map}")
+        return f"vllm serve {quote(model)} --speculative-config {quote(config)}"
+    token_map = f" --speculative-token-map {quote(str(Path(out) / 'draft_vocab.pt'))}" if has_draft_vocab else ""
+    return (f"python -m sglang.launch_server --model-path {quote(model)} --dtype {dtype} --speculative-algorithm "
+            f"EAGLE --speculative-draft-model-path {quote(str(out))}{token_map}")
 
 
 def target_dtype(model_path: str | Path) -> torch.dtype:
@@ -116,8 +118,9 @@ def target_dtype(model_path: str | Path) -> torch.dtype:
     if not config.is_file():
         return torch.bfloat16
     data = json.loads(config.read_text())
-    name = data.get("torch_dtype") or data.get("dtype") or "float32"
-    return DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+    name = str(data.get("torch_dtype") or data.get("dtype") or "float32").removeprefix("torch.")
+    dtype = getattr(torch, name, None)  # "half" and "bfloat16" alike
+    return dtype if dtype in DTYPES.values() else torch.float32  # "auto", "float64": as SGLang, from float32
 
 
 def _with_legacy_keys(config: dict) -> dict:

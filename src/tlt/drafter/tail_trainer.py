@@ -8,8 +8,9 @@ rollout's device, and publishes versions that the decode loop hot-swaps between 
 worker). The thread takes the GIL only to launch kernels; the decode loop releases it while it waits for the GPU.
 
 Lossless whatever it does: speculative sampling is exact for every drafter, so only the speed depends on it.
-On the CPU the thread competes with decoding for the same cores; there it still beat a second worker that
-splits them (docs/benchmarks.md section 12), so `run.tail_training=auto` turns it on everywhere.
+On the CPU the thread competes with decoding for the same cores; `run.tail_training=auto` turns it on there too,
+because one worker on all cores is the CPU default (faster steps than two splitting them, mostly in the update:
+docs/benchmarks.md section 12), and without it that worker would train no drafter at all.
 """
 
 from __future__ import annotations

@@ -301,9 +301,9 @@ def check_speculation(run: RunConfig) -> None:
 def tail_training_active(run: RunConfig, workers: int) -> bool:
     """Whether a lone worker trains the drafter beside its own rollout's tail (drafter/tail_trainer.py). Only
     with one worker: with several, the workers idle in the tail train it (one trainer per step). "auto" and "on"
-    agree on every device since 2026-11-25: on 2 CPU cores too, one worker training beside its tail ran TLT-mode
-    steps 1.27x faster than two workers spot-training (docs/benchmarks.md section 12); "auto" stays the default
-    so that a device where it does not pay can be ruled out here."""
+    agree on every device since 2026-11-25, when one worker became the CPU default too (its TLT-mode steps ran
+    1.27x faster than two spot-training workers', mostly in the update: docs/benchmarks.md section 12); "auto"
+    stays the default so that a device where it does not pay can be ruled out here."""
     if run.speculative == "off" or not run.spot_training or workers != 1:
         return False
     return run.tail_training != "off"

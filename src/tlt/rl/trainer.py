@@ -59,8 +59,8 @@ class GRPOTrainer:
         validate(config)  # a config built in code (TrainConfig().override) gets the command line's checks
         if config.run.speculative != "off" and not config.run.drafter:
             # validate() lets a lone worker train its drafter beside its tail: a worker's, not this driver's
-            raise ConfigError(f"run.speculative={config.run.speculative} needs run.drafter here: GRPOTrainer (one "
-                              f"process) neither spot-trains nor tail-trains a drafter (`tlt train` does)")
+            raise ConfigError(f"run.speculative={config.run.speculative} needs run.drafter here: GRPOTrainer neither "
+                              f"spot-trains nor tail-trains a drafter (`tlt train` does)")
         self.replica = PolicyReplica.build(config, loaded=loaded, task=task, reward=reward)
         # When set, the drafter's FeatureBuffer is fed from a forward the step runs anyway (the old-log-prob pass,
         # or the update's own forward when that pass is skipped): no extra forward.
