@@ -9,6 +9,7 @@ class only sequences them over one PolicyReplica and counts steps. Tests and ben
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from tlt.rl.phases import StepBatch
 from tlt.rl.replica import PolicyReplica
 from tlt.rl.run_checkpoint import resume_replica, save_run_checkpoint
 from tlt.rollout.request import RolloutResult
+
+log = logging.getLogger(__name__)
 
 
 class _OfReplica:
@@ -58,9 +61,10 @@ class GRPOTrainer:
                               f"{type(config).__name__}")
         validate(config)  # a config built in code (TrainConfig().override) gets the command line's checks
         if config.run.speculative != "off" and not config.run.drafter:
-            # validate() lets a lone worker train its drafter beside its tail: a worker's, not this driver's
-            raise ConfigError(f"run.speculative={config.run.speculative} needs run.drafter here: GRPOTrainer neither "
-                              f"spot-trains nor tail-trains a drafter (`tlt train` does)")
+            # validate() lets spot or tail training teach a drafter from scratch: `tlt train`'s workers, not this
+            # driver; its engine holds the untrained drafter back, so the run is right, just never speculative
+            log.warning(f"run.speculative={config.run.speculative} without run.drafter: GRPOTrainer neither "
+                        f"spot-trains nor tail-trains a drafter (`tlt train` does), so this run will not speculate")
         self.replica = PolicyReplica.build(config, loaded=loaded, task=task, reward=reward)
         # When set, the drafter's FeatureBuffer is fed from a forward the step runs anyway (the old-log-prob pass,
         # or the update's own forward when that pass is skipped): no extra forward.
