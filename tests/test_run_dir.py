@@ -69,6 +69,33 @@ def test_overwrite_that_fails_before_its_first_checkpoint_puts_the_old_run_back(
     assert snapshot(tmp_path) == before and not (tmp_path / ".replaced").exists()
 
 
+def test_sigterm_is_handled_as_ctrl_c(tmp_path, monkeypatch, capsys):
+    """SIGTERM (a scheduler's stop, `kill`) ended `tlt train` without a word, an interrupted --overwrite leaving
+    the old run aside until the next start (found by review). Now it is Ctrl-C: said, and the old run put back."""
+    import os
+    import signal
+    import time
+
+    from tlt import cli
+
+    run(tmp_path, steps=2)
+    before = snapshot(tmp_path)
+    trainer = make_trainer(tmp_path, **{"run.steps": 3, "optim.lr": 0.02})
+
+    def terminated_mid_step():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises before this ends
+        raise AssertionError("SIGTERM was not handled")
+
+    monkeypatch.setattr(trainer, "train_step", terminated_mid_step)
+    monkeypatch.setattr(cli, "_run_command", lambda args: train(trainer.config, overwrite=True, trainer=trainer))
+    handler = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["report", str(tmp_path)]) == 143  # (the command is stood in for)
+    assert "tlt: terminated (SIGTERM)" in capsys.readouterr().err
+    assert snapshot(tmp_path) == before and not (tmp_path / ".replaced").exists()
+    assert signal.getsignal(signal.SIGTERM) == handler  # given back
+
+
 def test_overwrite_killed_before_its_first_checkpoint_is_undone_by_the_next_start(tmp_path):
     """A SIGKILL leaves the old run in RUN/.replaced: the next tlt train puts it back, then decides as usual."""
     run(tmp_path, steps=2)

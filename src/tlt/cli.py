@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 
 from tlt import __version__
 from tlt.errors import TltError
@@ -74,27 +77,56 @@ def main(argv=None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        if args.command == "drafter":
-            return _run_warmup(args) if args.drafter_command == "warmup" else _run_export(args)
-        if args.command == "train":
-            return _run_train(args)
-        if args.command == "report":
-            from tlt.report import write_report
-
-            print(write_report(args.run_dir, args.out))
-            return 0
-        if args.command == "verify":
-            return _run_verify(args)
-        if args.command in ("generate", "demo"):
-            from tlt.generate_cli import run_generate
-
-            return run_generate(args, demo=args.command == "demo")
+        with _sigterm_as_interrupt():
+            return _run_command(args)
     except TltError as error:
         print(f"tlt: error: {error}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("tlt: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:  # Ctrl-C: what was saved is said by the command; no traceback
         print("tlt: interrupted", file=sys.stderr)
         return 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, what a scheduler (SLURM, Kubernetes) or `kill` sends: handled as Ctrl-C is, so a run says what it
+    saved and an interrupted --overwrite puts the run it was replacing back, instead of dying without a word."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_command(args) -> int:
+    if args.command == "drafter":
+        return _run_warmup(args) if args.drafter_command == "warmup" else _run_export(args)
+    if args.command == "train":
+        return _run_train(args)
+    if args.command == "report":
+        from tlt.report import write_report
+
+        print(write_report(args.run_dir, args.out))
+        return 0
+    if args.command == "verify":
+        return _run_verify(args)
+    if args.command in ("generate", "demo"):
+        from tlt.generate_cli import run_generate
+
+        return run_generate(args, demo=args.command == "demo")
     return 0
 
 
