@@ -78,6 +78,15 @@ def test_missing_run_dir_and_metrics(tmp_path):
         write_report(tmp_path)
 
 
+def test_a_run_set_aside_by_a_killed_overwrite_is_named_not_called_missing(tmp_path):
+    """After a SIGKILL'd --overwrite the old run waits in RUN/.replaced (the next `tlt train` puts it back):
+    "missing metrics.jsonl" told the user their run was gone (found by QA)."""
+    (tmp_path / ".replaced").mkdir()
+    (tmp_path / ".replaced" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(TltError, match="the run it was replacing is intact in .*\\.replaced.*puts it back"):
+        write_report(tmp_path)
+
+
 def test_cli_report(run_dir, capsys):
     assert main(["report", str(run_dir)]) == 0
     assert "index.html" in capsys.readouterr().out

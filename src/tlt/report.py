@@ -16,6 +16,7 @@ from pathlib import Path
 from tlt.errors import TltError
 from tlt.metrics.figures import TAU_KEYS, draw_curves, draw_timeline, is_number
 from tlt.metrics.logger import read_metrics
+from tlt.rl.run_dir import REPLACED_DIR
 
 # (header, metric key, format) of the step table; a column appears when any step has its key
 STEP_COLUMNS = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), ("accuracy", "accuracy", "{:.3f}"),
@@ -53,6 +54,10 @@ def write_report(run_dir, out=None) -> Path:
     if not run_dir.is_dir():
         raise TltError(f"{run_dir}: {'a file, not a run directory' if run_dir.exists() else 'no such run directory'}")
     metrics = read_metrics(run_dir)
+    if not metrics and (run_dir / REPLACED_DIR).is_dir():
+        raise TltError(f"{run_dir}: an --overwrite run was killed before its first checkpoint; the run it was "
+                       f"replacing is intact in {run_dir / REPLACED_DIR}, and the next `tlt train` on {run_dir} puts "
+                       f"it back (`tlt train run.out_dir={run_dir} --resume` goes on with it)")
     if not metrics:
         raise TltError(f"{run_dir / 'metrics.jsonl'}: missing or empty; is {run_dir} a `tlt train` run directory?")
     if out is not None:  # RUN_DIR/report is tlt's own (a page there from before the marker is replaced too)
