@@ -1,6 +1,7 @@
 """Checkpoint files: tied embeddings resume whichever name of the pair safetensors kept, a checkpoint that lacks a
 weight is refused, and the final policy is a Hugging Face model directory with its tokenizer."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,25 @@ def test_an_untied_model_missing_its_head_is_refused(tmp_path):
     path = checkpoint_keeping(tmp_path, source, HEAD)
     with pytest.raises(CheckpointError, match=r"missing \['lm_head.weight'\]"):
         load_checkpoint(path, target, torch.optim.AdamW(target.parameters()))
+
+
+@pytest.mark.parametrize("edit,detail", [
+    (lambda state: state.update(step="abc"), "its step is 'abc'"),
+    (lambda state: state.update(python_rng=[1]), "IndexError"),
+    (lambda state: state["optimizer"].update(param_groups=[]), "ValueError"),
+    (lambda state: state.update(scheduler={"last_epoch": "x"}), "last_epoch is 'x'")])
+def test_a_damaged_state_json_value_is_named_before_anything_runs(tmp_path, edit, detail):
+    """Edited or damaged values in state.json came out as a traceback, or as a worker failure whose advice
+    (`--resume continues from step-000001`) met the same file again; one a whole rollout later (found by QA)."""
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, scheduler=scheduler)
+    state = json.loads((path / "state.json").read_text())
+    edit(state)
+    (path / "state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=rf"cannot read checkpoint file .*state.json: .*{detail}.*--overwrite"):
+        load_checkpoint(path, model, optimizer, scheduler)
 
 
 def tiny_tokenizer(vocab_size=97):

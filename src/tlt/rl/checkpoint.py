@@ -191,13 +191,17 @@ def load_checkpoint(path: Path, model, optimizer, scheduler=None) -> dict:
                 own[name].copy_(tensor)
     if state.get("optimizer") is None:
         log.warning("%s holds no optimizer state (run.save_optimizer=false): the optimizer starts fresh", path)
-    else:
-        optimizer.load_state_dict(unflatten_optimizer(read_tensors(path / "optimizer.safetensors"),
-                                                       state["optimizer"]))
-    if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(read_tensors(path / "rng.safetensors")["torch_rng"])
-    random.setstate(_as_python_rng_state(state["python_rng"]))
+    optimizer_tensors = None if state.get("optimizer") is None else read_tensors(path / "optimizer.safetensors")
+    rng = read_tensors(path / "rng.safetensors")
+    try:  # state.json's values as torch and random take them: an edited or damaged one fails here, named
+        if optimizer_tensors is not None:
+            optimizer.load_state_dict(unflatten_optimizer(optimizer_tensors, state["optimizer"]))
+        if scheduler is not None and state.get("scheduler") is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(rng["torch_rng"])
+        random.setstate(_as_python_rng_state(state["python_rng"]))
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
+        raise _damaged(path / "state.json", f"{type(error).__name__}: {first_line(error)}") from None
     return state
 
 
@@ -210,6 +214,11 @@ def read_state(checkpoint: Path) -> dict:
         raise _damaged(file, first_line(error)) from None
     if not isinstance(state, dict) or not {"step", "python_rng"} <= set(state):
         raise _damaged(file, "not a tlt checkpoint state (no step or RNG state)")
+    if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
+        raise _damaged(file, f"its step is {state['step']!r}, not a count of steps")
+    last_epoch = (state.get("scheduler") or {}).get("last_epoch", 0)
+    if not isinstance(last_epoch, int):
+        raise _damaged(file, f"its lr schedule's last_epoch is {last_epoch!r}, not a step count")
     return state
 
 
