@@ -87,6 +87,12 @@ def test_a_run_set_aside_by_a_killed_overwrite_is_named_not_called_missing(tmp_p
         write_report(tmp_path)
 
 
+def test_an_out_that_cannot_be_made_is_one_line(run_dir):
+    """/proc refuses new entries, as a read-only mount would: a traceback (found by QA)."""
+    with pytest.raises(TltError, match="--out /proc/tlt-report: cannot create it"):
+        write_report(run_dir, "/proc/tlt-report")
+
+
 def test_cli_report(run_dir, capsys):
     assert main(["report", str(run_dir)]) == 0
     assert "index.html" in capsys.readouterr().out

@@ -144,6 +144,7 @@ def test_verify_that_ran_no_speculative_step_is_an_error_not_a_pass():
     (["--alpha", "2"], "alpha (the KS p-value below which the check fails) must be in (0, 1), got 2.0"),
     (["--json", "{tmp}"], "is a directory; give a file name"),
     (["--json", "{tmp}/file/out.json"], "is a file, not a directory"),
+    (["--json", "/proc/tlt-verify.json"], "--json /proc/tlt-verify.json: cannot write it"),  # as read-only (QA)
     (["--max-new-tokens", "1"], "verify needs max_new_tokens >= 2, got 1")])
 def test_cli_verify_refuses_a_bad_alpha_or_json_path_before_loading(tmp_path, capsys, args, message):
     """--alpha 2 printed 'FAIL: speculative decoding is NOT lossless' (every p-value is below 2); a --json path

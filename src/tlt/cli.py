@@ -350,6 +350,14 @@ def _check_writable(path, option: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise TltError(f"{option} {path}: cannot create {path.parent} ({error.strerror})") from None
+    existed = path.exists()
+    try:  # opened now: a read-only mount or a missing permission fails before the work, not after it
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        raise TltError(f"{option} {path}: cannot write it ({error.strerror})") from None
+    if not existed:
+        path.unlink()
 
 
 def _print_verify(console, report, control, drafter: str) -> None:

@@ -67,6 +67,8 @@ def write_report(run_dir, out=None) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise TltError(f"--out {out}: it, or a directory above it, is a file") from None
+    except OSError as error:  # a read-only mount, no permission
+        raise TltError(f"--out {out}: cannot create it ({error.strerror})") from None
     curves = draw_curves(metrics, out)
     timelines = _timeline_section(run_dir, out)
     sections = [_config_section(run_dir), "<h2>Steps</h2>" + _step_table(metrics),
