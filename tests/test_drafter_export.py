@@ -126,9 +126,10 @@ def test_non_llama_drafters_are_refused(tmp_path):
         export_eagle(EagleDrafter(tiny_model("qwen3").config), tmp_path)
 
 
-def test_export_refuses_to_replace_a_model_directory_unless_told(tmp_path, capsys):
+def test_export_never_replaces_a_model_directory_and_an_earlier_export_only_when_told(tmp_path, capsys):
     """`--out` pointing at a model directory (the target's own, say) replaced its config.json and weights with
-    the one-layer draft's without a word: the model was lost. Checked before the model loads."""
+    the one-layer draft's without a word: the model was lost. Checked before the model loads; the refusal then
+    offered --overwrite, which broke the model as well (found by QA): only an earlier export may be replaced."""
     from test_bad_input import model_dir
     from tlt.cli import main
 
@@ -136,13 +137,17 @@ def test_export_refuses_to_replace_a_model_directory_unless_told(tmp_path, capsy
     weights = (model / "model.safetensors").read_bytes()
     drafter = tmp_path / "drafter"
     EagleDrafter(tiny_model("llama", vocab_size=257).config).save(drafter)
-    assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(model)]) == 2
-    err = capsys.readouterr().err
-    assert "already holds config.json and model.safetensors" in err and "--overwrite" in err, err
+    for flags in ([], ["--overwrite"]):
+        assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(model), *flags]) == 2
+        err = capsys.readouterr().err
+        assert "holds config.json and model.safetensors of something that is not a tlt export" in err, err
+        assert "--overwrite" not in err
     assert (model / "model.safetensors").read_bytes() == weights
     out = tmp_path / "eagle"
-    for flags in ([], ["--overwrite"]):  # an earlier export is replaced when asked
-        assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(out), *flags]) == 0
+    assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(out)]) == 0
+    assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(out)]) == 2
+    assert "already holds an earlier export" in capsys.readouterr().err
+    assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(out), "--overwrite"]) == 0
     assert "draft vocabulary" not in capsys.readouterr().out
     EagleDrafter(tiny_model("llama", vocab_size=257).config, draft_vocab=torch.arange(40)).save(drafter)
     assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(out), "--overwrite"]) == 0

@@ -462,6 +462,23 @@ def test_a_speculative_run_whose_drafter_never_trained_says_why_final_has_none(t
     assert "the run's drafter never trained" in capsys.readouterr().out
 
 
+def test_a_run_placement_turned_off_speculation_for_is_not_said_to_have_an_untrained_drafter(tmp_path, capsys):
+    """workers=auto coming to one worker with run.tail_training=off: placement turns speculation off and says so,
+    and the end of the run then blamed 'no spot-training step ran' for the missing drafter (found by QA)."""
+    import dataclasses
+
+    from test_distributed import make_controller
+
+    controller = make_controller(tmp_path, **{"run.steps": 1, "run.workers": 1, "run.speculative": "off"})
+    asked = dataclasses.replace(controller.config, run=dataclasses.replace(
+        controller.config.run, workers="auto", speculative="static", tail_training="off"))  # as given
+    try:
+        train(asked, trainer=controller)
+    finally:
+        controller.close()
+    assert "never trained" not in capsys.readouterr().out
+
+
 def test_a_given_drafter_is_kept_beside_the_final_policy_even_untrained_by_the_run(tmp_path):
     """run.drafter=DIR (a warmed drafter) that spot training never improved is still the run's drafter."""
     from safetensors.torch import load_file

@@ -82,7 +82,8 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     if drafter.is_dir():
         console.print(f"its drafter: {drafter} (for vLLM / SGLang: tlt drafter export {drafter} --model {final} "
                       f"--out DIR; to go on training it: run.drafter={drafter})")
-    elif isinstance(trainer, DistributedGRPO) and config.run.speculative != "off":  # (GRPOTrainer saves none)
+    elif isinstance(trainer, DistributedGRPO) and trainer.config.run.speculative != "off":  # as placed (resolve
+        # may have turned it off, and said why); GRPOTrainer saves none
         console.print(f"no drafter in {final}: the run's drafter never trained (no spot-training step ran: a short "
                       f"run, or no worker idle in the tail) and run.drafter gave none")
     return history

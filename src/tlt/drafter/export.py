@@ -44,15 +44,31 @@ class ExportError(TltError):
 EXPORT_FILES = ("config.json", "model.safetensors", "draft_vocab.pt")
 
 
+EXPORT_MARK = "tlt_export"  # a key of the written config.json (loaders ignore it): what --overwrite may replace
+
+
 def check_export_out(out: str | Path, overwrite: bool = False) -> None:
-    """An --out the export may write: not a file, and (unless overwrite) holding none of the files it writes,
-    e.g. a model directory, whose config and weights would be replaced by the one-layer draft's."""
+    """An --out the export may write: not a file, and holding none of the files it writes unless they are an
+    earlier export's and `overwrite` says so. Never a model directory, whose config and weights would be replaced
+    by the one-layer draft's (--overwrite included: an earlier export carries EXPORT_MARK in its config)."""
     out = Path(out)
     refuse_a_file_in_the_way(out, "--out", ExportError)
     held = [name for name in EXPORT_FILES if (out / name).exists()]
-    if held and not overwrite:
-        raise ExportError(f"{out} already holds {' and '.join(held)} (a model or an earlier export): pass "
-                          f"--overwrite to replace them, or another --out")
+    if not held:
+        return
+    if not _is_an_export(out / "config.json"):
+        raise ExportError(f"{out} holds {' and '.join(held)} of something that is not a tlt export (a model?): "
+                          f"choose another --out (an export never replaces them)")
+    if not overwrite:
+        raise ExportError(f"{out} already holds an earlier export ({' and '.join(held)}): pass --overwrite to "
+                          f"replace it, or another --out")
+
+
+def _is_an_export(config: Path) -> bool:
+    try:
+        return EXPORT_MARK in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return not config.exists()  # weights alone, without a config: an export cut short
 
 
 def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", overwrite: bool = False,
@@ -82,7 +98,7 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
     config = drafter.config.to_dict()
     dtype_name = str(dtype).removeprefix("torch.")
     config.update(architectures=[ARCHITECTURES[target]], num_hidden_layers=1, tie_word_embeddings=False,
-                  dtype=dtype_name, torch_dtype=dtype_name)
+                  dtype=dtype_name, torch_dtype=dtype_name, **{EXPORT_MARK: target})
     config.pop("layer_types", None)
     (out / "config.json").write_text(json.dumps(_with_legacy_keys(config), indent=1))
     return out
