@@ -74,7 +74,10 @@ def test_draw_timeline(tmp_path):
 def test_missing_run_dir_and_metrics(tmp_path):
     with pytest.raises(TltError, match="nowhere"):
         write_report(tmp_path / "nowhere")
-    with pytest.raises(TltError, match="metrics.jsonl"):
+    with pytest.raises(TltError, match="metrics.jsonl: missing or empty"):
+        write_report(tmp_path)
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe")  # there, but not a record (found by QA)
+    with pytest.raises(TltError, match="metrics.jsonl: holds no step record"):
         write_report(tmp_path)
 
 

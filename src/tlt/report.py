@@ -59,7 +59,9 @@ def write_report(run_dir, out=None) -> Path:
                        f"replacing is intact in {run_dir / REPLACED_DIR}, and the next `tlt train` on {run_dir} puts "
                        f"it back (`tlt train run.out_dir={run_dir} --resume` goes on with it)")
     if not metrics:
-        raise TltError(f"{run_dir / 'metrics.jsonl'}: missing or empty; is {run_dir} a `tlt train` run directory?")
+        file = run_dir / "metrics.jsonl"
+        what = "holds no step record" if file.is_file() and file.stat().st_size else "missing or empty"
+        raise TltError(f"{file}: {what}; is {run_dir} a `tlt train` run directory?")
     if out is not None:  # RUN_DIR/report is tlt's own (a page there from before the marker is replaced too)
         _refuse_a_foreign_page(Path(out) / "index.html")
     out = Path(out) if out is not None else run_dir / "report"
