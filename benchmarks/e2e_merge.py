@@ -9,7 +9,7 @@ natural runs on the same prompts: median step times over the seeds TRL ran (`trl
 seeds drew other problems), with tokens per step-second (`tok_s_ratio_vs_trl`), the baseline's ratios beside
 TLT mode's (`baseline_speedup_vs_trl`: what tlt does without SD) and both sides' completion lengths (mean, max).
 TRL ran in a call of its own: the ratios against it are left out when it ran on another device than the natural
-runs. `spot_overhead_ratio` is spot_training.py's overhead phase
+runs, or with other settings (max_new_tokens, prompts, samples, temperature). `spot_overhead_ratio` is spot_training.py's overhead phase
 (a lone worker training beside its tail, serving the starting drafter); `tau_gain_late` / `tau_gain_last` its tau
 phase (spot-trained over frozen drafter, over the run's second half / at its last step, after `tau_steps`).
 Per mode (`*_by_mode`): `step_s`, `rollout_s`, `train_s` (the update phase: rewards, log-probs, update) and the
@@ -119,8 +119,26 @@ def main(argv=None) -> dict:
     if len(set(result["devices"].values())) > 1:
         print(f"WARNING: the inputs ran on different devices: {result['devices']}", file=sys.stderr)
     drop_ratios_across_devices(result, devices({"trl": trl}), devices(natural))
+    drop_ratios_across_settings(result, trl, natural)
     write_json(args.json, result)
     return result
+
+
+SETTINGS = ("max_new_tokens", "prompts", "samples", "temperature")
+
+
+def drop_ratios_across_settings(result: dict, trl: dict | None, natural: dict[str, dict]) -> None:
+    """A step of 256 tokens is no peer of one of 1024: TRL's ratios go when its run's settings differ."""
+    if trl is None:
+        return
+    differ = {path: {key: (trl.get(key), data.get(key)) for key in SETTINGS if trl.get(key) != data.get(key)}
+              for path, data in natural.items()}
+    differ = {path: keys for path, keys in differ.items() if keys}
+    if differ:
+        for key in VS_TRL:
+            result.pop(key, None)
+        print(f"WARNING: TRL's run and the natural runs differ in {differ} (TRL's, theirs): no ratio against TRL",
+              file=sys.stderr)
 
 
 def drop_ratios_across_devices(result: dict, trl_device: dict, natural_devices: dict) -> None:

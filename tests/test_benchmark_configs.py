@@ -107,3 +107,14 @@ def test_trl_runs_tlts_step_without_gradient_checkpointing():
     assert (config.beta, config.loss_type, config.temperature, config.top_k) == (0.0, "grpo", 1.0, 0)
     with pytest.raises(ValueError, match="micro-batches of 3"):
         trl_baseline.grpo_config(16, 4, 3, 256, steps=3)
+
+
+def test_e2e_merge_gives_no_ratio_against_trl_run_with_other_settings(capsys):
+    import e2e_merge
+
+    result = {"speedup_vs_trl": 5.0, "trl_step_s": 60.0}
+    same = {"max_new_tokens": 1024, "prompts": 4, "samples": 4, "temperature": 1.0}
+    e2e_merge.drop_ratios_across_settings(result, dict(same), {"natural.json": dict(same)})
+    assert result["speedup_vs_trl"] == 5.0
+    e2e_merge.drop_ratios_across_settings(result, {**same, "max_new_tokens": 8}, {"natural.json": dict(same)})
+    assert result == {"trl_step_s": 60.0} and "'max_new_tokens': (8, 1024)" in capsys.readouterr().err
