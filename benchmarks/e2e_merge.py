@@ -135,20 +135,21 @@ def drop_ratios_across_settings(result: dict, trl: dict | None, natural: dict[st
               for path, data in natural.items()}
     differ = {path: keys for path, keys in differ.items() if keys}
     if differ:
-        for key in VS_TRL:
-            result.pop(key, None)
-        print(f"WARNING: TRL's run and the natural runs differ in {differ} (TRL's, theirs): no ratio against TRL",
-              file=sys.stderr)
+        _drop_vs_trl(result, f"TRL's run and the natural runs differ in {differ} (TRL's, theirs)")
 
 
 def drop_ratios_across_devices(result: dict, trl_device: dict, natural_devices: dict) -> None:
     """Step times on two devices are no ratio: TRL's ratios go when TRL ran on another device than tlt's runs."""
     other = set(natural_devices.values()) - set(trl_device.values())
     if trl_device and other:
-        for key in VS_TRL:
-            result.pop(key, None)
-        print(f"WARNING: TRL ran on {trl_device['trl']}, tlt's natural runs on {sorted(other)}: no ratio against "
-              f"TRL (run both on one device)", file=sys.stderr)
+        _drop_vs_trl(result, f"TRL ran on {trl_device['trl']}, tlt's natural runs on {sorted(other)} (run both on "
+                             f"one device)")
+
+
+def _drop_vs_trl(result: dict, why: str) -> None:
+    for key in VS_TRL:
+        result.pop(key, None)
+    print(f"WARNING: {why}: no ratio against TRL", file=sys.stderr)
 
 
 if __name__ == "__main__":

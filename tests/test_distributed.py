@@ -438,3 +438,22 @@ def test_in_process_workers_use_their_thread_budget(tmp_path, workers, threads, 
         assert torch.get_num_threads() == (expected or os.cpu_count())  # 0: cores // workers, per worker
     finally:
         controller.close()
+
+
+def test_ray_start_up_leaves_tlts_sigterm_handler_in_place():
+    """ray.init puts its own SIGTERM handler (sys.exit) in place of the CLI's, so a multi-worker run stopped by a
+    scheduler exited 15 without saying what it saved (found by review). The start-up keeps the handler as it was."""
+    import signal
+
+    from tlt.distributed.backends import _keeping_sigterm
+
+    def tlts(signum, frame):
+        raise AssertionError("not called here")
+
+    before = signal.signal(signal.SIGTERM, tlts)
+    try:
+        with _keeping_sigterm():
+            signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as ray.init does
+        assert signal.getsignal(signal.SIGTERM) is tlts
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -110,6 +110,25 @@ def test_the_served_dtype_is_the_one_the_targets_config_names(tmp_path, written,
     assert target_dtype(tmp_path) == expected
 
 
+def test_an_export_from_before_its_mark_is_still_replaced_when_told(tmp_path):
+    """Exports carry a tlt_export mark in their config since 2026-11-25; an older one is known by its weights
+    (fc.*, layers.0.* only), a model by anything else, or by a config that is not even a mapping."""
+    from tlt.drafter.export import EXPORT_MARK, check_export_out
+
+    model = tiny_model("llama")
+    export_eagle(EagleDrafter(model.config).attach(model), tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    del config[EXPORT_MARK]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    check_export_out(tmp_path / "old", overwrite=True)
+    with pytest.raises(ExportError, match="already holds an earlier export"):
+        check_export_out(tmp_path / "old")
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text("1")
+    with pytest.raises(ExportError, match="not a tlt export"):
+        check_export_out(tmp_path / "odd", overwrite=True)
+
+
 def test_import_refuses_weights_it_would_drop(tmp_path):
     from safetensors.torch import save_file
 

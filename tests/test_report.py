@@ -76,6 +76,10 @@ def test_missing_run_dir_and_metrics(tmp_path):
         write_report(tmp_path / "nowhere")
     with pytest.raises(TltError, match="metrics.jsonl: missing or empty"):
         write_report(tmp_path)
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(TltError, match="metrics.jsonl is a directory"):
+        write_report(tmp_path)
+    (tmp_path / "metrics.jsonl").rmdir()
     (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe")  # there, but not a record (found by QA)
     with pytest.raises(TltError, match="metrics.jsonl: holds no step record"):
         write_report(tmp_path)

@@ -91,7 +91,9 @@ def test_sigterm_is_handled_as_ctrl_c(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_run_command", lambda args: train(trainer.config, overwrite=True, trainer=trainer))
     handler = signal.getsignal(signal.SIGTERM)
     assert cli.main(["report", str(tmp_path)]) == 143  # (the command is stood in for)
-    assert "tlt: terminated (SIGTERM)" in capsys.readouterr().err
+    output = capsys.readouterr()
+    assert "tlt: terminated (SIGTERM)" in output.err
+    assert "interrupted after 0 completed step(s)" in output.out and "is back in" in output.out
     assert snapshot(tmp_path) == before and not (tmp_path / ".replaced").exists()
     assert signal.getsignal(signal.SIGTERM) == handler  # given back
 

@@ -140,11 +140,25 @@ def test_verify_that_ran_no_speculative_step_is_an_error_not_a_pass():
     assert report.tau is not None and report.tau > 1
 
 
+def test_the_json_check_leaves_the_path_alone(tmp_path):
+    """It opened the path to see whether it could: a dangling symlink there was replaced by an empty file."""
+    from tlt.cli import _check_writable
+
+    link = tmp_path / "out.json"
+    link.symlink_to(tmp_path / "elsewhere" / "out.json")
+    _check_writable(link, "--json")
+    assert link.is_symlink() and not (tmp_path / "elsewhere").exists()
+    (tmp_path / "kept.json").write_text("mine")
+    _check_writable(tmp_path / "kept.json", "--json")
+    assert (tmp_path / "kept.json").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "kept.json", "out.json"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--alpha", "2"], "alpha (the KS p-value below which the check fails) must be in (0, 1), got 2.0"),
     (["--json", "{tmp}"], "is a directory; give a file name"),
     (["--json", "{tmp}/file/out.json"], "is a file, not a directory"),
-    (["--json", "/proc/tlt-verify.json"], "--json /proc/tlt-verify.json: cannot write it"),  # as read-only (QA)
+    (["--json", "/proc/tlt-verify.json"], "--json /proc/tlt-verify.json: cannot write in /proc"),  # read-only
     (["--max-new-tokens", "1"], "verify needs max_new_tokens >= 2, got 1")])
 def test_cli_verify_refuses_a_bad_alpha_or_json_path_before_loading(tmp_path, capsys, args, message):
     """--alpha 2 printed 'FAIL: speculative decoding is NOT lossless' (every p-value is below 2); a --json path

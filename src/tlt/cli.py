@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
+import tempfile
 import threading
 
 from tlt import __version__
@@ -63,8 +65,8 @@ def main(argv=None) -> int:
                         help="of the written weights and config (auto: what --model's config.json names, so that "
                         "SGLang's --dtype auto serves draft and target alike; bfloat16 for a .gguf and for the "
                         "default smollm2, as published)")
-    export.add_argument("--overwrite", action="store_true", help="replace the files of an export (or a model) "
-                        "already in --out")
+    export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (never a "
+                        "model's files)")
     report = commands.add_parser("report", help="an HTML page with curves, tables and timelines for a run")
     report.add_argument("run_dir", help="a `tlt train` run directory (holds metrics.jsonl)")
     report.add_argument("--out", default=None, help="directory for index.html and its PNGs (default RUN_DIR/report)")
@@ -102,13 +104,15 @@ def _sigterm_as_interrupt():
         return
 
     def terminate(signum, frame):
+        # once: a second SIGTERM must not cut the clean-up short (putting back a run --overwrite set aside)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _run_command(args) -> int:
@@ -350,14 +354,14 @@ def _check_writable(path, option: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise TltError(f"{option} {path}: cannot create {path.parent} ({error.strerror})") from None
-    existed = path.exists()
-    try:  # opened now: a read-only mount or a missing permission fails before the work, not after it
-        with open(path, "a"):
+    try:  # a read-only mount or a missing permission fails before the work, not after it; the path itself is
+        # not touched (a file there may be another process's, a symlink the user's)
+        with tempfile.TemporaryFile(dir=path.parent):
             pass
     except OSError as error:
-        raise TltError(f"{option} {path}: cannot write it ({error.strerror})") from None
-    if not existed:
-        path.unlink()
+        raise TltError(f"{option} {path}: cannot write in {path.parent} ({error.strerror})") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise TltError(f"{option} {path}: cannot write it (permission denied)")
 
 
 def _print_verify(console, report, control, drafter: str) -> None:

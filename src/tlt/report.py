@@ -53,6 +53,8 @@ def write_report(run_dir, out=None) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise TltError(f"{run_dir}: {'a file, not a run directory' if run_dir.exists() else 'no such run directory'}")
+    if (run_dir / "metrics.jsonl").is_dir():
+        raise TltError(f"{run_dir / 'metrics.jsonl'} is a directory, not a run's metrics file")
     metrics = read_metrics(run_dir)
     if not metrics and (run_dir / REPLACED_DIR).is_dir():
         raise TltError(f"{run_dir}: an --overwrite run was killed before its first checkpoint; the run it was "

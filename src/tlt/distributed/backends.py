@@ -7,9 +7,12 @@ methods as plain calls) and `shutdown()`. A worker serves one call at a time, in
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import os
+import signal
+import threading
 
 import torch
 
@@ -36,6 +39,19 @@ def threads_per_worker(config) -> int:
     if config.run.threads_per_worker > 0:
         return config.run.threads_per_worker
     return max(1, (os.cpu_count() or 1) // max(1, config.run.workers))
+
+
+@contextlib.contextmanager
+def _keeping_sigterm():
+    """The process's SIGTERM handler as it was before the block (only the main thread may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
 
 
 def make_backend(config, placement, **kwargs):
@@ -120,9 +136,10 @@ class RayBackend:
         self.workers, self._hub, self._group = [], None, None
         threads = threads_per_worker(config)
         if not ray.is_initialized():
-            # ERROR: Ray's start-up notices (e.g. its token-auth warning) would otherwise open every run's log
-            ray.init(num_cpus=max(os.cpu_count() or 1, self.size * threads), include_dashboard=False,
-                     log_to_driver=True, logging_level="ERROR")
+            with _keeping_sigterm():  # ray.init puts its own (sys.exit) in place of tlt's: cli._sigterm_as_interrupt
+                # ERROR: Ray's start-up notices (e.g. its token-auth warning) would otherwise open every run's log
+                ray.init(num_cpus=max(os.cpu_count() or 1, self.size * threads), include_dashboard=False,
+                         log_to_driver=True, logging_level="ERROR")
         check_ray_resources(placement, threads, ray.cluster_resources())
         self._group = self._reserve(placement, threads)
         try:

@@ -56,7 +56,7 @@ def check_export_out(out: str | Path, overwrite: bool = False) -> None:
     held = [name for name in EXPORT_FILES if (out / name).exists()]
     if not held:
         return
-    if not _is_an_export(out / "config.json"):
+    if not _is_an_export(out):
         raise ExportError(f"{out} holds {' and '.join(held)} of something that is not a tlt export (a model?): "
                           f"choose another --out (an export never replaces them)")
     if not overwrite:
@@ -64,11 +64,26 @@ def check_export_out(out: str | Path, overwrite: bool = False) -> None:
                           f"replace it, or another --out")
 
 
-def _is_an_export(config: Path) -> bool:
+def _is_an_export(out: Path) -> bool:
+    """Its config carries EXPORT_MARK; or (an export written before the mark) its weights are an EAGLE draft's
+    alone, `fc.*` and `layers.0.*`; or it has neither file: a draft_vocab.pt left alone."""
     try:
-        return EXPORT_MARK in json.loads(config.read_text())
+        config = json.loads((out / "config.json").read_text())
+        if isinstance(config, dict) and EXPORT_MARK in config:
+            return True
     except (OSError, ValueError):
-        return not config.exists()  # weights alone, without a config: an export cut short
+        pass
+    weights = out / "model.safetensors"
+    if not weights.exists():
+        return not (out / "config.json").exists()
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(weights), "pt") as file:
+            names = list(file.keys())
+    except Exception:  # noqa: BLE001 - not readable as safetensors: not ours to replace
+        return False
+    return bool(names) and all(name.startswith(("fc.", "layers.0.")) for name in names)
 
 
 def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", overwrite: bool = False,

@@ -216,9 +216,10 @@ def read_state(checkpoint: Path) -> dict:
         raise _damaged(file, "not a tlt checkpoint state (no step or RNG state)")
     if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
         raise _damaged(file, f"its step is {state['step']!r}, not a count of steps")
-    last_epoch = (state.get("scheduler") or {}).get("last_epoch", 0)
-    if not isinstance(last_epoch, int):
-        raise _damaged(file, f"its lr schedule's last_epoch is {last_epoch!r}, not a step count")
+    scheduler = state.get("scheduler")
+    last_epoch = scheduler.get("last_epoch", 0) if isinstance(scheduler, dict) else None
+    if scheduler is not None and (not isinstance(last_epoch, int) or isinstance(last_epoch, bool)):
+        raise _damaged(file, f"its lr schedule state {scheduler!r} holds no step count (last_epoch)")
     return state
 
 
