@@ -78,18 +78,16 @@ def main(argv=None) -> int:
         extra = [item for item in extra if item.startswith("-")]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    signals = []  # the SIGTERMs received (a library on the way may turn the exception into a KeyboardInterrupt)
     try:
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(signals):
             return _run_command(args)
     except TltError as error:
         print(f"tlt: error: {error}", file=sys.stderr)
         return 2
-    except Terminated:
-        print("tlt: terminated (SIGTERM)", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:  # Ctrl-C: what was saved is said by the command; no traceback
-        print("tlt: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was saved is said by the command; no traceback
+        print("tlt: terminated (SIGTERM)" if signals else "tlt: interrupted", file=sys.stderr)
+        return 143 if signals else 130
 
 
 class Terminated(KeyboardInterrupt):
@@ -98,7 +96,7 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
+def _sigterm_as_interrupt(received: list):
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
@@ -106,6 +104,7 @@ def _sigterm_as_interrupt():
     def terminate(signum, frame):
         # once: a second SIGTERM must not cut the clean-up short (putting back a run --overwrite set aside)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        received.append(signum)
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, terminate)
