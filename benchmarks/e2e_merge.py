@@ -3,16 +3,16 @@
     python benchmarks/e2e_merge.py --replay e2e_replay_h100.json --natural e2e_h100_seed0.json e2e_h100_seed1.json \
         --trl e2e_trl_h100.json --spot spot_training_h100.json --json benchmarks/results/e2e_h100.json
 
-Equal work (`equal_work: true`): `speedup_vs_baseline` and the per-mode times come from the length-matched
-replay (every mode decodes the same tokens per sample). TRL cannot replay lengths, so `speedup_vs_trl` compares
-natural runs on the same prompts: median step times over the seeds TRL ran (`trl_seeds`; tlt's other natural
-seeds drew other problems), with tokens per step-second (`tok_s_ratio_vs_trl`), the baseline's ratios beside
-TLT mode's (`baseline_speedup_vs_trl`: what tlt does without SD) and both sides' completion lengths (mean, max).
-TRL ran in a call of its own: the ratios against it are left out when it ran on another device than the natural
-runs, or with other settings (max_new_tokens, prompts, samples, temperature). `spot_overhead_ratio` is spot_training.py's overhead phase
-(a lone worker training beside its tail, serving the starting drafter); `tau_gain_late` / `tau_gain_last` its tau
-phase (spot-trained over frozen drafter, over the run's second half / at its last step, after `tau_steps`).
-Per mode (`*_by_mode`): `step_s`, `rollout_s`, `train_s` (the update phase: rewards, log-probs, update) and the
+Equal work (`equal_work: true`): `speedup_vs_baseline` and the per-mode times come from the length-matched replay
+(every mode decodes the same tokens per sample). TRL cannot replay lengths, so `speedup_vs_trl` compares natural
+runs on the same prompts: median step times over the seeds TRL ran (`trl_seeds`; tlt's other natural seeds drew
+other problems), with tokens per step-second (`tok_s_ratio_vs_trl`), the baseline's ratios beside TLT mode's
+(`baseline_speedup_vs_trl`: what tlt does without SD) and both sides' completion lengths (mean, max). TRL ran in a
+call of its own: the ratios against it are left out when it ran on another device than the natural runs, or with
+other settings (max_new_tokens, prompts, samples, temperature). `spot_overhead_ratio` is spot_training.py's overhead
+phase (a lone worker training beside its tail, serving the starting drafter); `tau_gain_late` / `tau_gain_last` its
+tau phase (spot-trained over frozen drafter, over the run's second half / at its last step, after `tau_steps`). Per
+mode (`*_by_mode`): `step_s`, `rollout_s`, `train_s` (the update phase: rewards, log-probs, update) and the
 completion lengths (`response_len_mean`). Inputs measured on different devices are named in `devices`.
 """
 
