@@ -69,6 +69,14 @@ def test_overwrite_that_fails_before_its_first_checkpoint_puts_the_old_run_back(
     assert snapshot(tmp_path) == before and not (tmp_path / ".replaced").exists()
 
 
+def test_resuming_a_directory_that_does_not_exist_leaves_none_behind(tmp_path):
+    """It made the directory (the run lock) before refusing: an empty directory was left (found by QA)."""
+    trainer = make_trainer(tmp_path / "nowhere")
+    with pytest.raises(RunDirError, match="nothing to resume in .*nowhere: no such directory"):
+        train(trainer.config, resume=True, trainer=trainer)
+    assert not (tmp_path / "nowhere").exists()
+
+
 def test_sigterm_is_handled_as_ctrl_c(tmp_path, monkeypatch, capsys):
     """SIGTERM (a scheduler's stop, `kill`) ended `tlt train` without a word, an interrupted --overwrite leaving
     the old run aside until the next start (found by review). Now it is Ctrl-C: said, and the old run put back."""

@@ -199,6 +199,13 @@ def holds_run(run_dir: Path) -> bool:
     return logged or (run_dir / "final").exists() or checkpoint_dirs(run_dir) != []
 
 
+def check_resumable(run_dir: Path) -> None:
+    """--resume of a directory that does not exist: refused before anything (the run lock) creates it."""
+    if not Path(run_dir).is_dir():
+        raise RunDirError(f"nothing to resume in {run_dir}: no such directory (run without --resume to start a "
+                          f"new run there)")
+
+
 def _start_instead(run_dir: Path) -> str:
     """What to do instead of --resume: a run that died before its first checkpoint can only start over."""
     if holds_run(run_dir):
