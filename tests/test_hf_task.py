@@ -101,6 +101,9 @@ def test_bad_inputs_are_one_line(tmp_path, datasets):
         load_hf_examples(tmp_path / "data.txt")
     with pytest.raises(DatasetError, match="cannot load split 'train.:abc.' with datasets"):
         load_hf_examples(path, "train[:abc]", "problem", "solution")
+    (tmp_path / "empty.jsonl").write_text("")  # datasets said only "(StopIteration)" (found by QA)
+    with pytest.raises(DatasetError, match="empty.jsonl is empty: no records to train on"):
+        load_hf_examples(tmp_path / "empty.jsonl")
 
 
 def test_without_the_datasets_package_the_error_names_the_extra(tmp_path, monkeypatch):

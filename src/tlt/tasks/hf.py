@@ -24,6 +24,8 @@ def load_hf_examples(path: str | Path, split: str = "train", prompt_field: str =
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset not found: {path} (task.name=hf reads local paths only)")
+    if path.is_file() and path.stat().st_size == 0:  # datasets says only "StopIteration"
+        raise DatasetError(f"{path} is empty: no records to train on")
     datasets = _import_datasets()
     with _quiet(datasets):
         try:
