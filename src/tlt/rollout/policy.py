@@ -269,16 +269,19 @@ class StrategyBandit:
         then it emits fewer tokens per second than plain decoding here, by the device's own measurement."""
         if arm == OFF or self.price is None or len(self._tau[arm]) < self.config.min_trials:
             return False
-        return sum(self._tau[arm]) / len(self._tau[arm]) < self.price(arm, batch_size)
+        return self._pooled_tau(arm) < self.price(arm, batch_size)
+
+    def _pooled_tau(self, arm: Hashable) -> float:
+        """The arm's tokens per row-step over its recent tries in every bucket (1 for plain decoding or untried)."""
+        taus = self._tau[arm]
+        return 1.0 if arm == OFF or not taus else sum(taus) / len(taus)
 
     def estimate(self, batch_size: int, arm: Hashable) -> float:
         """Expected tokens/s of `arm` at this batch size (0 if never tried in this bucket)."""
         times = self._step_time[self.bucket(batch_size), arm]
         if not times:
             return 0.0
-        taus = self._tau[arm]
-        tau = 1.0 if arm == OFF else (sum(taus) / len(taus) if taus else 1.0)
-        return batch_size * tau / (sum(times) / len(times))
+        return batch_size * self._pooled_tau(arm) / (sum(times) / len(times))
 
     def best(self, batch_size: int) -> Hashable:
         return max(self.arms, key=lambda a: self.estimate(batch_size, a))
