@@ -141,9 +141,9 @@ def load_gguf(path: Path):
 
     path = Path(path)
     kwargs = dict(gguf_file=path.name, local_files_only=True)
-    read_gguf_config(path)
+    config = read_gguf_config(path)  # given to the model: each read of a GGUF's header parses all of it (seconds)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, config=config, dtype=torch.float32, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
     except Exception as error:
         raise ModelLoadError(f"cannot read GGUF {path}: {first_line(error)}") from None
