@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The measurements that wait for a GPU, as phases of one script: a GPU session (../shared/gpu/README.md: ~30 device
-# minutes, 10 per call) runs `. .gpu/env.sh && bash benchmarks/gpu_session.sh PHASE...` per call. Each phase is
-# bounded by `timeout`, all of a call's phases together by BUDGET, and writes its JSON and log under $OUT (the device
-# tool brings $OUT back: at most 8 files of 16 MiB, so one or two phases per call). The benchmarks write their JSON
-# as they go, with "complete": false until their last write: a phase killed at its limit still returns what it
-# measured.
+# The measurements that wait for a GPU, as phases of one script: each device call runs
+# `. .gpu/env.sh && bash benchmarks/gpu_session.sh PHASE...`. Each phase is bounded by `timeout`, all of a call's
+# phases together by BUDGET, and writes its JSON and log under $OUT (the device tool brings $OUT back: at most 8
+# files of 16 MiB, so one or two phases per call). The benchmarks write their JSON as they go, with "complete": false
+# until their last write: a phase killed at its limit still returns what it measured.
 #
+#   boot        install the drafter carried in .gpu/drafter on the machine, for this call's and later calls' phases
 #   tests       pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training)
 #               -> tests.log, tests.xml (JUnit: every test's outcome and time)
-#   drafter     warm a drafter on the GPU (WARM_PROMPTS 1024, WARM_STEPS 2000: data-bound) into $DRAFTER, sent back
-#   spec        benchmarks/speculative.py, T=1 then greedy, batches 1,4,16,32 (32: the largest gate a cost curve
-#               gives; SD must not lose where it turns on)                 -> speculative_h100.json (#13, #14)
+#   drafter     warm a drafter on the GPU (WARM_PROMPTS, WARM_STEPS) into $DRAFTER, sent back
+#   spec        benchmarks/speculative.py, T=1 then greedy, SPEC_BATCHES x SPEC_ARMS (batch 32: the largest gate a
+#               cost curve gives; SD must not lose where it turns on)        -> speculative_h100.json (#13, #14)
 #   throughput  benchmarks/rollout_throughput.py, batches 1,16,64, also with rollout.compile=inductor (no eager
 #               engine: measured before)                                         -> rollout_throughput_h100.json (#13)
 #   kernels     decode_step.py: kernels per captured forward and their names, uncompiled / inductor / max-autotune
@@ -27,32 +27,45 @@
 #               .gpu/trl (bash benchmarks/gpu_trl_wheels.sh here) in the call's carry
 # The RL phases (tail, tail-tau, e2e, e2e-natural, trl) run one unmeasured warm-up step per mode first (graph
 # captures, the cost curve). Then, here: python benchmarks/e2e_merge.py --replay ... --natural ... --trl ...
-# --spot ... --json benchmarks/results/e2e_h100.json joins the files.
+# --spot ... --json benchmarks/results/e2e_h100.json joins the files. The first phase that loads the default model
+# on a machine converts its GGUF first (`convert`, ~50 s there), outside the phase's own limit.
+#
+# A SESSION HAS 15 DEVICE MINUTES IN ALL (/work/.library/device/README.md: the machine's start, every call, the idle
+# waits between calls and the give-back all count; a fresh machine needs 4 minutes left to start; a call is at most
+# 10). The default model travels in two halves (../shared/gpu/README.md), so a session is one start and two or three
+# calls on that machine, each issued the moment the last returns (30 s idle and it is gone). Pick the plan whose
+# results benchmarks/results/ still lacks; each call's command is ready here, its limits fit the 15 minutes.
+#
+# Prepare here first (no device time; ~40 min of this machine, do other work meanwhile):
+#   mkdir -p .git/info && bash ../shared/gpu/prepare.sh && bash benchmarks/gpu_prepare_drafter.sh
+#   (plan B also: bash benchmarks/gpu_trl_wheels.sh). Every call carries ".gpu/whl", ".gpu/env.sh",
+#   ".gpu/model.sha256" plus what its line names. After each call copy back what it sent ($OUT/cost_curves.tar ->
+#   .gpu/; $OUT/drafter/* -> .gpu/drafter/ if a drafter was warmed there).
+#
+# Plan A, the engine (#13, #14): rollout_throughput_h100.json, speculative_h100.json, the GPU tests.
+#   1. carry .gpu/a .gpu/drafter, timeout_s 240:
+#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=200 bash benchmarks/gpu_session.sh boot tests
+#   2. carry .gpu/b, timeout_s 600, at once:
+#        . .gpu/env.sh && BUDGET=560 bash benchmarks/gpu_session.sh throughput spec
+#   then give_back (what is left is under the 4 minutes a new start needs).
+# Plan B, the RL step (#15): e2e_replay_h100.json (equal work), then TRL's step on the same machine.
+#   1. carry .gpu/a .gpu/drafter, timeout_s 60:  cp .gpu/a/part.aa /root/ && . .gpu/env.sh; bash ... boot
+#   2. carry .gpu/b, timeout_s 600, at once:      . .gpu/env.sh && BUDGET=560 bash ... e2e
+#   3. carry .gpu/trl .gpu/cost_curves.tar, timeout_s = what status leaves minus 30 (about 200):
+#        . .gpu/env.sh && BUDGET=<timeout_s - 20> bash benchmarks/gpu_session.sh trl
+#   then give_back.
+# Plan C, the rest of #15 (spot training, natural runs): as B with `tail` in call 2 and `e2e-natural` in call 3;
+# then `tail-tau`, `kernels`, `spec-compiled`, `head` as later sessions allow.
 #
 # To reuse a call's cost curves in a later call (another machine measures them again), copy its
 # cost_curves.tar into .gpu/ here and add ".gpu/cost_curves.tar" to that call's carry.
 #
-# The drafter. The machine is given back 30 s after a call, and $DRAFTER with it. Phases that need one (spec, tail,
-# tail-tau, e2e, e2e-natural) take $DRAFTER if this machine still has it, else a copy carried in at $CARRIED, else
-# warm one first within the same call (bounded; the phase then gets what is left of BUDGET). A drafter warmed in a
-# call comes back in $OUT/drafter/: drafter_config.json and the weights in parts of 15 MiB (a file over 16 MiB does
-# not come back; the SmolLM2 drafter is 16.8 MB in fp32). To reuse it in a later call, copy those files into
-# .gpu/drafter/ here and add ".gpu/drafter" to the call's carry: the parts are joined there.
-#
-# A call plan for one session's ~30 device minutes (each call <= 10; the machine is given back after 30 s idle, so
-# each call follows the last at once), most needed numbers first; prepare here: `mkdir -p .git/info && bash
-# ../shared/gpu/prepare.sh && bash benchmarks/gpu_trl_wheels.sh`. Carry ".gpu/whl", ".gpu/env.sh",
-# ".gpu/model.sha256" in every call, plus what each line names; after each call copy back what it sent
-# ($OUT/cost_curves.tar -> .gpu/, $OUT/drafter/* -> .gpu/drafter/) and carry those in the next calls.
-#   1. carry .gpu/a:  cp .gpu/a/part.aa /root/ && echo ok
-#   2. carry .gpu/b:  . .gpu/env.sh && bash benchmarks/gpu_session.sh throughput tests             (#13)
-#   3.                . .gpu/env.sh && bash benchmarks/gpu_session.sh drafter  (a warmed drafter; it saves every
-#                     60 s, so a drafter comes back even from a call cut short)
-#   4. carry .gpu/drafter .gpu/cost_curves.tar:  ... gpu_session.sh spec                        (#13, #14)
-#   5. same carry:    ... gpu_session.sh e2e                                                      (#15)
-# then, as time is left: e2e-natural and trl (carry .gpu/trl; speedup_vs_trl needs both), tail, tail-tau, kernels,
-# spec-compiled, head. The tests phase takes what throughput leaves of BUDGET (540 s: under a call's 600 with room
-# for the cost-curve tarball on exit).
+# The drafter. Phases that need one (spec, tail, tail-tau, e2e, e2e-natural) take $DRAFTER if this machine has it
+# (`boot` put it there), else a copy carried in at $CARRIED, else warm a small one first within the same call
+# (bounded; the phase then gets what is left of BUDGET). A drafter warmed in a call comes back in $OUT/drafter/:
+# drafter_config.json and the weights in parts of 15 MiB (a file over 16 MiB does not come back; the SmolLM2
+# drafter is 16.8 MB in fp32). To reuse it in a later call, copy those files into .gpu/drafter/ here and add
+# ".gpu/drafter" to the call's carry: the parts are joined there.
 set -u
 OUT=${OUT:-/tmp/out}
 DRAFTER=${DRAFTER:-/root/drafter-smollm2}  # this machine's drafter (lost when the machine is given back)
@@ -61,6 +74,8 @@ BUDGET=${BUDGET:-540}                      # seconds for all phases of this call
 SEEDS=${SEEDS:-0}                          # e2e-natural: the seeds of this call, e.g. SEEDS=1
 TAU_STEPS=${TAU_STEPS:-10}                 # tail-tau: RL steps per mode (#15: after 10 RL steps)
 TAU_TOKENS=${TAU_TOKENS:-512}              # tail-tau: max_new_tokens (1024 x 10 steps x 2 modes exceeds a call)
+SPEC_BATCHES=${SPEC_BATCHES:-1,4,16,32}    # spec: batch sizes (T=1; greedy without the last)
+SPEC_ARMS=${SPEC_ARMS:-S3K1N3,S4K2N8,S3K1q,S5K1q,S4K2q}  # spec: target-only chain and tree, q chains, q tree
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET))
 
@@ -114,44 +129,57 @@ warm_drafter() {  # warm_drafter SECONDS PROMPTS STEPS: train a drafter into $DR
   send_drafter
 }
 
+install_carried_drafter() {  # the drafter carried in at $CARRIED (whole or in parts) becomes this machine's
+  [ -s "$CARRIED/drafter_config.json" ] || return 1
+  mkdir -p "$DRAFTER"
+  if [ -s "$CARRIED/drafter.safetensors" ]; then
+    cp "$CARRIED/drafter.safetensors" "$DRAFTER/"
+  else
+    cat "$CARRIED"/drafter.safetensors.part-* >"$DRAFTER/drafter.safetensors" 2>/dev/null
+  fi
+  cp "$CARRIED/drafter_config.json" "$DRAFTER/"
+  have_drafter && echo "== drafter: the copy carried in at $CARRIED, now at $DRAFTER"
+}
+
 ensure_drafter() {  # this machine's drafter, else the carried copy, else one warmed now
   have_drafter && return 0
-  if [ -s "$CARRIED/drafter_config.json" ]; then
-    mkdir -p "$DRAFTER"
-    if [ -s "$CARRIED/drafter.safetensors" ]; then
-      cp "$CARRIED/drafter.safetensors" "$DRAFTER/"
-    else
-      cat "$CARRIED"/drafter.safetensors.part-* >"$DRAFTER/drafter.safetensors" 2>/dev/null
-    fi
-    cp "$CARRIED/drafter_config.json" "$DRAFTER/"
-    if have_drafter; then
-      echo "== drafter: the copy carried in at $CARRIED"
-      return 0
-    fi
-  fi
+  install_carried_drafter && return 0
   echo "== drafter: none on this machine nor carried in; warming one first"
-  warm_drafter 300 64 300  # a small one: the phase that asked for it gets the rest of BUDGET
+  warm_drafter 150 64 300  # a small one: the phase that asked for it gets the rest of BUDGET
+}
+
+ensure_model() {  # the default model's cached copy, converted from its GGUF once per machine (~50 s there)
+  ls "${TLT_CACHE:-$HOME/.cache/tlt}"/models/*/tlt-cache.json >/dev/null 2>&1 && return 0  # as default_model.py
+  run convert 150 python3 -c 'from tlt.models.default_model import default_model_dir; print(default_model_dir())'
 }
 
 for phase in "$@"; do
+  case $phase in
+    drafter|spec|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl)
+      if ! ensure_model; then echo "== $phase skipped: the default model did not convert"; continue; fi ;;
+  esac
   case $phase in
     spec|spec-compiled|tail|tail-tau|e2e|e2e-natural)
       if ! ensure_drafter; then echo "== $phase skipped: no drafter"; continue; fi ;;
   esac
   case $phase in
+    boot) install_carried_drafter || echo "== boot: no drafter carried in at $CARRIED" ;;
     tests)
-      run tests 540 python3 -m pytest -m gpu tests/test_gpu.py -q -rfE --durations=15 -o faulthandler_timeout=120 \
+      run tests 300 python3 -m pytest -m gpu tests/test_gpu.py -q -rfE --durations=15 -o faulthandler_timeout=120 \
         --junitxml="$OUT/tests.xml" ;;
-    drafter) warm_drafter 540 "${WARM_PROMPTS:-1024}" "${WARM_STEPS:-2000}" ;;
+    drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
     spec)  # T=1 first: speculative_h100.json is the file #13 and #14 need; the greedy run's results go into it
-      run spec_t1 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
-        --batches 1,4,16,32 --json "$OUT/speculative_h100.json" --png /tmp/speculative_h100.png
-      run spec_greedy 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
-        --batches 1,4,16,32 --json "$OUT/speculative_h100_greedy.json" --png /tmp/speculative_h100_greedy.png
+      run spec_t1 180 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
+        --batches "$SPEC_BATCHES" --strategies "$SPEC_ARMS" --json "$OUT/speculative_h100.json" \
+        --png /tmp/speculative_h100.png
+      run spec_greedy 150 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
+        --batches "${SPEC_BATCHES%,*}" --strategies "$SPEC_ARMS" --json "$OUT/speculative_h100_greedy.json" \
+        --png /tmp/speculative_h100_greedy.png
       [ -s "$OUT/speculative_h100.json" ] && python3 benchmarks/speculative.py \
         --add-greedy-to "$OUT/speculative_h100.json" --greedy-json "$OUT/speculative_h100_greedy.json" ;;
     throughput)
-      run throughput 540 python3 benchmarks/rollout_throughput.py --device cuda --batches 1,16,64 \
+      # 64 before 16: the batch-1 step and the batch-64 ratio are #13's targets, should the limit cut the run
+      run throughput 200 python3 benchmarks/rollout_throughput.py --device cuda --batches 1,64,16 \
         --max-new-tokens 128 --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
     kernels)
       run kernels 240 python3 benchmarks/decode_step.py --compile --batches 1,64 --json "$OUT/decode_step_h100.json"
@@ -189,6 +217,6 @@ for phase in "$@"; do
       fi
       run trl 540 python3 benchmarks/e2e.py --device cuda --drafter none --trl-only --max-new-tokens 1024 \
         --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_h100.json" ;;
-    *) echo "unknown phase $phase (tests drafter spec spec-compiled kernels throughput head tail tail-tau e2e e2e-natural trl)"; exit 2 ;;
+    *) echo "unknown phase $phase (boot tests drafter spec spec-compiled kernels throughput head tail tail-tau e2e e2e-natural trl)"; exit 2 ;;
   esac
 done

@@ -114,6 +114,24 @@ def test_save_load_and_shape_mismatch(setup, tmp_path):
         EagleDrafter.load(tmp_path / "d", other)
 
 
+def test_a_drafter_stored_in_bf16_loads_in_the_targets_dtype(setup, tmp_path):
+    """benchmarks/gpu_prepare_drafter.sh carries a drafter's weights in bf16 (half the bytes); loading gives the
+    target's dtype holding the rounded values, with the draft vocabulary's integer ids untouched."""
+    from safetensors.torch import load_file, save_file
+
+    model, _ = setup
+    drafter = EagleDrafter(model.config, draft_vocab=torch.arange(8)).attach(model)
+    drafter.save(tmp_path / "d")
+    weights = tmp_path / "d" / "drafter.safetensors"
+    rounded = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(weights)).items()}
+    save_file(rounded, str(weights))
+    loaded = EagleDrafter.load(tmp_path / "d", model)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert torch.equal(loaded.draft_to_target, torch.arange(8))
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, rounded[name].to(tensor.dtype)), name
+
+
 def test_evaluation_reports_acceptance_per_rule_not_just_agreement(setup):
     """An exact drafter (q = p) is accepted with probability 1 by q-sampling, but by the target-only rule only
     with the target's top-1 mass; its top-1 agreement is 1 either way, which is why agreement overstates τ."""
