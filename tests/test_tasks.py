@@ -144,6 +144,17 @@ def test_a_task_name_that_is_not_the_files_format_is_refused(tmp_path):
         load_task_examples(load_config(None, ["task.name=parquet", f"task.path={path}"]).task)
 
 
+@pytest.mark.parametrize("name", ["jsonl", "parquet"])
+def test_a_directory_for_task_path_is_named_as_one(tmp_path, name):
+    from tlt.rl.config import load_config
+    from tlt.tasks import load_task_examples
+
+    with pytest.raises(DatasetError, match=r"task.path=.* is a directory: give one"):
+        load_task_examples(load_config(None, [f"task.name={name}", f"task.path={tmp_path}"]).task)
+    with pytest.raises(DatasetError, match="is a directory"):
+        load_examples(tmp_path)
+
+
 def test_a_held_out_prompt_repeated_earlier_in_the_file_is_not_trained_on():
     """The split is positional: a duplicate of a held-out prompt among the training records was trained on
     (found by review); the arithmetic task already excluded held-out prompts by text."""

@@ -47,6 +47,8 @@ def load_examples(path: str | Path, prompt_field: str = "question", answer_field
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset not found: {path}")
+    if path.is_dir():
+        raise DatasetError(f"{path} is a directory: give task.path one .jsonl or .parquet file")
     if path.suffix.lower() == ".parquet":
         records = _parquet_records(path)
     elif path.suffix.lower() in (".jsonl", ".json"):
@@ -60,6 +62,8 @@ def check_format(name: str, path: str | Path) -> None:
     """task.name=jsonl with a .parquet path (or the reverse) read the other format without a word."""
     suffix = Path(path).suffix.lower()
     expected = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}.get(name)
+    if expected is not None and Path(path).is_dir():
+        raise DatasetError(f"task.path={path} is a directory: give one {' or '.join(expected)} file")
     if expected is not None and suffix not in expected:
         raise DatasetError(f"task.name={name} but task.path={path} is a {suffix or 'suffix-less'} file: set "
                            f"task.name to its format ({' or '.join(expected)} files for {name})")
