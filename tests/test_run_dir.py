@@ -737,3 +737,18 @@ def test_a_cosine_that_ends_before_the_last_step_is_noted(tmp_path, capsys):
     run(tmp_path / "floor", steps=3, **{"optim.schedule": "cosine", "optim.decay_steps": 2,
                                         "optim.min_lr_ratio": 0.1})
     assert "reaches lr 0" not in capsys.readouterr().out
+
+
+def test_a_resume_placed_on_another_number_of_workers_says_so(tmp_path):
+    """A run started with run.workers=auto = 2 (the CPU default until 2026-11-25) and resumed where auto is 1 goes
+    on with 1 worker, sharding and drawing its samples otherwise: said at the start, with the way to keep 2."""
+    from tlt.distributed.run import _workers_changed
+
+    checkpoint = tmp_path / "step-000002"
+    checkpoint.mkdir()
+    (checkpoint / "state.json").write_text(json.dumps({"step": 2, "python_rng": [], "workers": 2}))
+    assert _workers_changed(checkpoint, 1) == ("step-000002 was written by a run of 2 worker(s); it goes on with 1 "
+                                               "(set run.workers=2 to keep its layout)")
+    assert _workers_changed(checkpoint, 2) is None
+    (checkpoint / "state.json").write_text(json.dumps({"step": 2, "python_rng": []}))  # a GRPOTrainer's: no count
+    assert _workers_changed(checkpoint, 1) is None

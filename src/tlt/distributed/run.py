@@ -13,7 +13,7 @@ from tlt.distributed.placement import resolve
 from tlt.files import write_whole
 from tlt.metrics.logger import open_metrics_logger
 from tlt.metrics.timeline import drop_timelines_after, save_timeline
-from tlt.rl.checkpoint import checkpoint_step, latest_checkpoint, prune_checkpoints
+from tlt.rl.checkpoint import checkpoint_step, latest_checkpoint, prune_checkpoints, read_state
 from tlt.rl.config import TrainConfig, validate
 from tlt.rl.optim import decay_steps, trains_past_its_decay
 from tlt.rl.preflight import preflight
@@ -57,6 +57,8 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         check_resumable(run_dir)
     with hold_run_dir(run_dir):  # another `tlt train` on this directory is refused until this one ends
         checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite, dataset=dataset)
+        if owned and checkpoint is not None and (note := _workers_changed(checkpoint, placed.run.workers)):
+            console.print(f"note: {note}")
         try:
             with console.status(f"loading the policy ({placement.describe() if owned else 'given trainer'})"):
                 # config.json keeps the config as given (e.g. workers=auto)
@@ -89,6 +91,17 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         console.print(f"no drafter in {final}: the run's drafter never trained (no spot-training step ran: a short "
                       f"run, or no worker idle in the tail) and run.drafter gave none")
     return history
+
+
+def _workers_changed(checkpoint: Path, workers: int) -> str | None:
+    """A resumed run placed on another number of workers than its checkpoint's (run.workers=auto on another
+    machine, or after the CPU default went from 2 to 1) goes on correctly, but its samples are drawn and sharded
+    otherwise than the steps before: said, not refused."""
+    saved = read_state(checkpoint).get("workers")
+    if not isinstance(saved, int) or saved == workers:
+        return None
+    return (f"{checkpoint.name} was written by a run of {saved} worker(s); it goes on with {workers} (set "
+            f"run.workers={saved} to keep its layout)")
 
 
 def _workers_line(metrics: dict, version: int) -> str:
