@@ -6,11 +6,12 @@
 # until their last write: a phase killed at its limit still returns what it measured.
 #
 #   boot        install the drafter carried in .gpu/drafter on the machine, for this call's and later calls' phases
-#   tests       pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training)
-#               -> tests.log, tests.xml (JUnit: every test's outcome and time)
+#   tests       pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training),
+#               Inductor's compile test apart and last -> tests{,_compiled}.log, .xml (JUnit: outcomes and times)
 #   drafter     warm a drafter on the GPU (WARM_PROMPTS, WARM_STEPS) into $DRAFTER, sent back
-#   spec        benchmarks/speculative.py, T=1 then greedy, SPEC_BATCHES x SPEC_ARMS (batch 32: the largest gate a
-#               cost curve gives; SD must not lose where it turns on)        -> speculative_h100.json (#13, #14)
+#   spec        benchmarks/speculative.py, T=1 on SPEC_BATCHES then greedy on SPEC_GREEDY_BATCHES, SPEC_ARMS each
+#               (batch 32: the largest gate a cost curve gives; SD must not lose where it turns on)
+#                                                                             -> speculative_h100.json (#13, #14)
 #   throughput  benchmarks/rollout_throughput.py, batches 1,16,64, also with rollout.compile=inductor (no eager
 #               engine: measured before)                                         -> rollout_throughput_h100.json (#13)
 #   kernels     decode_step.py: kernels per captured forward and their names, uncompiled / inductor / max-autotune
@@ -38,24 +39,27 @@
 #
 # Prepare here first (no device time; ~40 min of this machine, do other work meanwhile):
 #   mkdir -p .git/info && bash ../shared/gpu/prepare.sh && bash benchmarks/gpu_prepare_drafter.sh
-#   (plan B also: bash benchmarks/gpu_trl_wheels.sh). Every call carries ".gpu/whl", ".gpu/env.sh",
+#   (plan C also: bash benchmarks/gpu_trl_wheels.sh). Every call carries ".gpu/whl", ".gpu/env.sh",
 #   ".gpu/model.sha256" plus what its line names. After each call copy back what it sent ($OUT/cost_curves.tar ->
 #   .gpu/; $OUT/drafter/* -> .gpu/drafter/ if a drafter was warmed there).
 #
 # Plan A, the engine (#13, #14): rollout_throughput_h100.json, speculative_h100.json, the GPU tests.
-#   1. carry .gpu/a .gpu/drafter, timeout_s 240:
-#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=200 bash benchmarks/gpu_session.sh boot tests
-#   2. carry .gpu/b, timeout_s 600, at once:
-#        . .gpu/env.sh && BUDGET=560 bash benchmarks/gpu_session.sh throughput spec
+#   1. carry .gpu/a .gpu/drafter, timeout_s 200:
+#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=150 bash benchmarks/gpu_session.sh boot tests
+#   2. carry .gpu/b, timeout_s 560, at once:
+#        . .gpu/env.sh && BUDGET=500 bash benchmarks/gpu_session.sh throughput spec
 #   then give_back (what is left is under the 4 minutes a new start needs).
-# Plan B, the RL step (#15): e2e_replay_h100.json (equal work), then TRL's step on the same machine.
+#   Sized as: a start of ~1.5 min + call 1 (~3 min) + call 2 (~9 min) + the turns between them, about 13.5 of the
+#   15 minutes; the rest is slack for a slow start (device time that runs out mid-call loses the call's files).
+# Plan B, the RL step on equal work (#15): e2e_replay_h100.json, then spot training's overhead.
 #   1. carry .gpu/a .gpu/drafter, timeout_s 60:  cp .gpu/a/part.aa /root/ && . .gpu/env.sh; bash ... boot
-#   2. carry .gpu/b, timeout_s 600, at once:      . .gpu/env.sh && BUDGET=560 bash ... e2e
-#   3. carry .gpu/trl .gpu/cost_curves.tar, timeout_s = what status leaves minus 30 (about 200):
-#        . .gpu/env.sh && BUDGET=<timeout_s - 20> bash benchmarks/gpu_session.sh trl
-#   then give_back.
-# Plan C, the rest of #15 (spot training, natural runs): as B with `tail` in call 2 and `e2e-natural` in call 3;
-# then `tail-tau`, `kernels`, `spec-compiled`, `head` as later sessions allow.
+#   2. carry .gpu/b, timeout_s 560, at once:      . .gpu/env.sh && BUDGET=500 bash ... e2e
+#   3. timeout_s = what status leaves minus 60 (about 180), at once:
+#        . .gpu/env.sh && BUDGET=<timeout_s - 30> bash benchmarks/gpu_session.sh tail
+#   then give_back. (The machine still holds the model, the drafter and the cost curves of call 2.)
+# Plan C, against TRL (#15): as B, with `e2e-natural` in call 2 and `trl` in call 3 (carry .gpu/trl; prepare it
+# with bash benchmarks/gpu_trl_wheels.sh): speedup_vs_trl compares runs of one machine only.
+# Then, as later sessions allow: tail-tau, kernels, spec-compiled, head, more e2e-natural SEEDS.
 #
 # To reuse a call's cost curves in a later call (another machine measures them again), copy its
 # cost_curves.tar into .gpu/ here and add ".gpu/cost_curves.tar" to that call's carry.
@@ -74,7 +78,8 @@ BUDGET=${BUDGET:-540}                      # seconds for all phases of this call
 SEEDS=${SEEDS:-0}                          # e2e-natural: the seeds of this call, e.g. SEEDS=1
 TAU_STEPS=${TAU_STEPS:-10}                 # tail-tau: RL steps per mode (#15: after 10 RL steps)
 TAU_TOKENS=${TAU_TOKENS:-512}              # tail-tau: max_new_tokens (1024 x 10 steps x 2 modes exceeds a call)
-SPEC_BATCHES=${SPEC_BATCHES:-1,4,16,32}    # spec: batch sizes (T=1; greedy without the last)
+SPEC_BATCHES=${SPEC_BATCHES:-1,4,16,32}    # spec: batch sizes at T=1
+SPEC_GREEDY_BATCHES=${SPEC_GREEDY_BATCHES:-1,4}  # spec: batch sizes greedy (after T=1, with what BUDGET leaves)
 SPEC_ARMS=${SPEC_ARMS:-S3K1N3,S4K2N8,S3K1q,S5K1q,S4K2q}  # spec: target-only chain and tree, q chains, q tree
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET))
@@ -164,16 +169,18 @@ for phase in "$@"; do
   esac
   case $phase in
     boot) install_carried_drafter || echo "== boot: no drafter carried in at $CARRIED" ;;
-    tests)
-      run tests 300 python3 -m pytest -m gpu tests/test_gpu.py -q -rfE --durations=15 -o faulthandler_timeout=120 \
-        --junitxml="$OUT/tests.xml" ;;
+    tests)  # -v: a run its limit kills still logs each finished test's outcome; Inductor's compile test last
+      run tests 240 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE --durations=15 -o faulthandler_timeout=120 \
+        -k "not compiled" --junitxml="$OUT/tests.xml"
+      run tests_compiled 120 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE -o faulthandler_timeout=110 \
+        -k compiled --junitxml="$OUT/tests_compiled.xml" ;;
     drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
     spec)  # T=1 first: speculative_h100.json is the file #13 and #14 need; the greedy run's results go into it
       run spec_t1 180 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
         --batches "$SPEC_BATCHES" --strategies "$SPEC_ARMS" --json "$OUT/speculative_h100.json" \
         --png /tmp/speculative_h100.png
       run spec_greedy 150 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
-        --batches "${SPEC_BATCHES%,*}" --strategies "$SPEC_ARMS" --json "$OUT/speculative_h100_greedy.json" \
+        --batches "$SPEC_GREEDY_BATCHES" --strategies "$SPEC_ARMS" --json "$OUT/speculative_h100_greedy.json" \
         --png /tmp/speculative_h100_greedy.png
       [ -s "$OUT/speculative_h100.json" ] && python3 benchmarks/speculative.py \
         --add-greedy-to "$OUT/speculative_h100.json" --greedy-json "$OUT/speculative_h100_greedy.json" ;;
