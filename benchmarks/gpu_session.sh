@@ -28,7 +28,8 @@
 #               .gpu/trl (bash benchmarks/gpu_trl_wheels.sh here) in the call's carry
 # The RL phases (tail, tail-tau, e2e, e2e-natural, trl) run one unmeasured warm-up step per mode first (graph
 # captures, the cost curve). Then, here: python benchmarks/e2e_merge.py --replay ... --natural ... --trl ...
-# --spot ... --json benchmarks/results/e2e_h100.json joins the files. The first phase that loads the default model
+# --spot ... --json benchmarks/results/e2e_h100.json joins the files, and python benchmarks/gpu_targets.py
+# DIR... prints each issue's target beside what the files measured (for the closing notes). The first phase that loads the default model
 # on a machine converts its GGUF first (`convert`, ~50 s there), outside the phase's own limit.
 #
 # A SESSION HAS 15 DEVICE MINUTES IN ALL (/work/.library/device/README.md: the machine's start, every call, the idle

@@ -1,6 +1,7 @@
 """The `tlt train` configurations the benchmarks build load as configs (a refused one cost a GPU call its model
 load and its result: the spot-training overhead phase asked for temperature 0), on the CPU and for CUDA; and the
-end-to-end summary copes with the files a GPU session writes one call at a time."""
+end-to-end summary copes with the files a GPU session writes one call at a time; the GPU targets' table reads only
+numbers measured as the issues define them."""
 
 import argparse
 import sys
@@ -11,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import e2e  # noqa: E402
+import gpu_targets  # noqa: E402
 import spot_training  # noqa: E402
 import worker_layout  # noqa: E402
 from tlt.rl.config import load_config  # noqa: E402
@@ -118,3 +120,27 @@ def test_e2e_merge_gives_no_ratio_against_trl_run_with_other_settings(capsys):
     assert result["speedup_vs_trl"] == 5.0
     e2e_merge.drop_ratios_across_settings(result, {**same, "max_new_tokens": 8}, {"natural.json": dict(same)})
     assert result == {"trl_step_s": 60.0} and "'max_new_tokens': (8, 1024)" in capsys.readouterr().err
+
+
+def test_gpu_targets_count_only_numbers_measured_as_the_target_says(tmp_path):
+    """A greedy run's file also holds "speedup": it must not pass for the T=1 targets; a missing file or key is
+    "not measured", never a pass."""
+    import json
+
+    spec = {"temperature": 1.0, "speedup": {"1": 2.2, "4": 0.9}, "tau": {"1": 2.6}, "complete": True,
+            "speedup_greedy": {"1": 2.7}, "temperature_greedy": 0.0}
+    (tmp_path / "speculative_h100.json").write_text(json.dumps(spec))
+    (tmp_path / "rollout_throughput_h100.json").write_text(json.dumps({"batch1_step_ms": 1.2, "complete": False}))
+    rows = {(row["issue"], row["target"]): row for row in gpu_targets.check(gpu_targets.read_results([tmp_path]))}
+    assert rows[(13, "SD T=1 speed-up, batch 1")]["holds"] is True
+    assert rows[(14, "SD T=1 speed-up, batch 1 (H100 bound)")]["holds"] is True
+    assert rows[(13, "SD greedy speed-up, batch 1")]["holds"] is True
+    assert rows[(13, "batch-1 decode step (ms), graphs")]["holds"] is False  # 1.2 > 1.0
+    assert rows[(13, "batch-1 decode step (ms), graphs")]["partial"] is True
+    assert rows[(15, "TLT vs TRL step")]["value"] is None and rows[(15, "TLT vs TRL step")]["holds"] is None
+    assert gpu_targets.below_one(gpu_targets.read_results([tmp_path])) == ["T=1.0 batch 4: x0.90"]
+    spec["temperature"] = 0.0  # a greedy run's own file
+    (tmp_path / "speculative_h100.json").write_text(json.dumps(spec))
+    rows = {(row["issue"], row["target"]): row for row in gpu_targets.check(gpu_targets.read_results([tmp_path]))}
+    assert rows[(13, "SD T=1 speed-up, batch 1")]["value"] is None
+    assert rows[(14, "tau at T=1, batch 1")]["holds"] is None
