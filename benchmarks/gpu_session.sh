@@ -9,11 +9,11 @@
 #   tests       pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training),
 #               Inductor's compile test apart and last -> tests{,_compiled}.log, .xml (JUnit: outcomes and times)
 #   drafter     warm a drafter on the GPU (WARM_PROMPTS, WARM_STEPS) into $DRAFTER, sent back
-#   spec        benchmarks/speculative.py, T=1 on SPEC_BATCHES then greedy on SPEC_GREEDY_BATCHES, SPEC_ARMS each
-#               (batch 32: the largest gate a cost curve gives; SD must not lose where it turns on)
-#                                                                             -> speculative_h100.json (#13, #14)
-#   throughput  benchmarks/rollout_throughput.py, batches 1,16,64, also with rollout.compile=inductor (no eager
-#               engine: measured before)                                         -> rollout_throughput_h100.json (#13)
+#   spec        benchmarks/speculative.py at T=1 on SPEC_BATCHES x SPEC_ARMS (batch 32: the largest gate a cost
+#               curve gives; SD must not lose where it turns on)               -> speculative_h100.json (#13, #14)
+#   spec-greedy the same greedy on SPEC_GREEDY_BATCHES, its results added to speculative_h100.json (#13)
+#   throughput  benchmarks/rollout_throughput.py on THROUGHPUT_BATCHES (1,64), also with rollout.compile=inductor
+#               (no eager engine: measured before)                               -> rollout_throughput_h100.json (#13)
 #   kernels     decode_step.py: kernels per captured forward and their names, uncompiled / inductor / max-autotune
 #                                                      -> decode_step_h100.json, decode_step_h100_autotune.json (#13)
 #   spec-compiled  speculative.py with rollout.compile=inductor, T=0 and T=1, batches 1,4
@@ -28,9 +28,9 @@
 #               .gpu/trl (bash benchmarks/gpu_trl_wheels.sh here) in the call's carry
 # The RL phases (tail, tail-tau, e2e, e2e-natural, trl) run one unmeasured warm-up step per mode first (graph
 # captures, the cost curve). Then, here: python benchmarks/e2e_merge.py --replay ... --natural ... --trl ...
-# --spot ... --json benchmarks/results/e2e_h100.json joins the files, and python benchmarks/gpu_targets.py
-# DIR... prints each issue's target beside what the files measured (for the closing notes). The first phase that loads the default model
-# on a machine converts its GGUF first (`convert`, ~50 s there), outside the phase's own limit.
+# --spot ... --json benchmarks/results/e2e_h100.json joins the files, and python benchmarks/gpu_targets.py DIR...
+# prints each issue's target beside what the files measured (for the closing notes). The first phase that loads the
+# default model on a machine converts its GGUF first (`convert`, ~50 s there), outside the phase's own limit.
 #
 # A SESSION HAS 15 DEVICE MINUTES IN ALL (/work/.library/device/README.md: the machine's start, every call, the idle
 # waits between calls and the give-back all count; a fresh machine needs 4 minutes left to start; a call is at most
@@ -44,31 +44,38 @@
 #   ".gpu/model.sha256" plus what its line names. After each call copy back what it sent ($OUT/cost_curves.tar ->
 #   .gpu/; $OUT/drafter/* -> .gpu/drafter/ if a drafter was warmed there).
 #
-# Plan A, the engine (#13, #14): rollout_throughput_h100.json, speculative_h100.json, the GPU tests.
-#   1. carry .gpu/a .gpu/drafter, timeout_s 200:
-#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=150 bash benchmarks/gpu_session.sh boot tests
-#   2. carry .gpu/b, timeout_s 560, at once:
-#        . .gpu/env.sh && BUDGET=500 bash benchmarks/gpu_session.sh throughput spec
+# Plan A, the engine (#13, #14): speculative_h100.json, rollout_throughput_h100.json, the GPU tests.
+#   0. here: ls .gpu/drafter/drafter.safetensors (no drafter, no SD numbers: the phases that need one skip)
+#   1. carry .gpu/a .gpu/drafter, timeout_s 220:
+#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=180 bash benchmarks/gpu_session.sh boot tests
+#   2. carry .gpu/b, at once, sized from call 1's reply: timeout_s = lease.budget_left_s - 60, and
+#      BUDGET = that timeout_s - 40 (about 480):
+#        . .gpu/env.sh && BUDGET=480 bash benchmarks/gpu_session.sh spec throughput spec-greedy
 #   then give_back (what is left is under the 4 minutes a new start needs).
-#   Sized as: a start of ~1.5 min + call 1 (~3 min) + call 2 (~9 min) + the turns between them, about 13.5 of the
-#   15 minutes; the rest is slack for a slow start (device time that runs out mid-call loses the call's files).
+#   Sized as: a start of ~1.5 min + call 1 (~3.5 min) + call 2 (~8.5 min) + the turns between them, about 14 of
+#   the 15 minutes (device time that runs out mid-call loses the call's files: hence the sizing from the reply).
+#   In call 2 the GGUF converts (~50 s), then spec <= 150 s (T=1: batches 1 and 4 first), throughput <= 170 s,
+#   spec-greedy <= 100 s: what BUDGET leaves after the first two.
 # Plan B, the RL step on equal work (#15): e2e_replay_h100.json, then spot training's overhead.
 #   1. carry .gpu/a .gpu/drafter, timeout_s 60:  cp .gpu/a/part.aa /root/ && . .gpu/env.sh; bash ... boot
-#   2. carry .gpu/b, timeout_s 560, at once:      . .gpu/env.sh && BUDGET=500 bash ... e2e
-#   3. timeout_s = what status leaves minus 60 (about 180), at once:
-#        . .gpu/env.sh && BUDGET=<timeout_s - 30> bash benchmarks/gpu_session.sh tail
-#   then give_back. (The machine still holds the model, the drafter and the cost curves of call 2.)
-# Plan C, against TRL (#15): as B, with `e2e-natural` in call 2 and `trl` in call 3 (carry .gpu/trl; prepare it
-# with bash benchmarks/gpu_trl_wheels.sh): speedup_vs_trl compares runs of one machine only.
-# Then, as later sessions allow: tail-tau, kernels, spec-compiled, head, more e2e-natural SEEDS.
+#   2. carry .gpu/b, at once, timeout_s 500:      . .gpu/env.sh && BUDGET=460 bash ... e2e
+#   3. at once, timeout_s = call 2's lease.budget_left_s - 60 (about 200), BUDGET = that timeout_s - 40:
+#        . .gpu/env.sh && BUDGET=160 bash benchmarks/gpu_session.sh tail
+#   then give_back. (The machine still holds the model, the drafter and the cost curves of call 2; a phase cut by
+#   its limit keeps the steps it finished: spot_overhead_ratio is written after each step.)
+# Plan C, against TRL (#15): as B, with `trl` in call 2 (carry .gpu/b and .gpu/trl, ~55 MiB with the rest; bash
+# benchmarks/gpu_trl_wheels.sh here: TRL's file is written only at its end, so it gets the long call) and
+# `e2e-natural` in call 3 (written step by step): speedup_vs_trl compares runs of one machine only.
+# Then, as later sessions allow: tail-tau, kernels, spec-compiled, head, more e2e-natural SEEDS (kernels with
+# spec-compiled in one call return 9 files: give them calls of their own).
 #
 # To reuse a call's cost curves in a later call (another machine measures them again), copy its
 # cost_curves.tar into .gpu/ here and add ".gpu/cost_curves.tar" to that call's carry.
 #
 # The drafter. Phases that need one (spec, tail, tail-tau, e2e, e2e-natural) take $DRAFTER if this machine has it
-# (`boot` put it there), else a copy carried in at $CARRIED, else warm a small one first within the same call
-# (bounded; the phase then gets what is left of BUDGET). A drafter warmed in a call comes back in $OUT/drafter/:
-# drafter_config.json and the weights in parts of 15 MiB (a file over 16 MiB does not come back; the SmolLM2
+# (`boot` put it there), else a copy carried in at $CARRIED, else, with WARM_FALLBACK=1, warm a small one first
+# within the same call (bounded; the phase then gets what is left of BUDGET). The `drafter` phase's drafter comes
+# back in $OUT/drafter/: drafter_config.json and the weights in parts of 15 MiB (a file over 16 MiB does not come back; the SmolLM2
 # drafter is 16.8 MB in fp32). To reuse it in a later call, copy those files into .gpu/drafter/ here and add
 # ".gpu/drafter" to the call's carry: the parts are joined there.
 set -u
@@ -80,7 +87,8 @@ SEEDS=${SEEDS:-0}                          # e2e-natural: the seeds of this call
 TAU_STEPS=${TAU_STEPS:-10}                 # tail-tau: RL steps per mode (#15: after 10 RL steps)
 TAU_TOKENS=${TAU_TOKENS:-512}              # tail-tau: max_new_tokens (1024 x 10 steps x 2 modes exceeds a call)
 SPEC_BATCHES=${SPEC_BATCHES:-1,4,16,32}    # spec: batch sizes at T=1
-SPEC_GREEDY_BATCHES=${SPEC_GREEDY_BATCHES:-1,4}  # spec: batch sizes greedy (after T=1, with what BUDGET leaves)
+SPEC_GREEDY_BATCHES=${SPEC_GREEDY_BATCHES:-1,4}  # spec-greedy: batch sizes
+THROUGHPUT_BATCHES=${THROUGHPUT_BATCHES:-1,64}     # throughput: batch sizes
 SPEC_ARMS=${SPEC_ARMS:-S3K1N3,S4K2N8,S3K1q,S5K1q,S4K2q}  # spec: target-only chain and tree, q chains, q tree
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET))
@@ -124,7 +132,7 @@ send_drafter() {  # $OUT/drafter/: the config, and the weights whole or (over 16
   echo "== drafter sent back: $(cd "$OUT/drafter" && ls | tr '\n' ' ')"
 }
 
-warm_drafter() {  # warm_drafter SECONDS PROMPTS STEPS: train a drafter into $DRAFTER and send it back
+warm_drafter() {  # warm_drafter SECONDS PROMPTS STEPS [keep]: train a drafter into $DRAFTER; send it back unless keep
   run drafter "$1" python3 -m tlt.cli drafter warmup --out "$DRAFTER" --overwrite --prompts "$2" --steps "$3" \
     --lr-schedule cosine
   local rc=$?
@@ -132,7 +140,7 @@ warm_drafter() {  # warm_drafter SECONDS PROMPTS STEPS: train a drafter into $DR
     echo "== drafter: the warm-up stopped (rc=$rc); its last save ($(grep -o '"steps": [0-9]*' \
       "$DRAFTER/drafter_trainer.json") optimizer steps) is what the phases get"
   fi
-  send_drafter
+  [ "${4:-}" = keep ] || send_drafter
 }
 
 install_carried_drafter() {  # the drafter carried in at $CARRIED (whole or in parts) becomes this machine's
@@ -147,47 +155,55 @@ install_carried_drafter() {  # the drafter carried in at $CARRIED (whole or in p
   have_drafter && echo "== drafter: the copy carried in at $CARRIED, now at $DRAFTER"
 }
 
-ensure_drafter() {  # this machine's drafter, else the carried copy, else one warmed now
+ensure_drafter() {  # this machine's drafter, else the carried copy, else (WARM_FALLBACK=1) one warmed now
   have_drafter && return 0
   install_carried_drafter && return 0
-  echo "== drafter: none on this machine nor carried in; warming one first"
-  warm_drafter 150 64 300  # a small one: the phase that asked for it gets the rest of BUDGET
+  if [ "${WARM_FALLBACK:-0}" != 1 ]; then  # 150 s of a 15-minute session, and 4 more files out of $OUT's 8
+    echo "== no drafter on this machine nor carried in (bash benchmarks/gpu_prepare_drafter.sh here, carry" \
+      ".gpu/drafter; or WARM_FALLBACK=1 to warm a small one on the device first)"
+    return 1
+  fi
+  warm_drafter 150 64 300 keep  # a small one, kept here: the phase that asked for it gets the rest of BUDGET
 }
 
+model_failed=0
 ensure_model() {  # the default model's cached copy, converted from its GGUF once per machine (~50 s there)
   ls "${TLT_CACHE:-$HOME/.cache/tlt}"/models/*/tlt-cache.json >/dev/null 2>&1 && return 0  # as default_model.py
-  run convert 150 python3 -c 'from tlt.models.default_model import default_model_dir; print(default_model_dir())'
+  [ $model_failed = 1 ] && return 1  # tried once in this call: the next phases skip instead of trying again
+  run convert 150 python3 -c 'from tlt.models.default_model import default_model_dir; print(default_model_dir())' \
+    || { model_failed=1; return 1; }
 }
 
 for phase in "$@"; do
   case $phase in
-    drafter|spec|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl)
+    drafter|spec|spec-greedy|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl)
       if ! ensure_model; then echo "== $phase skipped: the default model did not convert"; continue; fi ;;
   esac
   case $phase in
-    spec|spec-compiled|tail|tail-tau|e2e|e2e-natural)
+    spec|spec-greedy|spec-compiled|tail|tail-tau|e2e|e2e-natural)
       if ! ensure_drafter; then echo "== $phase skipped: no drafter"; continue; fi ;;
   esac
   case $phase in
     boot) install_carried_drafter || echo "== boot: no drafter carried in at $CARRIED" ;;
     tests)  # -v: a run its limit kills still logs each finished test's outcome; Inductor's compile test last
-      run tests 240 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE --durations=15 -o faulthandler_timeout=120 \
+      run tests "${TESTS_LIMIT:-110}" python3 -m pytest -m gpu tests/test_gpu.py -v -rfE --durations=15 -o faulthandler_timeout=120 \
         -k "not compiled" --junitxml="$OUT/tests.xml"
-      run tests_compiled 120 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE -o faulthandler_timeout=110 \
+      run tests_compiled 90 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE -o faulthandler_timeout=80 \
         -k compiled --junitxml="$OUT/tests_compiled.xml" ;;
     drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
-    spec)  # T=1 first: speculative_h100.json is the file #13 and #14 need; the greedy run's results go into it
-      run spec_t1 180 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
+    spec)  # T=1: speculative_h100.json is the file #13 and #14 need (spec-greedy adds its results to it)
+      run spec_t1 150 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
         --batches "$SPEC_BATCHES" --strategies "$SPEC_ARMS" --json "$OUT/speculative_h100.json" \
-        --png /tmp/speculative_h100.png
-      run spec_greedy 150 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
+        --png /tmp/speculative_h100.png ;;
+    spec-greedy)
+      run spec_greedy 100 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
         --batches "$SPEC_GREEDY_BATCHES" --strategies "$SPEC_ARMS" --json "$OUT/speculative_h100_greedy.json" \
         --png /tmp/speculative_h100_greedy.png
       [ -s "$OUT/speculative_h100.json" ] && python3 benchmarks/speculative.py \
         --add-greedy-to "$OUT/speculative_h100.json" --greedy-json "$OUT/speculative_h100_greedy.json" ;;
     throughput)
-      # 64 before 16: the batch-1 step and the batch-64 ratio are #13's targets, should the limit cut the run
-      run throughput 200 python3 benchmarks/rollout_throughput.py --device cuda --batches 1,64,16 \
+      # the batch-1 step and the batch-64 ratio are #13's targets (add 16 when a call has time for it)
+      run throughput 170 python3 benchmarks/rollout_throughput.py --device cuda --batches "$THROUGHPUT_BATCHES" \
         --max-new-tokens 128 --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
     kernels)
       run kernels 240 python3 benchmarks/decode_step.py --compile --batches 1,64 --json "$OUT/decode_step_h100.json"
@@ -225,6 +241,6 @@ for phase in "$@"; do
       fi
       run trl 540 python3 benchmarks/e2e.py --device cuda --drafter none --trl-only --max-new-tokens 1024 \
         --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_h100.json" ;;
-    *) echo "unknown phase $phase (boot tests drafter spec spec-compiled kernels throughput head tail tail-tau e2e e2e-natural trl)"; exit 2 ;;
+    *) echo "unknown phase $phase (boot tests drafter spec spec-greedy spec-compiled kernels throughput head tail tail-tau e2e e2e-natural trl)"; exit 2 ;;
   esac
 done

@@ -133,8 +133,12 @@ def main() -> None:
     write_json(args.json, result, echo=False)
 
     def partial(phase: str):
-        def write(history: dict) -> None:
+        def write(history: dict) -> None:  # after each step: a run its time limit cuts keeps its ratios so far
             result[phase] = summarize(history)
+            if phase == "overhead":
+                result["spot_overhead_ratio"] = result["overhead"]["overhead_ratio_median"]
+            else:
+                add_tau_gains(result)
             write_json(args.json, result, echo=False)
         return write
 
@@ -155,20 +159,25 @@ def main() -> None:
         print("== tau over RL steps (T=1)")
         result["tau"] = summarize(interleaved_runs(modes(args, 1.0, 0), args.tau_steps, on_step=partial("tau"),
                                                    warmup_steps=args.warmup_steps))
-        taus = result["tau"]["tau"]
-        last = max(1, len(taus["spot"]) // 2)  # the second half of the run: the drafters have drifted apart
-        late = {name: [t for t in taus[name][-last:] if t is not None] for name in ("spot", "frozen")}
-        if late["spot"] and late["frozen"]:
-            result["tau_gain_late"] = round(statistics.median(late["spot"]) / statistics.median(late["frozen"]) - 1, 4)
-        both = [(s, f) for s, f in zip(taus["spot"], taus["frozen"]) if s is not None and f is not None]
-        result["tau_steps"] = len(taus["spot"])  # RL steps per mode run (a run cut at its time limit: fewer)
-        if both:
-            result["tau_gain_last"] = round(both[-1][0] / both[-1][1] - 1, 4)  # at the last step both measured
+        add_tau_gains(result)
     result["complete"] = True
     write_json(args.json, result)
     print(f"overhead ratio (median of per-step spot/frozen): {result.get('spot_overhead_ratio')}")
     if "tau" in result:
         print(f"tau spot {result['tau']['tau']['spot']}  frozen {result['tau']['tau']['frozen']}")
+
+
+def add_tau_gains(result: dict) -> None:
+    """The spot-trained drafter's tau over the frozen one's: over the run's second half and at its last step."""
+    taus = result["tau"]["tau"]
+    last = max(1, len(taus["spot"]) // 2)  # the second half of the run: the drafters have drifted apart
+    late = {name: [t for t in taus[name][-last:] if t is not None] for name in ("spot", "frozen")}
+    if late["spot"] and late["frozen"]:
+        result["tau_gain_late"] = round(statistics.median(late["spot"]) / statistics.median(late["frozen"]) - 1, 4)
+    both = [(s, f) for s, f in zip(taus["spot"], taus["frozen"]) if s is not None and f is not None]
+    result["tau_steps"] = len(taus["spot"])  # RL steps per mode run (a run cut at its time limit: fewer)
+    if both:
+        result["tau_gain_last"] = round(both[-1][0] / both[-1][1] - 1, 4)  # at the last step both measured
 
 
 if __name__ == "__main__":
