@@ -75,8 +75,8 @@
 # The drafter. Phases that need one (spec, tail, tail-tau, e2e, e2e-natural) take $DRAFTER if this machine has it
 # (`boot` put it there), else a copy carried in at $CARRIED, else, with WARM_FALLBACK=1, warm a small one first
 # within the same call (bounded; the phase then gets what is left of BUDGET). The `drafter` phase's drafter comes
-# back in $OUT/drafter/: drafter_config.json and the weights in parts of 15 MiB (a file over 16 MiB does not come back; the SmolLM2
-# drafter is 16.8 MB in fp32). To reuse it in a later call, copy those files into .gpu/drafter/ here and add
+# back in $OUT/drafter/: drafter_config.json and the weights in parts of 15 MiB (a file over 16 MiB does not come
+# back; the SmolLM2 drafter is 16.8 MB in fp32). To reuse it in a later call, copy those files into .gpu/drafter/ here and add
 # ".gpu/drafter" to the call's carry: the parts are joined there.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -186,8 +186,8 @@ for phase in "$@"; do
   case $phase in
     boot) install_carried_drafter || echo "== boot: no drafter carried in at $CARRIED" ;;
     tests)  # -v: a run its limit kills still logs each finished test's outcome; Inductor's compile test last
-      run tests "${TESTS_LIMIT:-110}" python3 -m pytest -m gpu tests/test_gpu.py -v -rfE --durations=15 -o faulthandler_timeout=120 \
-        -k "not compiled" --junitxml="$OUT/tests.xml"
+      run tests "${TESTS_LIMIT:-110}" python3 -m pytest -m gpu tests/test_gpu.py -v -rfE --durations=15 \
+        -o faulthandler_timeout=100 -k "not compiled" --junitxml="$OUT/tests.xml"
       run tests_compiled 90 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE -o faulthandler_timeout=80 \
         -k compiled --junitxml="$OUT/tests_compiled.xml" ;;
     drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
@@ -241,6 +241,7 @@ for phase in "$@"; do
       fi
       run trl 540 python3 benchmarks/e2e.py --device cuda --drafter none --trl-only --max-new-tokens 1024 \
         --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_h100.json" ;;
-    *) echo "unknown phase $phase (boot tests drafter spec spec-greedy spec-compiled kernels throughput head tail tail-tau e2e e2e-natural trl)"; exit 2 ;;
+    *) echo "unknown phase $phase (boot tests drafter spec spec-greedy spec-compiled kernels throughput head tail" \
+         "tail-tau e2e e2e-natural trl)"; exit 2 ;;
   esac
 done
