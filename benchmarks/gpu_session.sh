@@ -76,8 +76,8 @@
 # (`boot` put it there), else a copy carried in at $CARRIED, else, with WARM_FALLBACK=1, warm a small one first
 # within the same call (bounded; the phase then gets what is left of BUDGET). The `drafter` phase's drafter comes
 # back in $OUT/drafter/: drafter_config.json and the weights in parts of 15 MiB (a file over 16 MiB does not come
-# back; the SmolLM2 drafter is 16.8 MB in fp32). To reuse it in a later call, copy those files into .gpu/drafter/ here and add
-# ".gpu/drafter" to the call's carry: the parts are joined there.
+# back; the SmolLM2 drafter is 16.8 MB in fp32). To reuse it in a later call, copy those files into .gpu/drafter/
+# here and add ".gpu/drafter" to the call's carry: the parts are joined there.
 set -u
 OUT=${OUT:-/tmp/out}
 DRAFTER=${DRAFTER:-/root/drafter-smollm2}  # this machine's drafter (lost when the machine is given back)
