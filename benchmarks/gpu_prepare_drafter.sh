@@ -1,38 +1,50 @@
 #!/usr/bin/env bash
-# Run on your own machine, from the project's root, before a GPU session: warm a drafter for the default model on
-# this CPU and put its bf16 copy in .gpu/drafter, for the first device call to carry (benchmarks/gpu_session.sh
-# `boot`). A session has 15 device minutes: warming on the device would take minutes of them, warming here takes
-# none (~35 min of this machine on 2 cores, while the session prepares other things).
+# Rebuild the warmed drafter the benchmarks and GPU sessions use, benchmarks/drafters/smollm2-arithmetic, on this
+# CPU: ROUNDS warm-up rounds of `tlt drafter warmup` on the built-in task, each on fresh prompts and going on from
+# the last (docs/benchmarks.md §3: the warm-up is data-bound; drafters A, B, C there), then its bf16 copy.
 #
-#   bash benchmarks/gpu_prepare_drafter.sh [DIR]     # DIR: the fp32 drafter (default .gpu/drafter-fp32); a DIR
-#                                                    # that already holds one is only converted again
+#   bash benchmarks/gpu_prepare_drafter.sh        # ~25 min per round on 2 cores; a finished round is kept
 #
-# Why bf16: the call that carries the model's first half (47 MiB) may carry 64 MiB in all, and the fp32 drafter is
-# 16.8 MB; the GPU engine serves the drafter in the rollout's bf16 anyway. The weights are the fp32 drafter's,
-# rounded once; its AdamW state stays here. PROMPTS and STEPS set the warm-up (docs/benchmarks.md §3: the warm-up is
-# data-bound; 256 prompts x 1,000 steps is drafter A of that section).
+# Why a committed drafter: a GPU session has 15 device minutes, too few to warm one there as well as measure, and
+# a session's CPU would need over an hour for these rounds. Why bf16: half the bytes (8.4 MB; the fp32 drafter is
+# 16.8) for the working tree that travels with every device call, and the GPU engine serves it in the rollout's
+# bf16 anyway; on the CPU it loads as those values in fp32. Its AdamW state is not kept (`--init` starts new
+# moments). ROUNDS, PROMPTS, STEPS, WORK (the fp32 rounds) and OUT_DIR set the run.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
-fp32=${1:-.gpu/drafter-fp32}
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo '/.gpu/' >> .git/info/exclude; }
 python=${PYTHON:-.venv/bin/python}
-if [ ! -s "$fp32/drafter.safetensors" ]; then
-  "$python" -m tlt.cli drafter warmup --out "$fp32" --prompts "${PROMPTS:-256}" --steps "${STEPS:-1000}" \
-    --lr-schedule cosine
-fi
-rm -rf .gpu/drafter && mkdir -p .gpu/drafter
-"$python" - "$fp32" .gpu/drafter <<'EOF'
+rounds=${ROUNDS:-3}
+work=${WORK:-.gpu/drafter-rounds}
+out=${OUT_DIR:-benchmarks/drafters/smollm2-arithmetic}
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo '/.gpu/' >> .git/info/exclude; }
+commands=()
+for round in $(seq 0 $((rounds - 1))); do
+  dir=$work/round$round
+  # the first round at a constant lr (drafter A), the next ones from the last with a cosine one (B, C)
+  args=(--out "$dir" --prompts "${PROMPTS:-256}" --steps "${STEPS:-1000}" --seed "$round")
+  [ "$round" -gt 0 ] && args+=(--init "$work/round$((round - 1))" --lr-schedule cosine)
+  commands+=("tlt drafter warmup ${args[*]}")
+  if [ -s "$dir/warmup_report.json" ]; then continue; fi  # a finished round (a killed one is started again)
+  "$python" -m tlt.cli drafter warmup "${args[@]}" --overwrite
+done
+mkdir -p "$out"
+"$python" - "$work/round$((rounds - 1))" "$out" "${commands[@]}" <<'EOF'
+import json
 import shutil
 import sys
 
 import torch
 from safetensors.torch import load_file, save_file
 
-source, out = sys.argv[1:]
+source, out, *commands = sys.argv[1:]
 tensors = {name: t.to(torch.bfloat16) if t.is_floating_point() else t
            for name, t in load_file(f"{source}/drafter.safetensors").items()}
 save_file(tensors, f"{out}/drafter.safetensors", metadata={"format": "pt"})
 shutil.copy(f"{source}/drafter_config.json", out)
+report = json.loads(open(f"{source}/warmup_report.json").read())
+provenance = {"made_by": "benchmarks/gpu_prepare_drafter.sh", "rounds": commands, "weights": "bfloat16",
+              "last_round_report": report}
+open(f"{out}/provenance.json", "w").write(json.dumps(provenance, indent=1) + "\n")
 EOF
-du -sh .gpu/drafter
-echo "ready: carry .gpu/drafter in the first device call (benchmarks/gpu_session.sh boot)"
+chmod 644 "$out"/*  # safetensors writes its file owner-only
+du -sh "$out"

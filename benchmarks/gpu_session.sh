@@ -5,7 +5,6 @@
 # files of 16 MiB, so one or two phases per call). The benchmarks write their JSON as they go, with "complete": false
 # until their last write: a phase killed at its limit still returns what it measured.
 #
-#   boot        install the drafter carried in .gpu/drafter on the machine, for this call's and later calls' phases
 #   tests       pytest -m gpu (tiny models: graphs of the whole SD step, syncs per step, hot swap, tail training),
 #               Inductor's compile test apart and last -> tests{,_compiled}.log, .xml (JUnit: outcomes and times)
 #   drafter     warm a drafter on the GPU (WARM_PROMPTS, WARM_STEPS) into $DRAFTER, sent back
@@ -38,16 +37,14 @@
 # calls on that machine, each issued the moment the last returns (30 s idle and it is gone). Pick the plan whose
 # results benchmarks/results/ still lacks; each call's command is ready here, its limits fit the 15 minutes.
 #
-# Prepare here first (no device time; ~40 min of this machine, do other work meanwhile):
-#   mkdir -p .git/info && bash ../shared/gpu/prepare.sh && bash benchmarks/gpu_prepare_drafter.sh
-#   (plan C also: bash benchmarks/gpu_trl_wheels.sh). Every call carries ".gpu/whl", ".gpu/env.sh",
-#   ".gpu/model.sha256" plus what its line names. After each call copy back what it sent ($OUT/cost_curves.tar ->
-#   .gpu/; $OUT/drafter/* -> .gpu/drafter/ if a drafter was warmed there).
+# Prepare here first (no device time, a few minutes): mkdir -p .git/info && bash ../shared/gpu/prepare.sh (plan C
+#   also: bash benchmarks/gpu_trl_wheels.sh). Every call carries ".gpu/whl", ".gpu/env.sh", ".gpu/model.sha256"
+#   plus what its line names. The warmed drafter travels in the working tree (benchmarks/drafters/, 8.4 MB). After
+#   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
 # Plan A, the engine (#13, #14): speculative_h100.json, rollout_throughput_h100.json, the GPU tests.
-#   0. here: ls .gpu/drafter/drafter.safetensors (no drafter, no SD numbers: the phases that need one skip)
-#   1. carry .gpu/a .gpu/drafter, timeout_s 220:
-#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=180 bash benchmarks/gpu_session.sh boot tests
+#   1. carry .gpu/a, timeout_s 220:
+#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=180 bash benchmarks/gpu_session.sh tests
 #   2. carry .gpu/b, at once, sized from call 1's reply: timeout_s = lease.budget_left_s - 60, and
 #      BUDGET = that timeout_s - 40 (about 480):
 #        . .gpu/env.sh && BUDGET=480 bash benchmarks/gpu_session.sh spec throughput spec-greedy
@@ -57,7 +54,7 @@
 #   In call 2 the GGUF converts (~50 s), then spec <= 150 s (T=1: batches 1 and 4 first), throughput <= 170 s,
 #   spec-greedy <= 100 s: what BUDGET leaves after the first two.
 # Plan B, the RL step on equal work (#15): e2e_replay_h100.json, then spot training's overhead.
-#   1. carry .gpu/a .gpu/drafter, timeout_s 60:  cp .gpu/a/part.aa /root/ && . .gpu/env.sh; bash ... boot
+#   1. carry .gpu/a, timeout_s 60:               cp .gpu/a/part.aa /root/ && echo ok
 #   2. carry .gpu/b, at once, timeout_s 500:      . .gpu/env.sh && BUDGET=460 bash ... e2e
 #   3. at once, timeout_s = call 2's lease.budget_left_s - 60 (about 200), BUDGET = that timeout_s - 40:
 #        . .gpu/env.sh && BUDGET=160 bash benchmarks/gpu_session.sh tail
@@ -73,15 +70,15 @@
 # cost_curves.tar into .gpu/ here and add ".gpu/cost_curves.tar" to that call's carry.
 #
 # The drafter. Phases that need one (spec, tail, tail-tau, e2e, e2e-natural) take $DRAFTER if this machine has it
-# (`boot` put it there), else a copy carried in at $CARRIED, else, with WARM_FALLBACK=1, warm a small one first
-# within the same call (bounded; the phase then gets what is left of BUDGET). The `drafter` phase's drafter comes
+# (the drafter phase warmed one), else $CARRIED (the committed one), else, with WARM_FALLBACK=1, warm a small one
+# first within the same call (bounded; the phase then gets what is left of BUDGET). The `drafter` phase's drafter comes
 # back in $OUT/drafter/: drafter_config.json and the weights in parts of 15 MiB (a file over 16 MiB does not come
 # back; the SmolLM2 drafter is 16.8 MB in fp32). To reuse it in a later call, copy those files into .gpu/drafter/
-# here and add ".gpu/drafter" to the call's carry: the parts are joined there.
+# here and add ".gpu/drafter" to the call's carry with CARRIED=.gpu/drafter: the parts are joined there.
 set -u
 OUT=${OUT:-/tmp/out}
 DRAFTER=${DRAFTER:-/root/drafter-smollm2}  # this machine's drafter (lost when the machine is given back)
-CARRIED=${CARRIED:-.gpu/drafter}           # a drafter an earlier call sent back, carried in (whole or in parts)
+CARRIED=${CARRIED:-benchmarks/drafters/smollm2-arithmetic}  # in the tree (or one a call sent back, carried in)
 BUDGET=${BUDGET:-540}                      # seconds for all phases of this call (a call may run 600 in all)
 SEEDS=${SEEDS:-0}                          # e2e-natural: the seeds of this call, e.g. SEEDS=1
 TAU_STEPS=${TAU_STEPS:-10}                 # tail-tau: RL steps per mode (#15: after 10 RL steps)
@@ -143,7 +140,7 @@ warm_drafter() {  # warm_drafter SECONDS PROMPTS STEPS [keep]: train a drafter i
   [ "${4:-}" = keep ] || send_drafter
 }
 
-install_carried_drafter() {  # the drafter carried in at $CARRIED (whole or in parts) becomes this machine's
+install_carried_drafter() {  # the drafter at $CARRIED (whole or in parts) becomes this machine's
   [ -s "$CARRIED/drafter_config.json" ] || return 1
   mkdir -p "$DRAFTER"
   if [ -s "$CARRIED/drafter.safetensors" ]; then
@@ -152,15 +149,15 @@ install_carried_drafter() {  # the drafter carried in at $CARRIED (whole or in p
     cat "$CARRIED"/drafter.safetensors.part-* >"$DRAFTER/drafter.safetensors" 2>/dev/null
   fi
   cp "$CARRIED/drafter_config.json" "$DRAFTER/"
-  have_drafter && echo "== drafter: the copy carried in at $CARRIED, now at $DRAFTER"
+  have_drafter && echo "== drafter: $CARRIED's, now at $DRAFTER"
 }
 
 ensure_drafter() {  # this machine's drafter, else the carried copy, else (WARM_FALLBACK=1) one warmed now
   have_drafter && return 0
   install_carried_drafter && return 0
   if [ "${WARM_FALLBACK:-0}" != 1 ]; then  # 150 s of a 15-minute session, and 4 more files out of $OUT's 8
-    echo "== no drafter on this machine nor carried in (bash benchmarks/gpu_prepare_drafter.sh here, carry" \
-      ".gpu/drafter; or WARM_FALLBACK=1 to warm a small one on the device first)"
+    echo "== no drafter on this machine nor at $CARRIED (bash benchmarks/gpu_prepare_drafter.sh rebuilds the" \
+      "committed one; or WARM_FALLBACK=1 to warm a small one on the device first)"
     return 1
   fi
   warm_drafter 150 64 300 keep  # a small one, kept here: the phase that asked for it gets the rest of BUDGET
@@ -184,7 +181,6 @@ for phase in "$@"; do
       if ! ensure_drafter; then echo "== $phase skipped: no drafter"; continue; fi ;;
   esac
   case $phase in
-    boot) install_carried_drafter || echo "== boot: no drafter carried in at $CARRIED" ;;
     tests)  # -v: a run its limit kills still logs each finished test's outcome; Inductor's compile test last
       run tests "${TESTS_LIMIT:-110}" python3 -m pytest -m gpu tests/test_gpu.py -v -rfE --durations=15 \
         -o faulthandler_timeout=100 -k "not compiled" --junitxml="$OUT/tests.xml"
@@ -241,7 +237,7 @@ for phase in "$@"; do
       fi
       run trl 540 python3 benchmarks/e2e.py --device cuda --drafter none --trl-only --max-new-tokens 1024 \
         --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_h100.json" ;;
-    *) echo "unknown phase $phase (boot tests drafter spec spec-greedy spec-compiled kernels throughput head tail" \
+    *) echo "unknown phase $phase (tests drafter spec spec-greedy spec-compiled kernels throughput head tail" \
          "tail-tau e2e e2e-natural trl)"; exit 2 ;;
   esac
 done
