@@ -43,7 +43,7 @@
 #   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
 # Plan A, the engine (#13, #14): speculative_h100.json, rollout_throughput_h100.json, the GPU tests.
-#   1. carry .gpu/a, timeout_s 220:
+#   1. carry .gpu/a, timeout_s 220 (env.sh says the model is MISSING here: expected, its second half is call 2's):
 #        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=180 bash benchmarks/gpu_session.sh tests
 #   2. carry .gpu/b, at once, sized from call 1's reply: timeout_s = lease.budget_left_s - 60, and
 #      BUDGET = that timeout_s - 40 (about 480):
