@@ -140,16 +140,16 @@ warm_drafter() {  # warm_drafter SECONDS PROMPTS STEPS [keep]: train a drafter i
   [ "${4:-}" = keep ] || send_drafter
 }
 
-install_carried_drafter() {  # the drafter at $CARRIED (whole or in parts) becomes this machine's
+install_carried_drafter() {  # the drafter at $CARRIED is served: as it is, or its parts joined at $DRAFTER
   [ -s "$CARRIED/drafter_config.json" ] || return 1
-  mkdir -p "$DRAFTER"
   if [ -s "$CARRIED/drafter.safetensors" ]; then
-    cp "$CARRIED/drafter.safetensors" "$DRAFTER/"
+    DRAFTER=$CARRIED
   else
+    mkdir -p "$DRAFTER"
     cat "$CARRIED"/drafter.safetensors.part-* >"$DRAFTER/drafter.safetensors" 2>/dev/null
+    cp "$CARRIED/drafter_config.json" "$DRAFTER/"
   fi
-  cp "$CARRIED/drafter_config.json" "$DRAFTER/"
-  have_drafter && echo "== drafter: $CARRIED's, now at $DRAFTER"
+  have_drafter && echo "== drafter: $DRAFTER"
 }
 
 ensure_drafter() {  # this machine's drafter, else the carried copy, else (WARM_FALLBACK=1) one warmed now
