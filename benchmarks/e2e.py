@@ -53,8 +53,9 @@ def tlt_modes(args, seed: int) -> dict[str, list[str]]:
     return {"reference": off, **modes} if args.replay else modes
 
 
-def run_trl(args, seed: int) -> list[dict]:
-    """args.warmup_steps + args.steps TRL steps on tlt's prompts; the measured ones (the warm-up's dropped)."""
+def run_trl(args, seed: int, on_step=None) -> list[dict]:
+    """args.warmup_steps + args.steps TRL steps on tlt's prompts; the measured ones (the warm-up's dropped), also
+    given to on_step as they come."""
     from tlt.models.default_model import default_model_dir
     from tlt.rl.config import TrainConfig
     from tlt.rl.rewards import build_reward
@@ -68,7 +69,8 @@ def run_trl(args, seed: int) -> list[dict]:
     examples = [task.sample(args.prompts, seed=seed * 1_000_003 + k) for k in range(args.warmup_steps + args.steps)]
     steps = trl_step_times(args.model or str(default_model_dir()), examples, build_reward(config.task),
                            samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens, seed=seed,
-                           use_cpu=args.device == "cpu", micro_batch_size=config.optim.micro_batch_size)
+                           use_cpu=args.device == "cpu", micro_batch_size=config.optim.micro_batch_size,
+                           on_step=lambda steps: on_step and on_step(steps[args.warmup_steps:]))
     return steps[args.warmup_steps:]
 
 
@@ -142,9 +144,15 @@ def main(argv=None) -> dict:
     if args.trl_only or not (args.quick or args.skip_trl or args.replay):
         from trl_baseline import versions
 
-        trl = run_trl(args, args.seeds[0])
-        result["runs"].setdefault(f"seed{args.seeds[0]}", {})["trl"] = trl_curves(trl, args.prompts * args.samples)
         result["trl_versions"] = versions()
+        run = result["runs"].setdefault(f"seed{args.seeds[0]}", {})
+
+        def partial_trl(steps: list[dict]) -> None:
+            if steps:  # TRL's file is written step by step too
+                run["trl"] = trl_curves(steps, args.prompts * args.samples)
+                write_json(args.json, summarized(result), echo=False)
+
+        run["trl"] = trl_curves(run_trl(args, args.seeds[0], on_step=partial_trl), args.prompts * args.samples)
     summarize(result)
     result["complete"] = True
     write_json(args.json, result)

@@ -61,8 +61,8 @@
 #   then give_back. (The machine still holds the model, the drafter and the cost curves of call 2; a phase cut by
 #   its limit keeps the steps it finished: spot_overhead_ratio is written after each step.)
 # Plan C, against TRL (#15): as B, with `trl` in call 2 (carry .gpu/b and .gpu/trl, ~55 MiB with the rest; bash
-# benchmarks/gpu_trl_wheels.sh here: TRL's file is written only at its end, so it gets the long call) and
-# `e2e-natural` in call 3 (written step by step): speedup_vs_trl compares runs of one machine only.
+# benchmarks/gpu_trl_wheels.sh here; TRL loads slowest, so it gets the long call; both write step by step) and
+# `e2e-natural` in call 3: speedup_vs_trl compares runs of one machine only.
 # Then, as later sessions allow: tail-tau, kernels, spec-compiled, head, more e2e-natural SEEDS (kernels with
 # spec-compiled in one call return 9 files: give them calls of their own).
 #

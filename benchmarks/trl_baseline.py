@@ -24,9 +24,10 @@ from transformers import TrainerCallback
 def trl_step_times(model_dir: str, examples_per_step: list[list], reward, *, samples_per_prompt: int = 4,
                    max_new_tokens: int = 256, seed: int = 0, out_dir: str = "/tmp/tlt-trl-bench",
                    system_prompt: str | None = None, use_cpu: bool = True, micro_batch_size: int | None = None,
-                   log=print) -> list[dict]:
+                   log=print, on_step=None) -> list[dict]:
     """Run len(examples_per_step) TRL GRPO steps (on the CPU, or the GPU with use_cpu=False); returns per step
-    {step_s, rollout_s, reward_mean, completion_len_mean, completion_len_max}."""
+    {step_s, rollout_s, reward_mean, completion_len_mean, completion_len_max}. on_step(steps so far), if given, is
+    called after each step and after each step's log: a run killed at its time limit keeps what it measured."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
@@ -48,7 +49,7 @@ def trl_step_times(model_dir: str, examples_per_step: list[list], reward, *, sam
     config = grpo_config(prompts_per_step * samples_per_prompt, samples_per_prompt, micro_batch_size or
                          samples_per_prompt, max_new_tokens, len(examples_per_step), seed=seed, use_cpu=use_cpu,
                          out_dir=out_dir)
-    timings = _StepClock(log, synchronize=not use_cpu)
+    timings = _StepClock(log, synchronize=not use_cpu, on_step=on_step)
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
         processing_class=AutoTokenizer.from_pretrained(model_dir), reward_funcs=reward_fn, args=config,
@@ -99,9 +100,10 @@ class _StepClock(TrainerCallback):
     after a synchronize, so a step's queued kernels are its own), the time its generation took (`rollout_s`), and
     the logged reward and completion lengths. The logging of step k runs after its step end: billed to step k+1."""
 
-    def __init__(self, log, synchronize: bool = False):
+    def __init__(self, log, synchronize: bool = False, on_step=None):
         self.steps: list[dict] = []
         self._log = log
+        self._on_step = on_step or (lambda steps: None)
         self._last = None
         self._synchronize = synchronize
         self._generation_s = 0.0
@@ -142,9 +144,11 @@ class _StepClock(TrainerCallback):
         self.steps.append(step)
         self._last, self._generation_s = now, 0.0
         self._log(f"trl step {len(self.steps)}: {step['step_s']:.1f}s")
+        self._on_step(self.steps)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and self.steps and "reward" in logs:
             self.steps[-1].update({"reward_mean": logs["reward"],
                                    "completion_len_mean": logs.get("completions/mean_length"),
                                    "completion_len_max": logs.get("completions/max_length")})
+            self._on_step(self.steps)

@@ -144,3 +144,18 @@ def test_gpu_targets_count_only_numbers_measured_as_the_target_says(tmp_path):
     rows = {(row["issue"], row["target"]): row for row in gpu_targets.check(gpu_targets.read_results([tmp_path]))}
     assert rows[(13, "SD T=1 speed-up, batch 1")]["value"] is None
     assert rows[(14, "tau at T=1, batch 1")]["holds"] is None
+
+
+def test_trl_steps_reach_the_file_as_they_come():
+    """A TRL run killed at its GPU call's limit keeps its finished steps: the clock hands them on after each step
+    and after each step's log, and a step without its log yet still makes a curve."""
+    import trl_baseline
+
+    seen = []
+    clock = trl_baseline._StepClock(log=lambda line: None, on_step=lambda steps: seen.append(e2e.trl_curves(steps, 16)))
+    clock.on_train_begin(None, None, None)
+    clock.on_step_end(None, None, None)
+    assert seen[-1]["step_s"][0] >= 0 and seen[-1]["reward_mean"] == [None] and seen[-1]["step_tok_s"] == [None]
+    clock.on_log(None, None, None, logs={"reward": 0.5, "completions/mean_length": 100.0,
+                                         "completions/max_length": 200.0})
+    assert len(seen) == 2 and seen[-1]["reward_mean"] == [0.5] and seen[-1]["completion_len_max"] == [200.0]
