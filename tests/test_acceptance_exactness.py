@@ -9,7 +9,7 @@ mass outside it, top-k / top-p, and rows of other settings in the same batch. Th
 with the processed target by total variation against the null spread of that many exact samples (a seeded
 multinomial simulation): a bias of ~1e-2 is ~15 null SDs here, where the engine-level tests' bound lets ~3e-2
 through. Negative controls (residual drawn from p, acceptance min(1, 1.2 p/q), target-only acceptance at
-1.3 p) must fail. (Exactness of later tokens, catch-up and KV commits: test_speculative_lossless.py.)
+1.3 p, later siblings checked against q instead of q renormalized without the rejected ones) must fail. (Exactness of later tokens, catch-up and KV commits: test_speculative_lossless.py.)
 """
 
 import functools
@@ -114,6 +114,9 @@ def case(name: str):
     target, draft = bigrams(1)
     if name == "random":
         return target, BigramDrafter(draft)
+    if name == "flat":  # no token dominates: after a rejected sibling the later siblings' rule decides the law
+        target, draft = bigrams(1, scale=0.5)
+        return target, BigramDrafter(draft)
     if name == "disjoint-support":  # q = 0 on tokens 0, 1 (p > 0 there); p = 0 on token 3 (q > 0 there)
         draft[:, :2] = -INF
         target[:, 3] = -INF
@@ -136,7 +139,7 @@ def case(name: str):
 Q_ARMS = [SpecStrategy.chain(1, "q"), SpecStrategy.chain(3, "q"), SpecStrategy(1, 3, rule="q"),
           SpecStrategy(2, 2, rule="q")]
 TARGET_ONLY_ARMS = [SpecStrategy.chain(3), SpecStrategy(2, 2, 4), SpecStrategy(1, 3, 3)]
-CASES = ["random", "disjoint-support", "q-equals-p", "q-point-mass", "p-point-mass", "draft-vocabulary"]
+CASES = ["random", "flat", "disjoint-support", "q-equals-p", "q-point-mass", "p-point-mass", "draft-vocabulary"]
 
 
 @pytest.mark.parametrize("name,strategy", [(name, arm) for name in CASES for arm in Q_ARMS] + [
@@ -160,8 +163,9 @@ def test_in_a_batch_of_mixed_settings_each_row_follows_its_own(params, strategy)
     mixed = [params, SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_k=2),
              SamplingParams(temperature=1.7, top_p=0.6)]
     tokens = first_tokens(target, drafter, strategy, mixed)
-    tv, threshold = tv_and_threshold(tokens[0::4], target_law(target, params))
-    assert tv <= threshold, (tv, threshold)  # (a point mass: both 0)
+    for group in (0, 2, 3):
+        tv, threshold = tv_and_threshold(tokens[group::4], target_law(target, mixed[group]))
+        assert tv <= threshold, (group, tv, threshold)  # (a point mass: both 0)
     greedy = int(target_law(target, SamplingParams(temperature=1.0)).argmax())
     assert bool((tokens[1::4] == greedy).all())  # greedy rows: the argmax, every time
 
@@ -180,4 +184,20 @@ def test_negative_controls_fail(rules, strategy):
     params = SamplingParams(temperature=1.0)
     tv, threshold = tv_and_threshold(first_tokens(target, drafter, strategy, [params], **rules),
                                      target_law(target, params))
+    assert tv > 1.5 * threshold, (tv, threshold)
+
+
+@pytest.mark.parametrize("without", [lambda q, token: q, lambda q, token: q.scatter(1, token, 0.0)],
+                         ids=["q-unchanged", "q-not-renormalized"])
+@pytest.mark.parametrize("strategy", [SpecStrategy(1, 3, rule="q"), SpecStrategy(1, 4, rule="q")], ids=str)
+def test_a_wrong_rule_for_later_siblings_fails(without, strategy, monkeypatch):
+    """Siblings drawn without replacement are checked against q_i (q without the earlier ones, renormalized): a
+    rule that keeps q, or drops the rejected sibling without renormalizing, is biased where no token dominates
+    (the "random" case's target, 84% on one token, could not tell: a review's mutant passed it)."""
+    from tlt.speculative import q_sampling
+
+    monkeypatch.setattr(q_sampling, "_without", without)
+    target, drafter = case("flat")
+    params = SamplingParams(temperature=1.0)
+    tv, threshold = tv_and_threshold(first_tokens(target, drafter, strategy, [params]), target_law(target, params))
     assert tv > 1.5 * threshold, (tv, threshold)

@@ -91,3 +91,24 @@ def test_trace_shows_continuous_batching_and_the_draining_tail():
     assert len(prefills) > 1  # queued requests joined as rows freed up
     assert sum(s.new_tokens for s in result.steps) == sum(lengths)
     assert all(s.wall_s > 0 for s in result.steps)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=4, seed=0),
+                                    SamplingParams(top_p=0.9, top_k=5, max_new_tokens=4, seed=0),
+                                    SamplingParams(temperature=0, max_new_tokens=4)], ids=["t1", "filtered", "greedy"])
+def test_a_policy_with_nan_weights_is_refused_not_sampled_from(params, speculative):
+    """A diverged policy's NaN logits gave an index error (sampled rows), token 0 forever (greedy rows) or
+    plausible tokens (filtered rows): every row now stops the rollout with one clear error."""
+    from tlt.errors import NonFiniteError
+    from tlt.models.eagle import EagleDrafter
+    from tlt.speculative.strategy import SpecStrategy
+
+    model = tiny_model("llama", seed=1)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")  # every later activation is NaN
+    spec = SpecStrategy(3, 2, rule="q") if speculative else None
+    engine = RolloutEngine(model, max_batch_size=2, drafter=EagleDrafter(model.config) if speculative else None,
+                           speculation=spec, max_tree_size=16)
+    with pytest.raises(NonFiniteError, match="non-finite logits"):
+        engine.generate([Request([5, 6, 7], params=params)])

@@ -162,3 +162,31 @@ def test_tied_tokens_are_kept_by_lowest_id_whatever_the_other_rows_ask():
     out = filter_top_k_top_p(torch.stack([row, row, row]), torch.tensor([0, 0, 300]), torch.tensor([0.4, 0.6, 1.0]))
     assert torch.isfinite(out[0]).nonzero()[:, 0].tolist() == [59, 120]
     assert torch.isfinite(out[1]).nonzero()[:, 0].tolist() == [59, 120, 337]
+
+
+def test_a_subset_of_a_filtered_batch_without_filters_is_sampled_not_crashed_on():
+    """select() keeps its parent's flags (an over-approximation the class allows): a subset in which no row filters
+    must sample as the unfiltered rows it holds (it crashed on an empty candidate set)."""
+    built = RowSampling.from_params([SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=3),
+                                     SamplingParams()], "cpu")
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(2))
+    subset = built.select(torch.tensor([2]))
+    assert subset.any_filtered  # the parent's flag: the case under test
+    torch.testing.assert_close(processed_logprobs(logits, subset), torch.log_softmax(logits, -1))
+    tokens, _ = sample_next(logits, subset, torch.tensor([0.5]))
+    assert 0 <= int(tokens[0]) < 50
+
+
+def test_a_top_k_beyond_any_long_keeps_the_vocabulary():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    rows = RowSampling.from_params([SamplingParams(top_k=2**70), SamplingParams(top_k=2)], "cpu")
+    kept = processed_logprobs(logits, rows).isfinite().sum(-1).tolist()
+    assert kept == [50, 2]
+
+
+def test_a_nan_row_draws_an_in_vocabulary_token_with_a_nan_logprob():
+    """No index past the vocabulary (on CUDA a device-side assert); the NaN log-prob is what the engine refuses."""
+    logits = torch.tensor([[0.0, float("nan"), 1.0], [0.0, 1.0, 2.0]])
+    tokens, logprobs = sample_next(logits, RowSampling.from_params([SamplingParams()] * 2, "cpu"),
+                                   torch.tensor([0.5, 0.5]))
+    assert 0 <= int(tokens[0]) < 3 and math.isnan(float(logprobs[0])) and math.isfinite(float(logprobs[1]))

@@ -13,6 +13,10 @@ class RequestError(TltError):
     """A rollout request or sampling setting that cannot be served."""
 
 
+class NonFiniteError(TltError):
+    """A model produced NaN or infinite values: no sample can be drawn from them."""
+
+
 def first_line(error: Exception, limit: int = 300) -> str:
     """The first line of an exception's message (or its type's name), at most `limit` characters: what a
     one-line error quotes."""

@@ -54,7 +54,10 @@ class SamplingParams:
     stop_token_ids: tokens that end the response (included in it); None = the model's EOS tokens.
     seed: seeds this request's per-sample random streams, together with the request's position in the list
         given to `generate()` and the sample's index (so two requests with one seed in one call differ; the same
-        list gives the same samples whatever the batch size); None = drawn from torch's global generator.
+        list gives the same samples whatever the batch size, unless a batch-size gate or an adaptive policy picks
+        another decoding procedure per step: equal in law, not token for token); None = drawn from torch's global
+        generator. Torch's CPU generator keeps 32 bits of the derived seed: seeds are distinct as long as their
+        derived seeds differ modulo 2^32 (the derivation is linear, so consecutive seeds, requests and samples do).
     """
 
     temperature: float = 1.0
@@ -85,6 +88,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+TOP_K_CAP = 2**62
 
 
 @dataclass
@@ -119,7 +125,8 @@ class RowSampling:
         temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
         greedy = [p.greedy for p in params]
         return cls(torch.tensor(temps, device=device, dtype=torch.float32),
-                   torch.tensor([p.top_k for p in params], device=device, dtype=torch.long),
+                   # any k past the vocabulary keeps it all: capped so that a huge one fits a long
+                   torch.tensor([min(p.top_k, TOP_K_CAP) for p in params], device=device, dtype=torch.long),
                    torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32),
                    torch.tensor(greedy, device=device, dtype=torch.bool),
                    any_tempered=any(t != 1 for t in temps),
@@ -173,6 +180,8 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     any_top_p = bool(nucleus.any())
     k_needed = int(k_rows[top_k > 0].max()) if bool((top_k > 0).any()) else 0
     candidates = min(vocab, max(k_needed, TOP_P_FIRST_CANDIDATES if any_top_p else 0))
+    if candidates == 0:  # no row filters (a subset of a batch whose other rows did): nothing to remove
+        return scaled
     # Normalizer of the top-k-filtered distribution: all of a row's kept tokens must be among the candidates,
     # or the row keeps the whole vocabulary (top-k off) and normalizes over it.
     full_lse = torch.logsumexp(scaled, dim=-1, keepdim=True) if any_top_p else None
@@ -236,7 +245,9 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
     offset = (target - before).clamp(min=0)
     offset = torch.minimum(offset, torch.nextafter(last, torch.zeros_like(last)))
     within = torch.searchsorted(inner, offset, right=True).clamp_(max=CDF_BLOCK - 1)
-    return (block * CDF_BLOCK + within)[:, 0]
+    # Only a NaN row reaches the padding past the vocabulary: kept in range, so a later gather cannot fail (a
+    # device-side assert on CUDA); its NaN log-prob is what the caller reports.
+    return (block * CDF_BLOCK + within)[:, 0].clamp_(max=vocab - 1)
 
 
 def sample_next(logits: torch.Tensor, rows: RowSampling, uniforms: torch.Tensor):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+from tlt.errors import NonFiniteError
 from tlt.rollout.request import Request, SampleOutput
 
 
@@ -26,6 +28,15 @@ class Sequence:
     drafter_versions: set = field(default_factory=set)
 
     def append(self, token: int, logprob: float) -> None:
+        # A sampled token's log-prob is finite by construction (a token of probability 0 is never drawn), so a
+        # NaN or inf one means the policy's logits were not finite: the token is garbage (greedy NaN rows pick
+        # token 0), and the RL step would train on it. Checked here, on the host copy every step makes anyway.
+        if not math.isfinite(logprob):
+            raise NonFiniteError(
+                f"the policy produced non-finite logits (the sampled token's log-prob is {logprob}) at request "
+                f"{self.request_index}, sample {self.sample_index}, response token {len(self.tokens)}: its weights "
+                f"or activations are NaN/inf (corrupt weights; a dtype that overflows, float16; or, in RL, a diverged "
+                f"policy: lower optim.lr, and resume from a checkpoint from before it diverged)")
         self.tokens.append(token)
         self.logprobs.append(logprob)
         if token in self.stop_ids:
