@@ -364,10 +364,12 @@ def test_a_home_path_in_a_config_file_means_the_home_directory(tmp_path, monkeyp
     assert config.run.drafter == str(tmp_path / "drafters" / "d")
 
 
-@pytest.mark.parametrize("override,message", [("model.device=gpu", "model.device must be a torch device"),
-                                              ("run.seed=99999999999999999999", "run.seed must fit in 64 bits")])
-def test_a_device_or_seed_torch_cannot_take_is_one_line_at_load(override, message):
-    """Both were tracebacks from inside a worker, after the run directory was made (found by review)."""
+@pytest.mark.parametrize("override,message", [("model.device=gpu", "model.device must be cpu, cuda or cuda:N"),
+                                              ("model.device=meta", "model.device must be cpu, cuda or cuda:N"),
+                                              ("run.seed=99999999999999999999", "run.seed must fit in 64 bits"),
+                                              ("rollout.temperature=1e-300", "rollout.temperature must be at least")])
+def test_a_device_seed_or_temperature_torch_cannot_take_is_one_line_at_load(override, message):
+    """Each was a traceback or an error from inside a worker after the model loaded (found by reviews)."""
     from tlt.rl.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message):

@@ -19,6 +19,7 @@ from tlt.models.lean_forward import COMPILE_MODES
 from tlt.rl.config_text import (ConfigError, FlowListDumper, UniqueKeyLoader, check_key, coerce, parse_text,
                                  yaml_problem)
 from tlt.rl.grpo import AGGREGATIONS
+from tlt.sampling import MIN_TEMPERATURE
 from tlt.rl.optim import decay_steps
 from tlt.speculative.strategy import SpecStrategy
 
@@ -183,10 +184,12 @@ def _check_device(device: str | None) -> None:
     if device is None:
         return
     try:
-        torch.device(device)
+        kind = torch.device(device).type
     except (RuntimeError, TypeError):
-        raise ConfigError(f"model.device must be a torch device such as cpu, cuda or cuda:1 (or unset: CUDA when "
-                          f"available), got {device!r}") from None
+        kind = None
+    if kind not in ("cpu", "cuda"):  # `meta` or `mps` parse, then failed mid-rollout
+        raise ConfigError(f"model.device must be cpu, cuda or cuda:N (or unset: CUDA when available), got "
+                          f"{device!r}")
 
 
 def validate(config: TrainConfig) -> TrainConfig:
@@ -220,6 +223,8 @@ def validate(config: TrainConfig) -> TrainConfig:
     _at_least("rollout.max_batch_size", rollout.max_batch_size, 1)
     _check(0 < rollout.temperature < float("inf"), f"rollout.temperature must be > 0, got {rollout.temperature}: "
            f"greedy samples of one prompt are identical, so every GRPO advantage would be 0")
+    _check(rollout.temperature >= MIN_TEMPERATURE, f"rollout.temperature must be at least {MIN_TEMPERATURE}, got "
+           f"{rollout.temperature}: logits divided by less overflow float32")
     _check(0 < rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
     _at_least("rollout.top_k", rollout.top_k, 0)
     check_choice("rollout.dtype", rollout.dtype, ROLLOUT_DTYPES)
