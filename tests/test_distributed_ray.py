@@ -146,3 +146,19 @@ def test_a_start_that_fails_gives_its_reservation_back(tmp_path):
         RayBackend(config, Placement(2, "ray", "cpu", 0, 0.0, ("cpu", "cpu"), "no-such-backend"), loaded=loaded,
                    task=test_distributed.ShortLongTask(), reward=Reward(test_distributed.share_of_eights))
     assert not [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+def test_a_shutdown_ray_does_not_answer_is_a_bounded_wait(monkeypatch, caplog):
+    """A SIGTERM to the whole process group (timeout, SLURM's scancel) kills Ray's head processes too; killing the
+    actors then waited 60 s for the gone GCS and the run ended with rc 1 and a Ray error, not its own message
+    (reproduced by review with `setsid tlt train ... run.backend=ray` and `kill -TERM -- -PGID`: now rc 143 in
+    19 s). The wait is bounded, whatever blocks it."""
+    from tlt.distributed import backends
+
+    backend = object.__new__(backends.RayBackend)
+    monkeypatch.setattr(backend, "_release", lambda: time.sleep(30), raising=False)
+    monkeypatch.setattr(backends, "SHUTDOWN_TIMEOUT_S", 0.2)
+    started = time.perf_counter()
+    backend.shutdown()
+    assert time.perf_counter() - started < 5
+    assert "Ray did not answer within 0.2 s" in caplog.text

@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import logging
 import os
 import signal
 import threading
@@ -22,6 +23,8 @@ from tlt.distributed.placement import check_ray_resources
 from tlt.distributed.worker import HubClient, RolloutWorker
 from tlt.errors import TltError
 
+log = logging.getLogger(__name__)
+
 
 class WorkerError(TltError):
     """A worker died, failed or did not answer in time during a step."""
@@ -33,6 +36,7 @@ CALL_TIMEOUT_S = 2 * 3600
 WORKER_START_TIMEOUT_S = 900  # a first run converts the default model's GGUF (about a minute) in every worker
 PLACEMENT_TIMEOUT_S = 60      # Ray reserving the workers' CPUs and GPUs (before any model loads)
 GROUP_TIMEOUT_S = 1800        # forming the gradient group, and any one all-reduce in it
+SHUTDOWN_TIMEOUT_S = 10       # killing the actors and freeing their reservation (seconds when Ray is alive)
 
 
 def threads_per_worker(config) -> int:
@@ -259,6 +263,17 @@ class RayBackend:
         ray.kill(self.workers[rank], no_restart=True)
 
     def shutdown(self) -> None:
+        """Kill the actors and free their reservation, waiting SHUTDOWN_TIMEOUT_S at most: a SIGTERM to the whole
+        process group (what `timeout`, SLURM's scancel and systemd send) also kills Ray's head processes, which
+        share the group, and then every call here waited 60 s for a GCS that is gone."""
+        release = threading.Thread(target=self._release, name="ray-shutdown", daemon=True)
+        release.start()
+        release.join(SHUTDOWN_TIMEOUT_S)
+        if release.is_alive():
+            log.warning("Ray did not answer within %g s while shutting down (its head processes were likely killed "
+                        "by the same signal): leaving without waiting for it", SHUTDOWN_TIMEOUT_S)
+
+    def _release(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
