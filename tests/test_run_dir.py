@@ -3,6 +3,7 @@ final policy as a Hugging Face model directory."""
 
 import dataclasses
 import json
+import os
 import shutil
 
 import pytest
@@ -325,7 +326,9 @@ def test_a_run_that_died_before_its_first_step_is_still_tlts(tmp_path):
     from tlt.rl.config import TrainConfig
 
     assert prepare_run_dir(tmp_path, TrainConfig().to_dict(), resume=False, overwrite=False) is None
-    assert json.loads((tmp_path / "config.json").read_text()) == json.loads(json.dumps(TrainConfig().to_dict()))
+    expected = json.loads(json.dumps(TrainConfig().to_dict()))
+    expected["run"]["out_dir"] = os.path.abspath(expected["run"]["out_dir"])  # paths are kept absolute
+    assert json.loads((tmp_path / "config.json").read_text()) == expected
     (tmp_path / "tensorboard").mkdir()  # then the policy failed to load
     assert prepare_run_dir(tmp_path, TrainConfig().to_dict(), resume=False, overwrite=False) is None
 
@@ -752,3 +755,20 @@ def test_a_resume_placed_on_another_number_of_workers_says_so(tmp_path):
     assert _workers_changed(checkpoint, 2) is None
     (checkpoint / "state.json").write_text(json.dumps({"step": 2, "python_rng": []}))  # a GRPOTrainer's: no count
     assert _workers_changed(checkpoint, 1) is None
+
+
+def test_resume_from_another_directory_does_not_take_another_model_for_the_runs(tmp_path, monkeypatch):
+    """config.json kept `model.path=m` as given, and each --resume resolved it against its own directory: from
+    another directory another model of the same shape continued the run without a word (found by review)."""
+    for name in ("a", "b"):
+        (tmp_path / name / "m").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a")
+    config = load_config(None, [f"run.out_dir={tmp_path}/run", "model.path=m"]).to_dict()
+    assert prepare_run_dir(tmp_path / "run", config, resume=False, overwrite=False) is None
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["path"] == str(tmp_path / "a" / "m")
+    (tmp_path / "run" / "step-000001").mkdir()
+    (tmp_path / "run" / "step-000001" / "state.json").write_text("{}")
+    assert prepare_run_dir(tmp_path / "run", config, resume=True, overwrite=False).name == "step-000001"
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(RunDirError, match=rf'model\.path: "{tmp_path}/a/m" in the run, "{tmp_path}/b/m" now'):
+        prepare_run_dir(tmp_path / "run", config, resume=True, overwrite=False)

@@ -80,7 +80,7 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
     _drop_staging(run_dir)
     # First, before anything loads: whatever this run leaves (a TensorBoard directory from a load that failed)
     # then lies beside a tlt config.json, which is how the next run knows it as tlt's (_refuse_foreign_entries)
-    text = json.dumps(config_dict, indent=1)
+    text = json.dumps(_with_absolute_paths(config_dict), indent=1)
     write_whole(run_dir / "config.json", lambda path: path.write_text(text))
     if dataset is not None:
         _keep_dataset(run_dir, dataset)
@@ -338,6 +338,18 @@ def _meaning(value_of, section: str, key: str):
     if (section, key) in PATH_KEYS:
         return _same_path(value_of(section, key), section)
     return _norm(value_of(section, key))
+
+
+def _with_absolute_paths(config_dict: dict) -> dict:
+    """The config with its paths as the files they named when the run started: a relative model.path saved as
+    given was resolved against the directory of each later --resume, so another directory's model of the same
+    shape continued the run without a word (found by review)."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config_dict.items()}
+    for section, key in PATH_KEYS:
+        value = out.get(section, {}).get(key)
+        if isinstance(value, str) and value:
+            out[section][key] = _same_path(value, section) or value  # a default model alias stays as given
+    return out
 
 
 def _same_path(value, section: str):
