@@ -98,3 +98,13 @@ def test_a_base_model_file_without_the_model_prefix_still_loads(tmp_path):
     prompt = torch.tensor([random_prompts([6])[0]])
     with torch.no_grad():
         assert torch.allclose(load_model(tmp_path, device="cpu").model(prompt).logits, model(prompt).logits, atol=1e-6)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both(tmp_path):
+    """It failed at the first prompt as "requests[0]: prompt token id out of range [0, 200)", naming neither
+    the tokenizer nor the model (found by review)."""
+    from test_verify import byte_tokenizer
+
+    save_model_dir(tiny_model("llama", vocab_size=200, eos_token_id=199), byte_tokenizer(), tmp_path)
+    with pytest.raises(ModelLoadError, match=r"its tokenizer has 257 tokens but the model's vocab_size is 200"):
+        load_model(tmp_path, device="cpu")

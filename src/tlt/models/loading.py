@@ -50,8 +50,19 @@ def load_model(source=None, *, tokenizer=None, device=None, dtype: torch.dtype =
         model, label = source, f"in-memory {type(source).__name__}"
     else:
         model, tokenizer, label = _load_from_path(source)
+        check_tokenizer_fits(tokenizer, model.config, label)
     model = model.to(device=pick_device(device), dtype=dtype).eval()
     return LoadedModel(model, tokenizer, ModelSpec.from_config(model.config), label)
+
+
+def check_tokenizer_fits(tokenizer, config, label: str) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embedding: a larger tokenizer (another
+    model's, or a vocabulary resized without the model) failed later as "prompt token id out of range", naming
+    neither file (found by review). A smaller one is common (embeddings padded to a multiple of 64 or 128)."""
+    size = len(tokenizer) if tokenizer is not None else 0
+    if size > config.vocab_size:
+        raise ModelLoadError(f"{label}: its tokenizer has {size} tokens but the model's vocab_size is "
+                             f"{config.vocab_size}: the tokenizer is not this model's (or was resized without it)")
 
 
 def _load_from_path(source):
