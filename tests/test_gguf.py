@@ -128,3 +128,13 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path):
     path.write_bytes(b"GGUF" + bytes(range(200)))
     with pytest.raises(ModelLoadError, match="cannot read GGUF"):
         load_model(path)
+
+
+def test_a_gguf_cut_short_is_said_to_be(tiny_gguf, tmp_path):
+    """A download cut short failed as "cannot reshape array of size 3736 into shape (64,64)" (found by review)."""
+    _, source = tiny_gguf
+    data = source.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) - 1000])
+    with pytest.raises(ModelLoadError, match=r"cannot read GGUF .*cut\.gguf: .*likely cut short"):
+        load_model(cut)

@@ -130,7 +130,7 @@ def read_gguf_config(path: Path):
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     except Exception as error:
-        raise ModelLoadError(f"cannot read GGUF {path}: {first_line(error)}") from None
+        raise ModelLoadError(gguf_error(path, error)) from None
     check_supported(config)
     return config
 
@@ -146,8 +146,17 @@ def load_gguf(path: Path):
         model = AutoModelForCausalLM.from_pretrained(path.parent, config=config, dtype=torch.float32, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
     except Exception as error:
-        raise ModelLoadError(f"cannot read GGUF {path}: {first_line(error)}") from None
+        raise ModelLoadError(gguf_error(path, error)) from None
     return model, tokenizer
+
+
+def gguf_error(path: Path, error: Exception) -> str:
+    """One line for a GGUF that does not read. The GGUF reader maps tensors over the file, so one cut short
+    fails as a numpy reshape or mmap error: said as what it likely is."""
+    reason = first_line(error)
+    if any(word in reason for word in ("reshape", "mmap", "buffer is smaller", "beyond the end")):
+        reason += f" (the file, {path.stat().st_size} bytes, is likely cut short: download or copy it again)"
+    return f"cannot read GGUF {path}: {reason}"
 
 
 def save_model_dir(model, tokenizer, out: Path) -> None:
