@@ -178,6 +178,10 @@ def test_export_never_replaces_a_model_directory_and_an_earlier_export_only_when
     out_text = capsys.readouterr().out
     assert "not exported" not in out_text and f"--speculative-token-map {out / 'draft_vocab.pt'}" in out_text
     assert "--dtype bfloat16 --speculative-algorithm EAGLE" in out_text
+    for flags in ([], ["--overwrite"]):  # into the drafter's own directory: it would then look like a model
+        assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", f"{drafter}/.", *flags]) == 2
+        assert "is the drafter's own directory" in capsys.readouterr().err
+    assert not (drafter / "model.safetensors").exists()
     (tmp_path / "file").write_text("x")
     with pytest.raises(ExportError, match="is a file"):
         export_eagle(EagleDrafter(tiny_model("llama").config), tmp_path / "file")

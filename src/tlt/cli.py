@@ -9,6 +9,7 @@ import signal
 import sys
 import tempfile
 import threading
+from pathlib import Path
 
 from tlt import __version__
 from tlt.errors import TltError
@@ -236,11 +237,14 @@ def _warmup_from_run_config(args, config, train_config) -> int:
 
 
 def _run_export(args) -> int:
-    from tlt.drafter.export import DTYPES, check_export_out, export_eagle, serve_command, target_dtype
+    from tlt.drafter.export import DTYPES, ExportError, check_export_out, export_eagle, serve_command, target_dtype
     from tlt.models import load_model
     from tlt.models.eagle import DrafterError, EagleDrafter, check_drafter_dir
     from tlt.models.loading import is_default_source
 
+    if Path(args.out).expanduser().resolve() == Path(args.directory).expanduser().resolve():
+        raise ExportError(f"--out {args.out} is the drafter's own directory: the export would be mixed into it; "
+                          f"choose another --out")
     check_export_out(args.out, args.overwrite)  # before the model loads
     check_drafter_dir(args.directory)
     loaded = load_model(args.model)
@@ -300,7 +304,6 @@ def _run_verify(args) -> int:
     """Exit 0 when both checks pass (and, with --negative-control, the control fails), else 1."""
     import dataclasses
     import json
-    from pathlib import Path
 
     from rich.console import Console
 
