@@ -54,7 +54,8 @@ def merge(replay: dict | None, natural: dict, trl: dict | None, spot: dict | Non
     if replay is not None:
         summarize(replay)
         result.update({key: replay.get(key) for key in (
-            "speedup_vs_baseline", "rollout_speedup_vs_baseline", "baseline_step_s", "tlt_step_s",
+            "speedup_vs_baseline", "tok_s_ratio_vs_baseline", "rollout_speedup_vs_baseline", "baseline_step_s",
+            "tlt_step_s",
             "baseline_rollout_s", "tlt_rollout_s", "rollout_share_baseline", "rollout_tail_share_baseline",
             "steps", "warmup_steps", "max_new_tokens", "prompts", "samples", "temperature")})
         result["equal_work_by_mode"] = replay["by_mode"]
@@ -67,13 +68,14 @@ def merge(replay: dict | None, natural: dict, trl: dict | None, spot: dict | Non
         summarize(pooled)
         result["natural_by_mode"] = pooled["by_mode"]
         result["natural_seeds"] = sorted(runs)
-        for key in (*TRL_KEYS, "tok_s_ratio_vs_baseline"):
+        for key in TRL_KEYS:
             if key in pooled:
                 result[key] = pooled[key]
         if trl is not None:
             result["trl_versions"] = trl.get("trl_versions")
-        if "speedup_vs_baseline" in pooled:
-            result["natural_speedup_vs_baseline"] = pooled["speedup_vs_baseline"]
+        for key in ("speedup_vs_baseline", "tok_s_ratio_vs_baseline"):  # natural runs: named so, never beside
+            if key in pooled:                                           # the replay's own under its keys
+                result[f"natural_{key}"] = pooled[key]
     if spot is not None:
         result["spot_overhead_ratio"] = spot.get("spot_overhead_ratio")
         result["overlap_slowdown_median"] = spot.get("overlap_slowdown_median")
@@ -114,6 +116,7 @@ def main(argv=None) -> dict:
     replay, trl = (_read(args.replay) if args.replay else None), (_read(args.trl) if args.trl else None)
     natural = {path: _read(path) for path in args.natural}
     result = merge(replay, _pooled_natural(list(natural.values())), trl, spot or None)
+    result["complete"] = result["complete"] and all(data.get("complete", True) for data in natural.values())
     inputs = {"replay": replay, "trl": trl, **natural, "spot": spot}
     result["devices"] = devices(inputs)
     if len(set(result["devices"].values())) > 1:

@@ -84,6 +84,21 @@ def test_e2e_merge_joins_a_sessions_files():
     assert merged["natural_by_mode"]["trl"]["completion_len_mean"] == 305.0
     assert merged["equal_work_by_mode"]["tlt"]["train_s"] == 1.05
     assert merged["spot_overhead_ratio"] == 1.01 and merged["complete"]
+    # found by review: the natural runs' tokens/s ratio sat beside the replay's speed-up under the replay's key
+    assert merged["tok_s_ratio_vs_baseline"] == 2.0  # the replay's: same tokens, so the step-time ratio
+    assert merged["natural_tok_s_ratio_vs_baseline"] == round((290.0 / 12.0) / (310.0 / 20.0), 3)
+
+
+def test_e2e_merge_says_partial_when_a_natural_run_was_cut(tmp_path):
+    import json
+
+    import e2e_merge
+
+    natural = {"complete": False, "environment": {"device": "cuda"},
+               "runs": {"seed0": {"baseline": _curves(20.0, 310.0), "tlt": _curves(12.0, 290.0)}}}
+    (tmp_path / "natural.json").write_text(json.dumps(natural))
+    merged = e2e_merge.main(["--natural", str(tmp_path / "natural.json"), "--json", str(tmp_path / "out.json")])
+    assert merged["complete"] is False
 
 
 def test_e2e_merge_gives_no_ratio_against_trl_measured_on_another_device(capsys):
@@ -127,10 +142,12 @@ def test_gpu_targets_count_only_numbers_measured_as_the_target_says(tmp_path):
     "not measured", never a pass."""
     import json
 
+    cuda = {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3"}
     spec = {"temperature": 1.0, "speedup": {"1": 2.2, "4": 0.9}, "tau": {"1": 2.6}, "complete": True,
-            "speedup_greedy": {"1": 2.7}, "temperature_greedy": 0.0}
+            "speedup_greedy": {"1": 2.7}, "temperature_greedy": 0.0, "environment": cuda}
     (tmp_path / "speculative_h100.json").write_text(json.dumps(spec))
-    (tmp_path / "rollout_throughput_h100.json").write_text(json.dumps({"batch1_step_ms": 1.2, "complete": False}))
+    throughput = {"batch1_step_ms": 1.2, "complete": False, "temperature": 0.0, "environment": cuda}
+    (tmp_path / "rollout_throughput_h100.json").write_text(json.dumps(throughput))
     rows = {(row["issue"], row["target"]): row for row in gpu_targets.check(gpu_targets.read_results([tmp_path]))}
     assert rows[(13, "SD T=1 speed-up, batch 1")]["holds"] is True
     assert rows[(14, "SD T=1 speed-up, batch 1 (H100 bound)")]["holds"] is True
@@ -144,6 +161,25 @@ def test_gpu_targets_count_only_numbers_measured_as_the_target_says(tmp_path):
     rows = {(row["issue"], row["target"]): row for row in gpu_targets.check(gpu_targets.read_results([tmp_path]))}
     assert rows[(13, "SD T=1 speed-up, batch 1")]["value"] is None
     assert rows[(14, "tau at T=1, batch 1")]["holds"] is None
+    # found by review: natural runs passed the equal-work target, and CPU or T=1 throughput files the #13 ones
+    e2e = {"equal_work": False, "speedup_vs_baseline": 2.0, "overlap_slowdown_median": 0.01,
+           "spot_overhead_ratio": 1.01, "spot_overhead_serves_trained_versions": True}
+    (tmp_path / "e2e_h100.json").write_text(json.dumps(e2e))
+    throughput.update(batch1_step_ms=0.5, environment={"device": "cpu"})
+    (tmp_path / "rollout_throughput_h100.json").write_text(json.dumps(throughput))
+    rows = {(row["issue"], row["target"]): row for row in gpu_targets.check(gpu_targets.read_results([tmp_path]))}
+    for name in ("TLT vs no-SD step, equal work", "spot training's slowdown of the decoding it overlaps",
+                 "spot vs frozen step time, lone worker"):
+        assert rows[(15, name)]["value"] is None, name
+    assert rows[(13, "batch-1 decode step (ms), graphs")]["value"] is None
+    e2e.update(equal_work=True, spot_overhead_serves_trained_versions=False)
+    (tmp_path / "e2e_h100.json").write_text(json.dumps(e2e))
+    throughput.update(environment=cuda, temperature=1.0)
+    (tmp_path / "rollout_throughput_h100.json").write_text(json.dumps(throughput))
+    rows = {(row["issue"], row["target"]): row for row in gpu_targets.check(gpu_targets.read_results([tmp_path]))}
+    assert rows[(15, "TLT vs no-SD step, equal work")]["holds"] is True
+    assert rows[(15, "spot training's slowdown of the decoding it overlaps")]["holds"] is True
+    assert rows[(13, "batch-1 decode step (ms), graphs")]["value"] is None  # T=1
 
 
 def test_trl_steps_reach_the_file_as_they_come():
