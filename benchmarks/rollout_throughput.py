@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     if args.device != "cpu":
         return main_cuda(args, max_new)
 
-    loaded = load_model()
+    loaded = load_model(device="cpu")  # (a machine with CUDA would otherwise put it there)
     model, tokenizer = loaded.model, loaded.tokenizer
     eos = set(loaded.eos_token_ids)
     results = {"engine_tok_s": {}, "hf_generate_tok_s": {}, "speedup_vs_hf": {}, "tokens": {},
@@ -169,25 +169,24 @@ def main_cuda(args, max_new: int) -> dict:
                "speedup_vs_eager": {}, "tokens": {}, "step_ms": {}, "graphs_captured": {}, "dtype": "bfloat16",
                "max_new_tokens": max_new, "temperature": args.temperature, "environment": environment(),
                "complete": False}  # until the last write: a run killed at its time limit keeps its finished batches
-    for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = chat_prompts(tokenizer, batch) if batch > 1 else chat_prompts(tokenizer, 2)[1:]
-        key = str(batch)
+    from transformers import CompileConfig
+
+    # static shapes for transformers' compiled decode step: under its default (dynamic=None) the second batch size
+    # recompiles with symbolic shapes, slower than the static graph a fresh process would compile
+    hf_static = dict(cache_implementation="static", compile_config=CompileConfig(dynamic=False))
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts_of = {batch: chat_prompts(tokenizer, batch) if batch > 1 else chat_prompts(tokenizer, 2)[1:]
+                  for batch in batches}
+    # First the issue's numbers (graphs engine vs HF static), written per batch; the compiled engines (minutes of
+    # Inductor per shape) after all of them: a phase cut at its limit loses only what it measured last
+    for batch in batches:
+        prompts, key = prompts_of[batch], str(batch)
         graphed = RolloutEngine(loaded, max_batch_size=batch)
         run_engine(graphed, prompts, max_new, args.temperature)  # warm-up: captures this run's graphs
         engine_s, engine_tokens, decode_ms = run_engine(graphed, prompts, max_new, args.temperature)
-        compiled_ok = args.compile != "off" and "compile_error" not in results
-        if compiled_ok:
-            try:
-                time_compiled(results, key, RolloutEngine(loaded, max_batch_size=batch, compile=args.compile),
-                              prompts, max_new, args.temperature)
-            except Exception as error:  # e.g. no C compiler for Triton's launcher: keep the uncompiled numbers
-                results["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
-                print(f"compiled engine failed: {results['compile_error']}", file=sys.stderr, flush=True)
-                compiled_ok = False
         run_hf_generate(hf_model, tokenizer, prompts, max_new, args.temperature, eos,
-                        cache_implementation="static")  # warm-up: transformers compiles its static decode step
-        hf_s, hf_tokens = run_hf_generate(hf_model, tokenizer, prompts, max_new, args.temperature, eos,
-                                          cache_implementation="static")
+                        **hf_static)  # warm-up: transformers compiles its static decode step
+        hf_s, hf_tokens = run_hf_generate(hf_model, tokenizer, prompts, max_new, args.temperature, eos, **hf_static)
         results["engine_tok_s"][key] = engine_tokens / engine_s
         results["hf_static_tok_s"][key] = hf_tokens / hf_s
         results["speedup_vs_hf_static"][key] = results["engine_tok_s"][key] / results["hf_static_tok_s"][key]
@@ -196,16 +195,12 @@ def main_cuda(args, max_new: int) -> dict:
         results["graphs_captured"][key] = graphed.runner.captures
         # as the engine ran, not as asked: the rollout copy is bf16 but keeps its lm_head in fp32 (the sampling
         # distribution), so the all-bf16 transformers baseline does less work there
-        results["dtype"] = str(graphed.forward.dtype).removeprefix("torch.")
+        results["dtype"] = results["environment"]["dtype"] = str(graphed.forward.dtype).removeprefix("torch.")
         results["lm_head_dtype"] = str(graphed.forward.lm_head.weight.dtype).removeprefix("torch.")
         line = (f"batch {batch:3d}: engine {results['engine_tok_s'][key]:9.1f} tok/s  step "
                 f"{results['step_ms'][key]:.3f} ms")
-        if compiled_ok:
-            results["speedup_compiled_vs_hf_static"][key] = (results["engine_compiled_tok_s"][key]
-                                                             / results["hf_static_tok_s"][key])
-            line += (f"  compiled {results['engine_compiled_tok_s'][key]:9.1f} tok/s  step "
-                     f"{results['step_ms_compiled'][key]:.3f} ms "
-                     f"(x{results['speedup_compiled_vs_hf_static'][key]:.2f})")
+        results.update(batch1_steps(results))  # now: a run its time limit cuts keeps #13's key
+        write_json(args.json, results, echo=False)
         if not args.skip_eager:
             eager = RolloutEngine(loaded, max_batch_size=batch, cuda_graphs=False)
             run_engine(eager, prompts[:1], 8, args.temperature)
@@ -214,9 +209,24 @@ def main_cuda(args, max_new: int) -> dict:
             results["speedup_vs_eager"][key] = results["engine_tok_s"][key] / results["engine_eager_tok_s"][key]
             results["tokens"][key]["engine_eager"] = eager_tokens
             line += f"  eager {results['engine_eager_tok_s'][key]:8.1f}"
+            write_json(args.json, results, echo=False)
         print(f"{line}  hf static bf16 {results['hf_static_tok_s'][key]:8.1f}  "
               f"x{results['speedup_vs_hf_static'][key]:.2f}", file=sys.stderr, flush=True)
-        results.update(batch1_steps(results))  # now: a run its time limit cuts keeps #13's key
+    for batch in batches if args.compile != "off" else []:
+        key = str(batch)
+        try:
+            time_compiled(results, key, RolloutEngine(loaded, max_batch_size=batch, compile=args.compile),
+                          prompts_of[batch], max_new, args.temperature)
+        except Exception as error:  # e.g. no C compiler for Triton's launcher: keep the uncompiled numbers
+            results["compile_error"] = f"{type(error).__name__}: {error}"[:2000]
+            print(f"compiled engine failed: {results['compile_error']}", file=sys.stderr, flush=True)
+            break
+        results["speedup_compiled_vs_hf_static"][key] = (results["engine_compiled_tok_s"][key]
+                                                         / results["hf_static_tok_s"][key])
+        print(f"batch {batch:3d}: compiled {results['engine_compiled_tok_s'][key]:9.1f} tok/s  step "
+              f"{results['step_ms_compiled'][key]:.3f} ms (x{results['speedup_compiled_vs_hf_static'][key]:.2f} "
+              f"hf static)", file=sys.stderr, flush=True)
+        results.update(batch1_steps(results))
         write_json(args.json, results, echo=False)
     bandwidth = memory_bandwidth(device=args.device)
     rollout_copy = RolloutEngine(loaded, max_batch_size=1).rollout_copy

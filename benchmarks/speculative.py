@@ -3,7 +3,9 @@
 Prompts are the built-in task's (chat template, as in RL); temperature 1 (the RL setting); no stop tokens, so
 every sample emits exactly max_new_tokens and both modes do the same amount of output. Tokens/s, τ (tokens per
 row per verify step) and the speedup of the best strategy at each batch size, overall and per acceptance rule
-(target-only `S4K2N8` vs q-sampling `S4K2q`), measured side by side in one run.
+(target-only `S4K2N8` vs q-sampling `S4K2q`), measured side by side in one run. The best arm is picked after
+the fact, so its `speedup` leans up by the noise of the arms it beat (the adaptive policy picks the same way, online);
+each arm's own medians are in `by_strategy`.
 
     python benchmarks/speculative.py --json benchmarks/results/speculative.json [--drafter DIR] [--quick]
 
@@ -113,8 +115,15 @@ def main(argv=None) -> dict:
                "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new,
                "temperature": args.temperature, "rounds": args.rounds, "repeats": args.repeats,
                "compile": args.compile,
+               # with --compile one engine, built with the drafter, runs plain and SD alike (a compile per
+               # engine costs minutes): its plain runs also store the drafter's features (slightly slower)
+               "plain_engine_has_drafter": args.compile != "off",
                "environment": environment(),
                "complete": False}  # until the last write: a run killed at its time limit keeps its finished runs
+    def save() -> None:  # as the run goes: a phase cut at its limit keeps its dtype and every finished run
+        results.update(ENGINE_SETUP)
+        write_json(args.json, results, echo=False)
+
     for batch in batches:
         prompts = [task.prompt_ids(e) for e in task.sample(batch * args.rounds, seed=100 + batch)]
         key = str(batch)
@@ -124,7 +133,8 @@ def main(argv=None) -> dict:
         # Plain runs get no drafter, except with --compile, where one engine (built with the drafter) runs all.
         measure = lambda arm: run(loaded, drafter if arm or args.compile != "off" else None, prompts, batch, arm,
                                   max_new, batch, args.temperature, args.compile)
-        plain_runs = [measure(None)[0]]
+        plain_runs = results.setdefault("plain_runs_tok_s", {}).setdefault(key, [])  # kept as they come
+        plain_runs.append(measure(None)[0])
         runs = {strategy: [] for strategy in strategies}
         for _ in range(args.repeats):
             for strategy in strategies:
@@ -132,11 +142,11 @@ def main(argv=None) -> dict:
                 # each arm as it finishes: a compiled arm costs minutes, and a phase may hit its time limit
                 results.setdefault("arm_runs_tok_s", {}).setdefault(key, {})[strategy.name] = [
                     t for t, _ in runs[strategy]]
-                write_json(args.json, results, echo=False)
+                save()
             plain_runs.append(measure(None)[0])
+            save()
         plain = statistics.median(plain_runs)
         results["plain_tok_s"][key] = plain
-        results.setdefault("plain_runs_tok_s", {})[key] = plain_runs
         for strategy, outcomes in runs.items():
             ratios = [tok_s / plain_runs[i] for i, (tok_s, _) in enumerate(outcomes)]
             ratios += [tok_s / plain_runs[i + 1] for i, (tok_s, _) in enumerate(outcomes)]
@@ -144,7 +154,7 @@ def main(argv=None) -> dict:
                 "tok_s": statistics.median(t for t, _ in outcomes),
                 "tau": statistics.median(summary["tau"] for _, summary in outcomes),
                 "speedup": statistics.median(ratios), "runs_tok_s": [t for t, _ in outcomes]}
-        write_json(args.json, results, echo=False)
+        save()
         best = None
         for strategy in strategies:
             arm = results["by_strategy"][strategy.name][key]
@@ -157,7 +167,7 @@ def main(argv=None) -> dict:
         results["sd_tok_s"][key], results["tau"][key], results["strategy"][key], results["speedup"][key] = best
         print(f"batch {batch:2d}: plain {plain:6.1f} tok/s  best SD {best[0]:6.1f} tok/s ({best[2]}, "
               f"tau {best[1]:.2f})  x{results['speedup'][key]:.2f}", file=sys.stderr)
-        write_json(args.json, results, echo=False)
+        save()
     add_greedy(results, args.greedy_json)
     results.update(ENGINE_SETUP)
     results["complete"] = True

@@ -1,6 +1,10 @@
 """What verifying a draft tree costs: one target forward over T tokens per row vs one token, by batch size.
 
     python benchmarks/verify_cost.py --json benchmarks/results/verify_cost.json   # ~1 min
+
+The CPU's eager forward. On a GPU a step is a replayed CUDA graph, and the engine measures this curve itself at
+start-up, through its graphs (rollout/cost_curve.py, cached per device: a GPU session sends it back as
+cost_curves.tar); an eager CUDA forward here would time kernel launches instead.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    forward = LeanForward(load_model().model)
+    forward = LeanForward(load_model(device="cpu").model)
     results = {"step_ms": {}, "cost_vs_one_token": {}}
     for batch in (1, 4, 16):
         base = step_ms(forward, batch, 1)
