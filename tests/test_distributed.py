@@ -457,3 +457,26 @@ def test_ray_start_up_leaves_tlts_sigterm_handler_in_place():
         assert signal.getsignal(signal.SIGTERM) is tlts
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_spot_session_takes_this_runs_drafter_lr_and_leaves_the_hubs_saved_state_alone(tmp_path):
+    """A session after a resume trained at the saved run's lr whatever run.drafter_lr said (the optimizer state
+    was loaded without this run's hyperparameters), and in-process the hub's saved state was the live Adam
+    moments, moving on with every later step (found by review)."""
+    import copy
+
+    controller = make_controller(tmp_path, **{"run.drafter_lr": 1e-4})
+    try:
+        controller.train_step()
+        hub, worker = controller.backend.hub, controller.backend.workers[0]
+        saved = copy.deepcopy(hub.trainer_state())
+        for group in saved["optimizer"]["param_groups"]:
+            group["lr"] = 1e-3  # as an earlier run with another run.drafter_lr saved it
+        hub.keep_trainer_state(saved)
+        _, trainer, _ = worker._spot_state()
+        assert {group["lr"] for group in trainer.optimizer.param_groups} == {1e-4}
+        moments = [state["exp_avg"] for state in trainer.optimizer.state.values()]
+        kept = [state["exp_avg"] for state in hub.trainer_state()["optimizer"]["state"].values()]
+        assert moments and not any(m.data_ptr() == k.data_ptr() for m in moments for k in kept)
+    finally:
+        controller.close()

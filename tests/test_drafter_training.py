@@ -524,3 +524,29 @@ def test_cli_warmup_takes_the_runs_task_from_its_config(tmp_path, monkeypatch):
     drawn = {e.prompt for e in task.sample(26, seed=0)}
     assert drawn == {f"{i} + 1?" for i in range(26)}  # the run's training records, never its held-out ones
     assert main(["drafter", "warmup", "--config", str(config), "--data", str(data), "--out", str(tmp_path / "e")]) == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_function_training_fits_is_the_one_serving_runs(arch):
+    """Spot training fits EagleDrafter.forward (the HF layer, packed rows restarting at position 0); speculative
+    decoding runs EagleDrafter.step (the lean layer, the row's absolute positions, the fused serving copy). Both
+    must compute one function, or training would improve another drafter than the one that serves."""
+    from conftest import tiny_model
+
+    model = tiny_model(arch)
+    lean = LeanForward(model)
+    torch.manual_seed(1)
+    drafter = EagleDrafter(model.config).attach(lean)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)  # not the initialization's symmetric weights
+    length = 10
+    tokens = torch.randint(4, 90, (1, length))
+    features = torch.randn(1, length, model.config.hidden_size)
+    positions = torch.arange(length)[None]
+    trained = drafter(tokens, features, positions, torch.tril(torch.ones(length, length, dtype=torch.bool))[None])
+    for serving in (drafter, drafter.inference_copy(lean)):
+        rows = serving.new_cache(1, 64).rows(0, 1)
+        with torch.no_grad():
+            served = serving.step(tokens, features, rows, positions + 37)
+        torch.testing.assert_close(served, trained.detach(), atol=1e-5, rtol=1e-5)

@@ -274,7 +274,8 @@ class RolloutWorker:
         if source and DrafterTrainer.has_saved_state(source):
             trainer = self._spot_objects()[1]
             trainer.load_optimizer(source)
-            state = {"optimizer": trainer.optimizer.state_dict(), "steps": trainer.steps}
+            # a copy: in-process, the hub's state would alias the live Adam moments training then moves on
+            state = {"optimizer": copy.deepcopy(trainer.optimizer.state_dict()), "steps": trainer.steps}
         return self.hub.publish(_cpu_state(self.drafter), step=self._step, worker=self.rank, trainer_steps=0,
                                 trainer_state=state, trained=bool(source))
 
@@ -301,8 +302,10 @@ class RolloutWorker:
         drafter.load_state_dict(self.hub.latest()[1])
         state = self.hub.trainer_state()
         if state is not None:
-            trainer.optimizer.load_state_dict(state["optimizer"])
-            trainer.steps = state["steps"]
+            # through load_optimizer: this run's run.drafter_lr, betas and weight decay, not the saved run's (a
+            # resume with another drafter_lr kept the old one); a copy: in-process the hub's saved state would
+            # otherwise move on with every later step of this optimizer
+            trainer.load_optimizer("the hub's latest drafter trainer state", copy.deepcopy(state))
         return drafter, trainer, buffer
 
     def _pull_features(self, buffer: FeatureBuffer) -> None:
