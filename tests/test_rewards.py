@@ -132,3 +132,26 @@ def test_a_reward_function_returning_text_is_a_failure_even_if_it_reads_as_a_num
     """float("1.0") scored a function that returned its extracted answer text as 1.0 (found by a new-user pass)."""
     scores = Reward(lambda completion, ex: "1.0").score(["x"], [example(1)])
     assert scores.rewards == [0.0] and scores.failures == 1
+
+
+@pytest.mark.parametrize("completion,gold,score", [
+    (r"\boxed{4,2}", "42", 0.0), (r"\boxed{12, 13}", "1213", 0.0), (r"\boxed{1 234}", "1234", 0.0),  # two numbers
+    (r"\boxed{1,234}", "1234", 1.0), (r"\boxed{-1,234,567}", "-1234567", 1.0), (r"\boxed{\$42}", "42", 1.0),
+    (r"\boxed{42.0}", "42", 1.0), ("\\boxed{\u22125}", "-5", 1.0), (r"\boxed{\textbf{42}}", "42", 1.0),
+    (r"\boxed{= 42}", "42", 1.0), (r"\boxed{042}", "42", 1.0), (r"\boxed{-0}", "0", 1.0), (r"\boxed{42.5}", "42", 0.0),
+    ("The answer is: 42", "42", 1.0), ("Final Answer: The final answer is 42", "42", 1.0),
+    ("The answer isn't 42, it is 41", "42", 0.0), (r"\boxed{" + "9" * 5000 + "}", "9" * 5000, 1.0),
+    ("The answer is 1,000.", "1,000", 1.0)])
+def test_integer_answers_in_their_usual_forms_and_only_them(completion, gold, score):
+    """The integer reward dropped every comma and space, so \\boxed{4,2} scored right for 42 and \\boxed{12, 13} for
+    1213; "The answer is: 42", \\$42, 42.0, a Unicode minus and \\textbf{42} scored wrong; a 5,000-digit answer
+    raised (int() refuses past 4,300 digits) and a gold of "1,000" failed on every sample (found by review)."""
+    assert integer_match(completion, example(gold)) == score
+
+
+def test_a_long_run_of_spaces_is_no_slow_answer_search():
+    import time
+
+    started = time.perf_counter()
+    assert extract_answer("the answer is" + " " * 50_000 + "x" + " " * 50_000) == "x"
+    assert time.perf_counter() - started < 1.0  # was quadratic: 20,000 spaces took 2.9 s

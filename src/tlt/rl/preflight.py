@@ -14,7 +14,7 @@ from tlt.metrics.wandb_logger import check_wandb_installed
 from tlt.models.eagle import CONFIG_FILE, WEIGHTS_FILE, DrafterError
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
 from tlt.rl.config import BUILTIN_REWARDS
-from tlt.rl.rewards import load_reward_function
+from tlt.rl.rewards import integer_text, load_reward_function
 from tlt.tasks import DATASET_TASKS, DatasetError, dataset_fingerprint, load_task_examples
 
 SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "model_type")
@@ -49,12 +49,10 @@ def _check_integer_answers(examples) -> None:
     """task.reward=integer compares int(answer): a record whose answer is not an integer could never be scored
     right (each of its correct-looking responses would raise in the reward and score 0)."""
     for example in examples:
-        try:
-            int(example.answer)  # as integer_match reads it
-        except ValueError:
+        if integer_text(str(example.answer)) is None:  # as integer_match reads it
             where = ", ".join(f"{key} {value}" for key, value in example.meta.items() if key != "source")
             raise DatasetError(f"{example.meta.get('source', 'the dataset')}, {where}: answer {example.answer!r} is "
-                               f"not an integer, which task.reward=integer needs (use task.reward=math_verify)") from None
+                               f"not an integer, which task.reward=integer needs (use task.reward=math_verify)")
 
 
 def _check_context(config, model_path: Path) -> None:

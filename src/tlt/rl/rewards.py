@@ -22,10 +22,14 @@ from tlt.tasks.example import TaskExample
 
 BOXED = re.compile(r"\\boxed\{")
 # "the answer is X" / "answer: X" without a box: X is the rest of the sentence (to a full stop or the line's
-# end), judged whole: taking its leading number rewarded "5/8", "2^10" and "12 - 7 = 5" as 5, 2 and 12
-ANSWER_LINE = re.compile(r"answer\s*(?:is|:)\s*(.+?)\s*(?:\.(?=\s|$)|$)", re.I | re.M)
+# end), judged whole: taking its leading number rewarded "5/8", "2^10" and "12 - 7 = 5" as 5, 2 and 12. The line
+# is taken whole and cut in Python: a lazy group before `\s*` took time quadratic in a run of spaces
+ANSWER_LINE = re.compile(r"answer[ \t]*(?:is\b[ \t]*:?|:)[ \t]*([^\n]*)", re.I)
+SENTENCE_END = re.compile(r"\.(?=\s|$)")
 MARKUP = re.compile(r"^(?:\*\*|\$|\\\(|\\\[)+|(?:\*\*|\$|\\\)|\\\])+$")  # **X**, $X$, \(X\), \[X\] around it
 INTEGER = re.compile(r"^[-+]?\d+$")
+THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+$")        # 1,234 (not 4,2 or 12, 13: those are two numbers)
+TEXT_MACRO = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$")  # \textbf{42}
 UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 log = logging.getLogger(__name__)
 
@@ -52,15 +56,42 @@ def extract_answer(text: str) -> str | None:
     if boxed is not None:
         return boxed
     lines = ANSWER_LINE.findall(text)
-    return MARKUP.sub("", lines[-1]).strip() or None if lines else None
+    if not lines:
+        return None
+    answer = lines[-1]
+    while (inner := ANSWER_LINE.search(answer)) is not None:  # "Final Answer: The final answer is 42"
+        answer = inner.group(1)
+    answer = SENTENCE_END.split(answer, maxsplit=1)[0].strip()
+    return MARKUP.sub("", answer).strip() or None
+
+
+def integer_text(answer: str) -> str | None:
+    """An integer answer in canonical form (sign and digits, no leading zeros), or None when it is not one:
+    1,234 / -$5 / \\$5 / 42. / 42.0 / −5 (a Unicode minus) / \\textbf{42} / = 42 are integers; 4,2 and 4.5 are not.
+    Compared as text: int() refuses strings past 4,300 digits (a failure, not a wrong answer)."""
+    text = answer.strip()
+    while (macro := TEXT_MACRO.match(text)) is not None:
+        text = macro.group(1).strip()
+    text = text.replace("\\$", "").replace("$", "").replace("\u2212", "-").lstrip("=").strip().rstrip(".")
+    if THOUSANDS.match(text):
+        text = text.replace(",", "")
+    if "." in text and text.split(".", 1)[1].strip("0") == "":
+        text = text.split(".", 1)[0]  # 42.0
+    if not INTEGER.match(text):
+        return None
+    sign = "-" if text[0] == "-" else ""
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    return digits if digits == "0" else sign + digits
 
 
 def integer_match(completion: str, example: TaskExample) -> float:
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
-    answer = answer.replace(",", "").replace(" ", "").replace("$", "").rstrip(".")  # 1,234 / -$5 / 42.
-    return float(bool(INTEGER.match(answer)) and int(answer) == int(example.answer))
+    gold = integer_text(str(example.answer))
+    if gold is None:
+        raise ValueError(f"the gold answer {example.answer!r} is not an integer (task.reward=integer)")
+    return float(integer_text(answer) == gold)
 
 
 def math_verify_match(completion: str, example: TaskExample) -> float:
