@@ -185,3 +185,21 @@ def test_a_run_without_speculative_steps_says_so_instead_of_a_table_of_zeros(run
     (run_dir / "metrics.jsonl").write_text(json.dumps(plain) + "\n")
     page = write_report(run_dir).read_text()
     assert "no speculative step ran" in page and "sd/draft_s" not in page
+
+
+def test_a_timeline_of_another_shape_is_noted_not_fatal(run_dir):
+    """A timeline JSON object of another shape (another tlt's, a hand-made one) raised KeyError from the drawing
+    (found by review)."""
+    (run_dir / "timeline" / "step_0003.json").write_text(json.dumps({"workers": [{"intervals": [{"start": 0}]}]}))
+    page = write_report(run_dir).read_text()
+    assert "is not a timeline this tlt can draw" in page and "<h2>Steps</h2>" in page
+
+
+def test_the_sd_section_shows_the_latest_step_that_speculated(run_dir):
+    """A last step whose batch never drained to the gate ran no speculative step: the section said "no
+    speculative step ran" beside a table of the earlier steps' τ (found by review)."""
+    plain = {"step": 4, "reward_mean": 0.5, "sd/sd_step_share": 0.0}
+    with (run_dir / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps(plain) + "\n")
+    page = write_report(run_dir).read_text()
+    assert "Speculative decoding, step 3" in page and "no speculative step ran" not in page

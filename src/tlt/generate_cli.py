@@ -32,6 +32,12 @@ def run_generate(args, *, demo: bool) -> int:
 
     console = Console()
     prompts = args.prompts or DEMO_PROMPTS
+    for number, prompt in enumerate(prompts, 1):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates: the tokenizer's TypeError
+            raise TltError(f"prompt {number} is not valid UTF-8 text (check the terminal's or script's encoding)") \
+                from None
     speculation = _speculation(args)  # checked before the model loads, as are the sampling settings
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from tlt.errors import TltError
+from tlt.errors import TltError, first_line
 from tlt.metrics.figures import TAU_KEYS, draw_curves, draw_timeline, is_number
 from tlt.metrics.logger import read_metrics
 from tlt.rl.run_dir import REPLACED_DIR
@@ -77,12 +77,12 @@ def write_report(run_dir, out=None) -> Path:
     timelines = _timeline_section(run_dir, out)
     sections = [_config_section(run_dir), "<h2>Steps</h2>" + _step_table(metrics),
                 "<h2>Curves</h2>" + "".join(_img(name, title) for title, name in curves),
-                timelines, _sd_section(metrics[-1])]
+                timelines, _sd_section(_latest_speculating(metrics))]
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'>{GENERATOR}<title>{_e(run_dir.name)}</title>"
             f"<style>{CSS}</style></head><body><h1>Run {_e(run_dir.resolve().name)}</h1>"
             f"<p>{_e(str(run_dir))}, {len(metrics)} step(s)</p>{''.join(sections)}</body></html>\n")
     path = out / "index.html"
-    path.write_text(page)
+    path.write_text(page, encoding="utf-8", errors="surrogateescape")  # a directory name that is not UTF-8
     return path
 
 
@@ -99,8 +99,11 @@ def _timeline_section(run_dir: Path, out: Path) -> str:
         shutil.copyfile(drawn, image)
         figure = _img(image.name, f"timeline, {latest.stem}")
     elif timeline is not None:
-        draw_timeline(timeline, image)
-        figure = _img(image.name, f"timeline, {latest.stem}")
+        try:
+            draw_timeline(timeline, image)
+            figure = _img(image.name, f"timeline, {latest.stem}")
+        except (KeyError, TypeError, AttributeError, ValueError) as error:  # another tlt's, or a hand-made file
+            figure = f"<p>{_e(str(latest))} is not a timeline this tlt can draw ({_e(first_line(error))})</p>"
     else:
         figure = f"<p>{_e(str(latest))} is not readable (cut short?): no chart</p>"
     links = [f"<a href='{_e(_relative(f.with_suffix('.png') if f.with_suffix('.png').exists() else f, out))}'>"
@@ -144,13 +147,23 @@ def _step_table(metrics: list[dict]) -> str:
     return _table([header for header, _, _ in columns], rows)
 
 
+def _speculated(step: dict) -> bool:
+    return bool(step.get("sd/sd_step_share")) or any(k.startswith(("sd/arm/", "sd/gate", "drafter/")) for k in step)
+
+
+def _latest_speculating(metrics: list[dict]) -> dict:
+    """The latest step that speculated (a last step whose batch never drained to the gate ran none), else the
+    latest step: the section said "no speculative step ran" beside a table of earlier steps' τ (found by review)."""
+    return next((step for step in reversed(metrics) if _speculated(step)), metrics[-1])
+
+
 def _sd_section(latest: dict) -> str:
     """The latest step's speculative-decoding statistics (sd/* and drafter/*)."""
     keys = sorted(k for k in latest if k.startswith(("sd/", "drafter/")) or k == "drafter_versions")
     if not keys:
         return ""
     title = f"<h2>Speculative decoding, step {_e(str(latest.get('step', '?')))}</h2>"
-    if not latest.get("sd/sd_step_share") and not any(k.startswith(("sd/arm/", "sd/gate", "drafter/")) for k in keys):
+    if not _speculated(latest):
         return title + "<p>no speculative step ran (run.speculative=off, or the batch never drained to the gate)</p>"
     rows = [[key, _fmt(latest[key])] for key in keys]
     return title + _table(["metric", "value"], rows, keyed=True)
