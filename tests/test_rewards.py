@@ -155,3 +155,19 @@ def test_a_long_run_of_spaces_is_no_slow_answer_search():
     started = time.perf_counter()
     assert extract_answer("the answer is" + " " * 50_000 + "x" + " " * 50_000) == "x"
     assert time.perf_counter() - started < 1.0  # was quadratic: 20,000 spaces took 2.9 s
+
+
+def test_the_last_complete_box_is_the_answer_and_an_empty_one_none():
+    """A response cut off inside a second box scored 0 after a correct \\boxed{42}; an empty \\boxed{} earned the
+    format bonus (found by review)."""
+    assert extract_boxed(r"so \boxed{42}. Check: \boxed{4") == "42"
+    assert extract_boxed(r"\boxed{}") is None and extract_boxed(r"\boxed{ {} }") == "{}"
+    assert Reward(integer_match, format_reward=0.1).score([r"\boxed{}"], [example(42)]).rewards == [0.0]
+
+
+def test_many_unclosed_boxes_take_one_pass():
+    import time
+
+    started = time.perf_counter()
+    assert extract_boxed(r"\boxed{7} " + r"\boxed{" * 20_000) == "7"
+    assert time.perf_counter() - started < 2.0  # a scan per box: 20,000 x 140,000 characters

@@ -39,15 +39,22 @@ class RewardError(TltError):
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...}, with nested braces."""
-    starts = [m.end() for m in BOXED.finditer(text)]
+    """Content of the last complete \\boxed{...}, with nested braces (a response cut off inside a later box keeps
+    the answer it had boxed before); None when no box closes or the closing one is empty. One pass over the text:
+    a response of many unclosed boxes must not cost a scan per box."""
+    starts = [m.end() for m in BOXED.finditer(text)]  # just past each box's "{"
     if not starts:
         return None
-    depth, start = 1, starts[-1]
-    for index in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[index], 0)
-        if depth == 0:
-            return text[start:index].strip()
+    closing, open_braces = {}, []
+    for index, char in enumerate(text):
+        if char == "{":
+            open_braces.append(index)
+        elif char == "}" and open_braces:
+            closing[open_braces.pop()] = index
+    for start in reversed(starts):
+        end = closing.get(start - 1)
+        if end is not None:
+            return text[start:end].strip() or None
     return None
 
 
