@@ -48,7 +48,7 @@ def load_examples(path: str | Path, prompt_field: str = "question", answer_field
     if not path.exists():
         raise DatasetError(f"dataset not found: {path}")
     if path.is_dir():
-        raise DatasetError(f"{path} is a directory: give task.path one .jsonl or .parquet file")
+        raise DatasetError(f"{path} is a directory: give one .jsonl or .parquet file")
     if path.suffix.lower() == ".parquet":
         records = _parquet_records(path)
     elif path.suffix.lower() in (".jsonl", ".json"):
