@@ -299,3 +299,32 @@ def test_a_chain_drafts_what_its_drafter_says_fed_one_pair_at_a_time(rule):
         hidden = drafter.step(drafted_id[:, None], hidden[:, None], reference,
                               torch.full((2, 1), committed + depth))[:, 0]
         reference.advance(1)
+
+
+def test_a_hot_swap_mid_rollout_resets_every_rows_drafter_state():
+    """A swapped-in drafter must rebuild each row's drafter KV from the per-slot features, never continue from KV the
+    old drafter wrote (lossless either way, but drafts from another drafter's state). Checked at the swap itself,
+    with two drafters that differ, and the rollout still equals plain decoding."""
+    model = tiny_model("llama")
+    requests = [Request(p, params=SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=()))
+                for p in random_prompts([3, 9, 5], seed=4)]
+    _, plain = run(model, requests, batch=3)
+    torch.manual_seed(5)
+    engine = RolloutEngine(model, max_batch_size=3, drafter=EagleDrafter(model.config),
+                           speculation=SpecStrategy(3, 2, 6), max_tree_size=16)
+    other = EagleDrafter(model.config)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.1)
+    seen = []
+
+    def swap(e):
+        seen.append(e.model_runner.spec_decoder.cache.lengths.clone())
+        if len(seen) == 3:
+            e.set_drafter(other)
+            seen.append(e.model_runner.spec_decoder.cache.lengths.clone())
+
+    result = engine.generate(requests, between_steps=swap)
+    assert bool((seen[2] > 0).any()), seen  # the old drafter had state to drop
+    assert bool((seen[3] == 0).all()), seen
+    assert [s.token_ids for s in result.samples] == [s.token_ids for s in plain.samples]
