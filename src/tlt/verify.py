@@ -104,8 +104,7 @@ def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]],
     params = dataclasses.replace(params, seed=seed if params.seed is None else params.seed)
     spec = _sd_engine(loaded, drafter, strategy, accept_rule)
     mismatches, first = _greedy_identity(loaded, spec, prompts, params) if check_greedy else (0, None)
-    sampled = spec.generate([Request(p, samples_per_prompt, params, label=f"prompt {i + 1}")
-                              for i, p in enumerate(prompts)])
+    sampled = spec.generate(_requests(prompts, samples_per_prompt, params))
     tau = sampled.speculation_summary()["tau"]
     if tau is None:
         raise TltError("no speculative step ran: every sampled response ended at its first token, so nothing was "
@@ -128,10 +127,13 @@ def _sd_engine(loaded, drafter, strategy: SpecStrategy, accept_rule) -> RolloutE
 def _greedy_identity(loaded, spec: RolloutEngine, prompts, params: SamplingParams):
     """At temperature 0 SD must reproduce plain decoding token for token: one response per prompt each way."""
     greedy = dataclasses.replace(params, temperature=0.0)
-    plain = RolloutEngine(loaded).generate([Request(p, 1, greedy, label=f"prompt {i + 1}")
-                                             for i, p in enumerate(prompts)])
-    return _compare(plain.samples, spec.generate([Request(p, 1, greedy, label=f"prompt {i + 1}")
-                                                  for i, p in enumerate(prompts)]).samples)
+    plain = RolloutEngine(loaded).generate(_requests(prompts, 1, greedy))
+    return _compare(plain.samples, spec.generate(_requests(prompts, 1, greedy)).samples)
+
+
+def _requests(prompts, samples: int, params: SamplingParams) -> list[Request]:
+    """One request per prompt, named as the user counts them in errors ("prompt 2", not requests[1])."""
+    return [Request(p, samples, params, label=f"prompt {i + 1}") for i, p in enumerate(prompts)]
 
 
 def _compare(plain, spec) -> tuple[int, tuple[int, int] | None]:

@@ -19,8 +19,8 @@ from tlt.models.lean_forward import COMPILE_MODES
 from tlt.rl.config_text import (ConfigError, FlowListDumper, UniqueKeyLoader, check_key, coerce, parse_text,
                                  yaml_problem)
 from tlt.rl.grpo import AGGREGATIONS
-from tlt.sampling import MIN_TEMPERATURE
 from tlt.rl.optim import decay_steps
+from tlt.sampling import MIN_TEMPERATURE
 from tlt.speculative.strategy import SpecStrategy
 
 

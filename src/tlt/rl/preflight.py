@@ -46,8 +46,9 @@ def preflight(config) -> dict | None:
 
 
 def _check_integer_answers(examples) -> None:
-    """task.reward=integer compares int(answer): a record whose answer is not an integer could never be scored
-    right (each of its correct-looking responses would raise in the reward and score 0)."""
+    """task.reward=integer compares integers (`integer_text`: 1,000 and 1000 are one): a record whose answer is not
+    an integer could never be scored right (each of its correct-looking responses would raise in the reward and
+    score 0)."""
     for example in examples:
         if integer_text(str(example.answer)) is None:  # as integer_match reads it
             where = ", ".join(f"{key} {value}" for key, value in example.meta.items() if key != "source")
