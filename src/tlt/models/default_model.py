@@ -35,7 +35,22 @@ def default_model_dir() -> Path:
     target = cache_root() / "models" / DEFAULT_MODEL_NAME
     if not (target / CACHE_MARKER).exists():
         build_cache_from_gguf(find_or_download_gguf(), target)
+    else:
+        _name_architectures(target)
     return target
+
+
+def _name_architectures(target: Path) -> None:
+    """A cache built before 2026-11-27 has a config.json without `architectures`: vLLM and SGLang need it to serve
+    the directory (`tlt drafter export` prints a command that does). Added in place when the cache is writable."""
+    config_path = target / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+        if not config.get("architectures"):
+            config["architectures"] = ["LlamaForCausalLM"]
+            config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    except (OSError, ValueError):
+        pass  # a read-only or damaged cache: loading reports what matters; only serving it would miss the key
 
 
 def find_or_download_gguf() -> Path:

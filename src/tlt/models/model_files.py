@@ -172,6 +172,8 @@ def save_model_dir(model, tokenizer, out: Path) -> None:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are plain fp32 now
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__]  # a GGUF-loaded config has none: vLLM then cannot serve it
     config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
