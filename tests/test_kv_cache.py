@@ -30,6 +30,25 @@ def test_keep_commits_selected_offsets_in_order():
         assert torch.equal(new[:, :, :2], old[:, :, :2])  # committed prefixes untouched
 
 
+def test_gather_written_traced_by_dynamo_moves_the_same_slots():
+    """Under torch.compile the accepted path moves layer by layer (one op over the whole buffer made Inductor copy
+    the whole cache): both ways leave the same cache, rows from a middle start included."""
+    eager, traced = filled_cache(rows=4), filled_cache(rows=4)
+    traced.kv.copy_(eager.kv)
+    for cache in (eager, traced):
+        cache.add_slot_data("tokens").copy_(torch.arange(4 * 16.0).view(4, 16))
+    lengths, offsets, counts = torch.tensor([4, 6, 2]), torch.tensor([[0, 2, 3], [1, 0, 0], [0, 0, 0]]), \
+        torch.tensor([3, 1, 0])
+    before = eager.kv.clone()
+    eager.rows(1, 3).gather_written(lengths, offsets, counts)
+    assert not torch.equal(eager.kv, before)  # something moved: the comparison below can see a difference
+    torch._dynamo.reset()
+    moved = torch.compile(lambda: traced.rows(1, 3).gather_written(lengths, offsets, counts), backend="eager",
+                          fullgraph=True)
+    moved()
+    assert torch.equal(eager.kv, traced.kv) and torch.equal(eager.slot_data["tokens"], traced.slot_data["tokens"])
+
+
 def test_move_row_and_copy_prefix():
     cache = filled_cache()
     cache.lengths[2] = 5

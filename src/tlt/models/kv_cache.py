@@ -141,8 +141,15 @@ class CacheRows:
         # Invalid entries copy a row's slot onto itself: harmless, and keeps the copy one batched op.
         src = torch.where(valid, src, dst)
         rows = torch.arange(self.count, device=base.device)[:, None]
-        kv = self.cache.kv[:, :, self.start:self.start + self.count]       # [2, L, B, Hkv, S, D]: every layer
-        kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]
+        if torch.compiler.is_compiling():
+            # Inductor sees the whole buffer and the per-layer views the verify wrote as aliased inputs and
+            # copies the whole cache around the write (found by review, CPU Inductor): per layer, on the views
+            for layer in range(len(self.cache.keys)):
+                for view in (self.keys(layer), self.values(layer)):
+                    view[rows, :, dst] = view[rows, :, src]
+        else:
+            kv = self.cache.kv[:, :, self.start:self.start + self.count]   # [2, L, B, Hkv, S, D]: every layer
+            kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]                # one op (eager and captured alike)
         for name in self.cache.slot_data:
             data = self.slots(name)
             data[rows, dst] = data[rows, src]

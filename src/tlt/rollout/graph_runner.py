@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import ATTENTION_ALIGN, COMPILE_MODES, ForwardOutput, LeanForward
@@ -41,6 +42,11 @@ from tlt.speculative.decoder import (
 from tlt.speculative.strategy import SpecStrategy
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Attention kernels a captured step may use (the kernel is picked at capture, and replays keep it). Not cuDNN,
+# which recent torch prefers for masked bf16 attention on SM90: some cuDNN 9.x versions make illegal memory
+# accesses under CUDA graphs past 1024 KV slots with a non-causal mask (TransformerEngine disables it there),
+# exactly the rollout's case, and an illegal access ends the CUDA context. Flash takes no mask either way.
+CAPTURED_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 KV_BLOCK = 256
 # One capture at a time in a process: in-process workers on several GPUs capture from their own threads, and
 # a capture's start synchronizes and empties the device's cache (rare: once per new bucket)
@@ -183,7 +189,9 @@ class GraphRunner:
         if bucket is None or settings.any_filtered:
             return None
         self._adopt(decoder)
-        width = strategy.depth + 1  # a row misses at most the accepted path + 1 pair after a step
+        # A row misses the accepted path + 1 pair after an SD step, and one pair more when a plain step came
+        # between: + 2 spares `bring_within` an eager drafter pass and its host syncs then (one padded pair)
+        width = strategy.depth + 2
         decoder.bring_within(cache, width)
         draft_rows = decoder.draft_rows(cache)
         target_max, draft_max = cache.cache.max_len, decoder.cache.max_len
@@ -220,6 +228,7 @@ class GraphRunner:
             self._cache = cache
         self._speculative = current
 
+    @torch.no_grad()  # a capture under grad mode would record autograd state (callers need not set it)
     def _replay(self, slot: tuple, spans_: tuple, batch: int, inputs: dict[str, torch.Tensor], body):
         buffers = self._buffers.get(slot)
         if buffers is None:
@@ -259,13 +268,15 @@ class GraphRunner:
             return _Graph(None, None, step)
         side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: lazy initialization (cuBLAS handles, workspaces) off the graph
+        # warm-up: lazy initialization (cuBLAS handles, workspaces) off the graph
+        with torch.cuda.stream(side), sdpa_kernel(CAPTURED_ATTENTION):
             step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread may launch CUDA work meanwhile (the tail trainer on its own stream, which
         # allocates); "global" would fail its allocations, or this capture, whenever a new bucket is captured.
-        with _CAPTURING, torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+        with _CAPTURING, sdpa_kernel(CAPTURED_ATTENTION), torch.cuda.graph(graph, pool=self._pool, stream=side,
+                                                                          capture_error_mode="thread_local"):
             outputs = step()
         self.captures += 1
         return _Graph(graph, outputs, step)

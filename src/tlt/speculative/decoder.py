@@ -216,8 +216,9 @@ class SpeculativeDecoder:
         device = self.cache.device
         # Pairs before the last one read their next token from the cache: the pending token is never needed.
         unused_pending = torch.zeros(target_rows.count, dtype=torch.long, device=device)
-        self.feed_pairs(target_rows, draft_rows, unused_pending, committed.to(device), seen.to(device),
-                        (seen + upto).to(device), bulk, int(seen.max()) + bulk)
+        copy = dict(device=device, non_blocking=True)  # host lengths: pageable, staged before the call returns
+        self.feed_pairs(target_rows, draft_rows, unused_pending, committed.to(**copy), seen.to(**copy),
+                        (seen + upto).to(**copy), bulk, int(seen.max()) + bulk)
         draft_rows.advance(upto)
 
     def finish(self, target_rows: CacheRows, draft_rows: CacheRows, packed: torch.Tensor) -> Acceptance:
