@@ -175,14 +175,21 @@ def test_rl_step_on_cuda(tmp_path):
 def test_graphs_survive_cache_reallocation_across_rollouts():
     """Each longer rollout reallocates the cache and drops the graphs; captures after that must work (the
     graph pool is renewed) and decode the same tokens as eager."""
-    model = tiny_model("llama").to(CUDA)
+    model = tiny_model("llama", max_position_embeddings=1024).to(CUDA)
     engine = RolloutEngine(model, max_batch_size=4, dtype="float32")
     eager = RolloutEngine(model, max_batch_size=4, dtype="float32", cuda_graphs=False)
-    for budget in (5, 40, 8, 120, 200):
+    caches = []
+    # Budgets that cross the cache's 256-slot blocks (with graphs the cache holds whole blocks: budgets inside one
+    # block never reallocated, so this test did not reach the pool renewal it names; found by review)
+    for budget in (5, 300, 8, 600, 700):
         requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=budget, stop_token_ids=()))
                     for p in random_prompts([4, 9], seed=budget)]
+        captures = engine.runner.captures if engine.runner is not None else 0
         got = engine.generate(requests)
         assert [s.token_ids for s in got.samples] == [s.token_ids for s in eager.generate(requests).samples]
+        assert engine.runner.captures > captures or caches[-1] is engine.model_runner.cache
+        caches.append(engine.model_runner.cache)
+    assert len({id(cache) for cache in caches}) >= 3  # 256 -> 512 -> 1024 slots: two reallocations at least
 
 
 # -- the speculative step as one CUDA graph ---------------------------------------------------------------

@@ -363,3 +363,34 @@ def test_a_rope_that_reads_positions_on_the_host_decodes_without_graphs(caplog):
     assert "rope_type='dynamic'" in caplog.text
     with pytest.raises(RequestError, match="rollout.cuda_graphs=false"):
         ModelRunner(forward, cuda_graphs=True)
+
+
+def test_the_decode_graph_stores_the_drafter_inputs():
+    """The plain decode graph writes each row's token id and target feature at its committed length (what the
+    model runner launched kernel by kernel after every replay until 2026-11-27), and returns tokens and
+    log-probs packed for one copy back; padded rows write only free rows."""
+    from tlt.models.kv_cache import KVCache
+    from tlt.models.lean_forward import LeanForward
+
+    model = tiny_model("llama")
+    forward = LeanForward(model)
+    runner = GraphRunner(forward, capture=False)
+    cache = KVCache(forward.spec, 4, 256)
+    cache.kv.normal_()  # three rows' committed contexts (values need not be a real prompt's)
+    for name, shape, dtype in (("tokens", (), torch.long), ("features", (forward.spec.hidden_size,), torch.float32)):
+        cache.add_slot_data(name, shape, dtype)
+    cache.lengths[:3] = torch.tensor([3, 7, 5])
+    rows, ids = cache.rows(0, 3), torch.tensor([[11], [12], [13]])
+    settings = RowSampling.from_params([SamplingParams(temperature=0)] * 3, "cpu")
+    reference_kv = cache.kv.clone()
+    with torch.no_grad():
+        hidden = forward(ids, rows, logits_at="all").hidden[:, 0]
+    cache.kv.copy_(reference_kv)
+    packed = runner.decode(ids, rows, settings, draw_uniforms([None] * 3), store_drafter_inputs=True)
+    assert packed.shape == (3, 2) and packed.dtype == torch.float64
+    written = torch.arange(3), torch.tensor([3, 7, 5])
+    assert cache.slot_data["tokens"][written].tolist() == [11, 12, 13]
+    torch.testing.assert_close(cache.slot_data["features"][written], hidden)
+    assert cache.slot_data["tokens"][:3].count_nonzero() == 3  # nothing else written in the running rows
+    runner.decode(ids, rows, settings, draw_uniforms([None] * 3))  # without a drafter: nothing stored
+    assert cache.slot_data["tokens"].count_nonzero() == 3

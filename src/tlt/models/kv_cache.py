@@ -109,6 +109,13 @@ class CacheRows:
         rows = torch.arange(self.count, device=slots.device)[:, None]
         self.slots(name)[rows, slots] = values
 
+    def write_drafter_inputs(self, lengths: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Store the token ids [B, T] and target features [B, T, H] of the tokens just written past the committed
+        lengths [B] (on the device) in the "tokens" and "features" slot data, from which a drafter is fed."""
+        slots = lengths[:, None] + torch.arange(ids.shape[1], device=lengths.device)[None, :]
+        self.write_slots("tokens", slots, ids)
+        self.write_slots("features", slots, hidden)
+
     def advance(self, counts: torch.Tensor | int) -> None:
         """Commit the first `counts` written tokens of each row."""
         self.lengths.add_(counts if isinstance(counts, int) else counts.to("cpu", torch.long))

@@ -230,11 +230,11 @@ class _Scratch:
 
     def plain_step(self) -> None:
         engine, uniforms = self.engine, torch.rand(self.batch, 1)
-        if engine.runner is not None:
-            engine.runner.decode(self.ids, self.rows, self.settings, uniforms)
+        if engine.runner is not None:  # as a rollout serving a drafter decodes: its inputs stored, one copy back
+            engine.runner.decode(self.ids, self.rows, self.settings, uniforms, store_drafter_inputs=True).cpu()
         else:
             out = engine.forward(self.ids, self.rows, logits_at="all")
-            sample_next(out.logits[:, 0], self.settings.to(engine.device), uniforms[:, 0])
+            sample_next(out.logits[:, 0], self.settings.to(engine.device), uniforms[:, 0])[0].cpu()
 
     def sd_step(self, strategy: SpecStrategy) -> None:
         engine = self.engine

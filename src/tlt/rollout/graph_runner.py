@@ -160,24 +160,29 @@ class GraphRunner:
                                       lambda static: self._forward_body(rows, kv_len, static))
         return ForwardOutput(logits[:batch], hidden[:batch])
 
-    def decode(self, input_ids: torch.Tensor, cache: CacheRows, settings: RowSampling, uniforms: torch.Tensor):
-        """One plain decode step: (tokens [B], log-probs [B], hidden [B, 1, H]); sampling is in the graph
-        unless a row filters with top-k/top-p. Outputs are views of static buffers."""
+    def decode(self, input_ids: torch.Tensor, cache: CacheRows, settings: RowSampling, uniforms: torch.Tensor, *,
+               store_drafter_inputs: bool = False) -> torch.Tensor:
+        """One plain decode step: [B, 2] float64 on the device, each row's token id and log-prob (ids < 2^53 are
+        exact), for one device-to-host copy. Sampled inside the graph unless a row filters with top-k/top-p.
+        store_drafter_inputs: the graph also writes the step's token ids and features into the cache's slot
+        data (kernels that would otherwise be launched one by one after every replay). A static buffer's view."""
         batch = input_ids.shape[0]
         bucket = self._bucket(cache, batch)
         if bucket is None or settings.any_filtered:
             out = self(input_ids, cache)
+            if store_drafter_inputs:
+                cache.write_drafter_inputs(cache.lengths.to(self.device), input_ids.to(self.device), out.hidden)
             tokens, logprobs = sample_next(out.logits[:, 0], settings.to(self.device), uniforms[:, 0].to(self.device))
-            return tokens, logprobs, out.hidden
+            return pack_tokens(tokens, logprobs)
         lengths = cache.lengths
         inputs = {"ids": input_ids, "lengths": lengths, "temperature": settings.temperature,
                   "greedy": settings.greedy, "uniforms": uniforms}
-        kind = ("decode", *_sampling_kind(settings))
+        kind = ("decode", store_drafter_inputs, *_sampling_kind(settings))
         kv_len = kv_bucket(int(lengths.max()), 1, cache.cache.max_len)
         rows = self._cache.rows(0, bucket)
-        tokens, logprobs, hidden = self._replay((bucket, 1, kind), (kv_len,), batch, inputs,
-                                                lambda static: self._decode_body(rows, kv_len, kind, static))
-        return tokens[:batch], logprobs[:batch], hidden[:batch]
+        packed, = self._replay((bucket, 1, kind), (kv_len,), batch, inputs,
+                               lambda static: self._decode_body(rows, kv_len, kind, static))
+        return packed[:batch]
 
     def speculative_step(self, decoder: SpeculativeDecoder, cache: CacheRows, pending: torch.Tensor,
                     settings: RowSampling, uniforms: torch.Tensor, strategy: SpecStrategy) -> SpecOutcome | None:
@@ -290,8 +295,10 @@ class GraphRunner:
 
     def _decode_body(self, rows: CacheRows, kv_len: int, kind: tuple, static: dict[str, torch.Tensor]):
         out = self.forward.run(static["ids"], rows, static["lengths"], logits_at="all", kv_len=kv_len)
+        if kind[1]:  # padded rows write slot 0 of free rows: never committed, as their KV
+            rows.write_drafter_inputs(static["lengths"], static["ids"], out.hidden)
         tokens, logprobs = sample_next(out.logits[:, 0], _static_settings(static, kind), static["uniforms"][:, 0])
-        return tokens, logprobs, out.hidden
+        return (pack_tokens(tokens, logprobs),)
 
     def _step_function(self, decoder: SpeculativeDecoder):
         """`decoder.run`, Inductor-compiled as a whole when the forward is (`LeanForward.compile`): the drafter
@@ -312,6 +319,11 @@ class GraphRunner:
         inputs = StepInputs(static["pending"], static["committed"], static["seen"], _static_settings(static, kind),
                             static["uniforms"])
         return (step(rows, draft_rows, inputs, shape, sync_free=True),)
+
+
+def pack_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """[B, 2] float64: token ids (exact below 2^53) and log-probs, one tensor for one device-to-host copy."""
+    return torch.stack([tokens.double(), logprobs.double()], dim=1)
 
 
 def _sampling_kind(settings: RowSampling) -> tuple[bool, bool, bool]:

@@ -16,7 +16,7 @@ import torch
 from tlt.errors import RequestError
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
-from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity
+from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity, pack_tokens
 from tlt.rollout.request import StepTrace
 from tlt.rollout.sequence import Sequence
 from tlt.sampling import RowSampling, draw_uniforms, is_integer, sample_next
@@ -174,10 +174,10 @@ class ModelRunner:
             return
         settings = RowSampling.from_params([s.request.params for s in running], "cpu")  # copied into the graph
         uniforms = draw_uniforms([s.generator for s in running])
-        tokens, logprobs, hidden = self.graphs.decode(ids, rows, settings, uniforms)  # sampled inside the graph
-        self._store_slot_data(rows, ids, hidden)
+        # sampled, and the drafter's inputs stored, inside the graph
+        packed = self.graphs.decode(ids, rows, settings, uniforms, store_drafter_inputs=self.serving is not None)
         rows.advance(1)
-        _append(running, tokens, logprobs)
+        _append_packed(running, packed)
 
     def speculative_step(self, running: list[Sequence], strategy: SpecStrategy) -> StepTrace:
         """One speculative step (draft → verify → accept → commit): each sequence gets 1 to depth + 1 tokens,
@@ -238,10 +238,8 @@ class ModelRunner:
         # The sources are pageable, so CUDA stages them before the copy call returns (the documented behaviour
         # of cudaMemcpyAsync from pageable memory, and what GraphRunner._fill relies on): advancing the host
         # lengths right after is safe.
-        lengths = rows.lengths.to(self.device, non_blocking=True)
-        slots = lengths[:, None] + torch.arange(ids.shape[1], device=self.device)[None, :]
-        rows.write_slots("tokens", slots, ids.to(self.device, non_blocking=True))
-        rows.write_slots("features", slots, hidden)
+        rows.write_drafter_inputs(rows.lengths.to(self.device, non_blocking=True),
+                                  ids.to(self.device, non_blocking=True), hidden)
 
     # -- the rows' state, for the scheduler -------------------------------------------------------------------
 
@@ -261,9 +259,13 @@ class ModelRunner:
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-    """One device-to-host copy for both (token ids < 2^53 are exact in float64)."""
-    host = torch.stack([tokens.double(), logprobs.double()]).cpu()
-    for seq, token, logprob in zip(seqs, host[0].long().tolist(), host[1].float().tolist()):
+    _append_packed(seqs, pack_tokens(tokens, logprobs))
+
+
+def _append_packed(seqs: list[Sequence], packed: torch.Tensor) -> None:
+    """One device-to-host copy of `pack_tokens`'s [B, 2]: each row's token and log-prob."""
+    host = packed.cpu()
+    for seq, token, logprob in zip(seqs, host[:, 0].long().tolist(), host[:, 1].float().tolist()):
         seq.append(token, logprob)
 
 
