@@ -86,7 +86,13 @@ TAU_TOKENS=${TAU_TOKENS:-512}              # tail-tau: max_new_tokens (1024 x 10
 SPEC_BATCHES=${SPEC_BATCHES:-1,4,16,32}    # spec: batch sizes at T=1
 SPEC_GREEDY_BATCHES=${SPEC_GREEDY_BATCHES:-1,4}  # spec-greedy: batch sizes
 THROUGHPUT_BATCHES=${THROUGHPUT_BATCHES:-1,64}     # throughput: batch sizes
-SPEC_ARMS=${SPEC_ARMS:-S3K1N3,S4K2N8,S3K1q,S5K1q,S4K2q}  # spec: target-only chain and tree, q chains, q tree
+# spec (T=1): target-only chain and tree, a q chain, q trees. S6K2q (22 nodes), batch 1 on the CPU with the
+# committed drafter: tau 3.12 on one prompt set, 2.16 on another (S4K2q 2.52 / 2.18; docs/benchmarks.md §2), its
+# verify too dear there to win; a GPU verifies 22 tokens for about the price of one
+SPEC_ARMS=${SPEC_ARMS:-S3K1N3,S4K2N8,S5K1q,S4K2q,S6K2q}
+# spec-greedy (T=0: argmax drafts, target-only): greedy tau at batch 1 on the CPU with the committed drafter:
+# S5K1N5 2.42, S6K2N12 2.95, S6K3N20 3.26 (4 x 128 tokens); #13 asks >= 2.5x
+SPEC_GREEDY_ARMS=${SPEC_GREEDY_ARMS:-S5K1N5,S4K2N8,S6K2N12,S6K3N20}
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET))
 
@@ -193,7 +199,7 @@ for phase in "$@"; do
         --png /tmp/speculative_h100.png ;;
     spec-greedy)
       run spec_greedy 100 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
-        --batches "$SPEC_GREEDY_BATCHES" --strategies "$SPEC_ARMS" --json "$OUT/speculative_h100_greedy.json" \
+        --batches "$SPEC_GREEDY_BATCHES" --strategies "$SPEC_GREEDY_ARMS" --json "$OUT/speculative_h100_greedy.json" \
         --png /tmp/speculative_h100_greedy.png
       [ -s "$OUT/speculative_h100.json" ] && python3 benchmarks/speculative.py \
         --add-greedy-to "$OUT/speculative_h100.json" --greedy-json "$OUT/speculative_h100_greedy.json" ;;

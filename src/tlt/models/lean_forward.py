@@ -218,7 +218,10 @@ class LeanForward:
         # eagerly. A process holds a few engines (benchmarks build one per arm), so allow many.
         _raise_dynamo_limit(("recompile_limit", "cache_size_limit"), 256)  # the older name before torch 2.7
         _raise_dynamo_limit(("accumulated_recompile_limit", "accumulated_cache_size_limit"), 1024)
-        self._compiled_run = torch.compile(self._static_run, mode=COMPILE_MODES[mode], dynamic=None)
+        # dynamic=True: with Dynamo's default (specialize, then recompile what changed) each new KV span and batch
+        # cost a compile of 23-30 s on the H100 before the shapes went dynamic (about 4 per arm, found by review
+        # with Dynamo on the CPU); graphs capture one shape per key either way.
+        self._compiled_run = torch.compile(self._static_run, mode=COMPILE_MODES[mode], dynamic=True)
         self.compile_mode = mode
 
     @property

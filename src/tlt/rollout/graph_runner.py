@@ -310,7 +310,8 @@ class GraphRunner:
         if mode is None:
             return decoder.run
         if self._compiled_step is None:
-            self._compiled_step = torch.compile(SpeculativeDecoder.run, mode=COMPILE_MODES[mode], dynamic=None)
+            # dynamic=True as in LeanForward.compile: one compile per arm, not one per KV span and batch first met
+            self._compiled_step = torch.compile(SpeculativeDecoder.run, mode=COMPILE_MODES[mode], dynamic=True)
         return lambda *args, **kwargs: self._compiled_step(decoder, *args, **kwargs)
 
     @staticmethod
