@@ -427,9 +427,11 @@ def test_a_run_with_a_drafter_leaves_it_beside_the_final_policy_ready_to_export_
     assert main(["drafter", "export", str(drafter_dir), "--model", str(run_dir / "final"), "--out",
                  str(tmp_path / "eagle")]) == 0
     exported = import_eagle(tmp_path / "eagle", policy)
-    own = drafter.state_dict()
-    assert all(torch.equal(value, own[name]) for name, value in exported.state_dict().items() if name in own)
+    own = drafter.state_dict()  # the final policy is saved in float32: served, and so exported, in bfloat16
+    assert all(torch.equal(value, own[name].to(torch.bfloat16).to(value.dtype))
+               for name, value in exported.state_dict().items() if name in own)
     out = capsys.readouterr().out
+    assert "names float32" in out and "--dtype bfloat16" in out
     assert f"its drafter: {drafter_dir}" in out
     assert "spot-train" in out and "drafter steps" in out and "tail-train" not in out  # two workers: spot training
 
