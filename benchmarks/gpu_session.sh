@@ -95,6 +95,9 @@ SPEC_ARMS=${SPEC_ARMS:-S3K1N3,S4K2N8,S5K1q,S4K2q,S6K2q}
 SPEC_GREEDY_ARMS=${SPEC_GREEDY_ARMS:-S5K1N5,S4K2N8,S6K2N12,S6K3N20}
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET))
+# What the machine runs (~3 s): the cuDNN version matters for the attention kernels (graph_runner.CAPTURED_ATTENTION)
+python3 -c 'import torch; print("== torch", torch.__version__, "cuda", torch.version.cuda, "cudnn",
+torch.backends.cudnn.version(), torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")' || true
 
 # Cost curves (run.gate=auto measures one per device, model and arm set: up to ~90 s each) are cached on this
 # machine and lost with it: a tarball an earlier call sent back, carried in at .gpu/cost_curves.tar, seeds the
