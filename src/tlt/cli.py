@@ -237,10 +237,8 @@ def _warmup_from_run_config(args, config, train_config) -> int:
 
 
 def _run_export(args) -> int:
-    import torch
-
-    from tlt.drafter.export import (DTYPES, ExportError, check_export_out, export_eagle, export_notes, serve_command,
-                                    serving_dtype, target_dtype)
+    from tlt.drafter.export import (DTYPES, ExportError, auto_serving_dtype, check_export_out, export_eagle,
+                                    export_notes, serve_command)
     from tlt.models import load_model
     from tlt.models.eagle import DrafterError, EagleDrafter, check_drafter_dir
     from tlt.models.default_model import default_model_dir
@@ -260,16 +258,17 @@ def _run_export(args) -> int:
         raise DrafterError(f"{error} (no --model: the default smollm2 was loaded; pass --model, the model the "
                            f"drafter was trained for)") from None
     default = is_default_source(args.model)
-    dtype = DTYPES[args.dtype] if args.dtype != "auto" else serving_dtype(None if default else loaded.source)
+    dtype, lowered = auto_serving_dtype(None if default else loaded.source)
+    if args.dtype != "auto":
+        dtype, lowered = DTYPES[args.dtype], False
     out = export_eagle(drafter, args.out, args.target, args.overwrite, dtype)
     dtype_name = str(dtype).removeprefix("torch.")
     print(f"wrote {out} ({args.target}, {dtype_name}); embed_tokens and lm_head stay with the target")
-    float32_served_as_bf16 = args.dtype == "auto" and not default and target_dtype(loaded.source) == torch.float32
-    for note in export_notes(drafter, args.target, default, float32_served_as_bf16):
+    for note in export_notes(drafter, args.target, default, lowered):
         print(f"note: {note}")
     # The default's served weights are the ones the drafter learned: tlt's dequantized GGUF, not the published
     # HuggingFaceTB/SmolLM2-135M-Instruct (quantization moved every weight; a drafter is accepted less there)
-    model = default_model_dir() if default else Path(args.model).expanduser().resolve()
+    model = default_model_dir() if default else args.model
     vocab = drafter.draft_to_target is not None
     print(f"serve: {serve_command(out, args.target, model, vocab, dtype_name)}")
     return 0

@@ -134,7 +134,7 @@ def serve_command(out: str | Path, target: str, model: str | Path, has_draft_voc
     """How to serve the target with this export as its EAGLE draft (printed after an export). Paths absolute: a
     relative one, run from another directory, is taken for a model-hub name by both engines."""
     quote = shlex.quote
-    out, model = Path(out).resolve(), Path(model).resolve() if Path(model).exists() else model
+    out, model = Path(out).resolve(), Path(model).expanduser().resolve() if Path(model).expanduser().exists() else model
     if target == "vllm":
         config = json.dumps({"method": "eagle", "model": str(out), "num_speculative_tokens": 3})
         return f"vllm serve {quote(str(model))} --dtype {dtype} --speculative-config {quote(config)}"
@@ -164,11 +164,12 @@ def export_notes(drafter: EagleDrafter, target: str, default: bool, float32_serv
     return notes
 
 
-def serving_dtype(model_source) -> torch.dtype:
+def auto_serving_dtype(model_source) -> tuple[torch.dtype, bool]:
     """`--dtype auto`: the target's own dtype, except float32 (a training run's final policy is saved from its fp32
-    master weights): serving engines run bfloat16. The default model (None) and a .gguf: bfloat16."""
-    dtype = torch.bfloat16 if model_source is None else target_dtype(model_source)
-    return torch.bfloat16 if dtype == torch.float32 else dtype
+    master weights), served in bfloat16 as serving engines run; the default model (None) and a .gguf: bfloat16.
+    Also whether a float32 target was so lowered (the export says it)."""
+    own = torch.bfloat16 if model_source is None else target_dtype(model_source)
+    return (torch.bfloat16, True) if own == torch.float32 else (own, False)
 
 
 def target_dtype(model_path: str | Path) -> torch.dtype:

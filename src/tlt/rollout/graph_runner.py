@@ -273,16 +273,16 @@ class GraphRunner:
             return _Graph(None, None, step)
         side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
-        # warm-up: lazy initialization (cuBLAS handles, workspaces) off the graph
-        with torch.cuda.stream(side), sdpa_kernel(CAPTURED_ATTENTION):
-            step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread may launch CUDA work meanwhile (the tail trainer on its own stream, which
-        # allocates); "global" would fail its allocations, or this capture, whenever a new bucket is captured.
-        with _CAPTURING, sdpa_kernel(CAPTURED_ATTENTION), torch.cuda.graph(graph, pool=self._pool, stream=side,
-                                                                          capture_error_mode="thread_local"):
-            outputs = step()
+        with sdpa_kernel(CAPTURED_ATTENTION):
+            with torch.cuda.stream(side):  # warm-up: lazy initialization (cuBLAS handles, workspaces) off the graph
+                step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread may launch CUDA work meanwhile (the tail trainer on its own stream,
+            # which allocates); "global" would fail its allocations, or this capture, whenever a new bucket is
+            # captured.
+            with _CAPTURING, torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                outputs = step()
         self.captures += 1
         return _Graph(graph, outputs, step)
 
