@@ -37,7 +37,7 @@ def timed(device: torch.device, states, weight, targets, chunk: int) -> float:
         torch.cuda.synchronize()
     started = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        out = actor.ChunkedTokenLogprobs.apply(states, weight, None, targets, 1.0, chunk)
+        out, _ = actor.ChunkedTokenLogprobs.apply(states, weight, None, targets, 1.0, chunk)
     out.sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -214,3 +214,31 @@ def test_an_rl_step_with_the_cuda_defaults_emulated_on_the_cpu(tmp_path):
     # the checkpoint holds steps 1-3: the next step of each must agree
     assert trainer.train_step()["train/loss"] == resumed.train_step()["train/loss"]
     assert expected["train/loss"] != 0.0
+
+
+def test_weight_decay_skips_norms_and_biases_and_resumes_a_one_group_checkpoint(tmp_path):
+    """Decay on matrices only (as the HF Trainer); a checkpoint saved when every parameter shared one group (before
+    the split) resumes into the two groups with each parameter's Adam moments (found by review)."""
+    from conftest import tiny_model
+    from tlt.optimizer_state import fit_param_groups
+    from tlt.rl.optim import build_optimizer
+
+    model = tiny_model("qwen2", vocab_size=16)  # q/k/v biases and norm weights: 1-D
+    optim = load_config(None, ["optim.weight_decay=0.1"]).optim
+    optimizer = build_optimizer(model, optim)
+    decayed, kept = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.ndim == 2 for p in decayed["params"])
+    assert kept["weight_decay"] == 0.0 and kept["params"] and all(p.ndim == 1 for p in kept["params"])
+    assert len(build_optimizer(model, load_config(None, []).optim).param_groups) == 1
+
+    old = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)  # the former single group
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    old.step()
+    params = list(model.parameters())
+    optimizer.load_state_dict(fit_param_groups(old.state_dict(), optimizer, params))
+    for p in params:
+        assert torch.equal(optimizer.state[p]["exp_avg"], old.state[p]["exp_avg"])
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    with pytest.raises(ValueError):  # the control: unfitted, torch refuses the saved state
+        build_optimizer(model, optim).load_state_dict(old.state_dict())

@@ -42,6 +42,16 @@ def test_format_reward_and_failures_are_counted():
     assert scores.failures == 1
 
 
+def test_a_failed_check_gets_no_format_bonus():
+    """A broken reward function would otherwise train the format alone (found by review)."""
+    def broken(completion, ex):
+        raise KeyError("answer")
+
+    scores = Reward(broken, format_reward=0.1).score([r"\boxed{3}", "The answer is 3."], [example(3)] * 2)
+    assert scores.rewards == [0.0, 0.0] and scores.failures == 2
+    assert Reward(integer_match, format_reward=0.1).score([r"\boxed{4}"], [example(3)]).rewards == [0.1]  # control
+
+
 def test_dotted_path_loading():
     assert load_reward_function("tlt.rl.rewards:integer_match") is integer_match
     assert load_reward_function("tlt.rl.rewards.integer_match") is integer_match

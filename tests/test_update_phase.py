@@ -19,15 +19,18 @@ from tlt.tasks.example import TaskExample
 from tlt.tasks.synthetic import IdTokenizer, share_of_target
 
 
-def full_vocabulary_logprobs(model, batch: PackedSamples, temperature: float = 1.0, *, want_hidden=False):
+def full_vocabulary_logprobs(model, batch: PackedSamples, temperature: float = 1.0, *, want_hidden=False,
+                             want_entropy=False):
     """The actor pass as it was: the head over every position at once, log-softmax, gather."""
     hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                  use_cache=False).last_hidden_state
     logits = model.get_output_embeddings()(hidden[:, :-1]).float()
     if temperature not in (0, 1):
         logits = logits / temperature
-    logprobs = logits.log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-    return ActorOutput(logprobs * batch.response_mask, hidden.detach() if want_hidden else None)
+    all_logprobs = logits.log_softmax(-1)
+    logprobs = all_logprobs.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    entropy = -(all_logprobs.exp() * all_logprobs).sum(-1).detach() * batch.response_mask if want_entropy else None
+    return ActorOutput(logprobs * batch.response_mask, hidden.detach() if want_hidden else None, entropy)
 
 
 class VariedPromptTask:
@@ -83,12 +86,15 @@ def test_chunked_logprobs_and_gradients_equal_the_full_vocabulary_softmax(temper
     for fn in (token_logprobs, full_vocabulary_logprobs):
         model.zero_grad()
         kwargs = {"chunk_tokens": chunk} if fn is token_logprobs else {}
-        logprobs = fn(model, batch, temperature, **kwargs).logprobs
-        loss = (logprobs * weights).sum()
+        out = fn(model, batch, temperature, want_entropy=True, **kwargs)
+        loss = (out.logprobs * weights).sum()
         loss.backward()
-        results.append((logprobs.detach(), loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (chunked, loss, grads), (full, full_loss, full_grads) = results
+        results.append((out.logprobs.detach(), loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                        out.entropy))
+    (chunked, loss, grads, entropy), (full, full_loss, full_grads, full_entropy) = results
     assert torch.allclose(chunked, full, atol=1e-5)
+    assert not entropy.requires_grad and torch.allclose(entropy, full_entropy, atol=1e-5)
+    assert (entropy[batch.response_mask] > 0).all() and (entropy[~batch.response_mask] == 0).all()
     assert (chunked[~batch.response_mask] == 0).all()  # no prompt or padding position gets a log-prob
     assert loss == pytest.approx(full_loss, abs=1e-5)
     for name, grad in grads.items():
@@ -102,7 +108,7 @@ def test_chunked_head_gradients_pass_gradcheck_with_a_bias(temperature):
                             for shape in ((7, 5), (11, 5), (11,)))
     targets = torch.randint(0, 11, (7,), generator=generator)
     assert torch.autograd.gradcheck(
-        lambda s, w, b: ChunkedTokenLogprobs.apply(s, w, b, targets, temperature, 3), (states, weight, bias))
+        lambda s, w, b: ChunkedTokenLogprobs.apply(s, w, b, targets, temperature, 3)[0], (states, weight, bias))
 
 
 def head_under_bf16_autocast(device: str, tokens: int, vocab: int, chunk: int, chunked: bool) -> tuple:
@@ -115,7 +121,7 @@ def head_under_bf16_autocast(device: str, tokens: int, vocab: int, chunk: int, c
     upstream = torch.randn(tokens, device=device, generator=generator)
     with torch.autocast(device, dtype=torch.bfloat16):
         if chunked:
-            out = ChunkedTokenLogprobs.apply(states, weight, None, targets, 1.0, chunk)
+            out, _ = ChunkedTokenLogprobs.apply(states, weight, None, targets, 1.0, chunk)
         else:
             with torch.autocast(device, enabled=False):
                 logits = torch.nn.functional.linear(states, weight)
@@ -293,8 +299,8 @@ def test_a_non_finite_gradient_skips_the_update_instead_of_poisoning_the_weights
     start = parameters(trainer)
     backward = phases._micro_batch_backward
 
-    def poisoned(replica, *args):
-        stats = backward(replica, *args)
+    def poisoned(replica, *args, **kwargs):
+        stats = backward(replica, *args, **kwargs)
         next(p for p in replica.model.parameters() if p.grad is not None).grad[0] = float("nan")
         return stats
 

@@ -24,3 +24,25 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = value
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def fit_param_groups(state_dict: dict, optimizer: torch.optim.Optimizer, params: list) -> dict:
+    """A state_dict saved with one parameter group (every parameter in `params` order), fitted to an optimizer
+    that splits the same parameters into several groups (weight decay on matrices only, since 2026-11): torch
+    matches saved and current parameters by position within each group. Any other state_dict is returned as is."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != 1 or len(optimizer.param_groups) == 1:
+        return state_dict
+    position = {id(p): i for i, p in enumerate(params)}
+    saved_ids = saved_groups[0]["params"]
+    state, groups, index = {}, [], 0
+    for group in optimizer.param_groups:
+        ids = []
+        for param in group["params"]:
+            old = saved_ids[position[id(param)]]
+            if old in state_dict["state"]:
+                state[index] = state_dict["state"][old]
+            ids.append(index)
+            index += 1
+        groups.append({**saved_groups[0], "weight_decay": group["weight_decay"], "params": ids})
+    return {"state": state, "param_groups": groups}

@@ -5,7 +5,9 @@ other samples share its batch, and a seeded rollout is reproducible, as long as 
 way: a speculative step draws other tokens than a plain one from the same uniforms (both exact samples), so a
 batch-size gate or the adaptive bandit makes runs exact but not token-for-token repeatable. Speculative
 decoding applies exactly the same `processed_logprobs` to the target's logits, which is what makes its acceptance
-rule lossless.
+rule lossless: every emitted token is an exact sample of the verify forward's distribution. In fp32 that is the
+plain step's distribution too; in bf16 a verify forward (several tokens per row) and a plain step (one) round
+their GEMMs differently, so the two agree up to that rounding (docs/architecture.md, "Greedy identity in bf16").
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The actor's pass over rollout samples: per-token log-probs of the responses (and the drafter's features).
 
 Log-probs for the PPO ratio are always recomputed here, by the training-mode transformers forward, never taken
-from the rollout engine: speculative decoding can then never change what the policy is trained on.
+from the rollout engine: speculative decoding can then never change what the policy is trained on. (The
+rollout's own log-probs only weight tokens where its numerics differ from this forward's: `grpo.rollout_is`.)
 
 Only response positions get logits (a prompt or padding position's next-token distribution is never used), and
 those go through the head in chunks of tokens (`ChunkedTokenLogprobs`): the [tokens, vocabulary] fp32 logits of a
@@ -64,6 +65,7 @@ class PackedSamples:
 class ActorOutput:
     logprobs: torch.Tensor        # [B, L - 1] log p(token_{t+1}) where response_mask is set, 0 elsewhere
     hidden: torch.Tensor | None   # [B, L, H] final normed hidden states (the drafter's features), detached
+    entropy: torch.Tensor | None = None  # [B, L - 1] the tempered softmax's entropy there (want_entropy), detached
 
 
 def actor_hidden(model, batch: PackedSamples) -> torch.Tensor:
@@ -74,7 +76,7 @@ def actor_hidden(model, batch: PackedSamples) -> torch.Tensor:
 
 
 def token_logprobs(model, batch: PackedSamples, temperature: float = 1.0, *, want_hidden: bool = False,
-                   chunk_tokens: int = CHUNK_TOKENS) -> ActorOutput:
+                   want_entropy: bool = False, chunk_tokens: int = CHUNK_TOKENS) -> ActorOutput:
     """Per-token log-probs of the response tokens under the policy at the rollout temperature.
 
     Top-k/top-p of the rollout are not applied: the policy being optimized is the tempered softmax, as in verl
@@ -86,10 +88,12 @@ def token_logprobs(model, batch: PackedSamples, temperature: float = 1.0, *, wan
     states = hidden[:, :-1][mask]
     targets = batch.input_ids[:, 1:][mask]
     head = model.get_output_embeddings()
-    picked = ChunkedTokenLogprobs.apply(states, head.weight, getattr(head, "bias", None), targets,
-                                        float(temperature), chunk_tokens)
+    picked, entropy = ChunkedTokenLogprobs.apply(states, head.weight, getattr(head, "bias", None), targets,
+                                                 float(temperature), chunk_tokens, want_entropy)
     logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)
-    return ActorOutput(logprobs, hidden.detach() if want_hidden else None)
+    if want_entropy:
+        entropy = torch.zeros(mask.shape, dtype=entropy.dtype, device=entropy.device).masked_scatter(mask, entropy)
+    return ActorOutput(logprobs, hidden.detach() if want_hidden else None, entropy if want_entropy else None)
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
@@ -98,24 +102,29 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     Equal to the plain expression, but only one chunk's [chunk, V] fp32 logits exist at any time: the forward
     keeps just each token's logsumexp, and the backward recomputes a chunk's logits to form its gradient
     (d logp / d logits = (onehot(target) - softmax) / T) — one extra head matmul instead of keeping every
-    token's logits from the forward to the backward.
+    token's logits from the forward to the backward. Returns (log-probs [N], entropy [N] of each token's tempered
+    softmax, a metric without a gradient; empty unless `entropy`).
     """
 
     @staticmethod
-    def forward(ctx, states, weight, bias, targets, temperature: float, chunk: int):
+    def forward(ctx, states, weight, bias, targets, temperature: float, chunk: int, entropy: bool = False):
         out = torch.empty(states.shape[0], dtype=_logit_dtype(weight), device=states.device)
         lse = torch.empty_like(out)
+        entropies = torch.empty_like(out) if entropy else out.new_empty(0)
         for start in range(0, states.shape[0], max(1, chunk)):
             rows = slice(start, start + chunk)
             logits = _chunk_logits(states[rows], weight, bias, temperature)
             lse[rows] = torch.logsumexp(logits, dim=-1)
             out[rows] = logits.gather(-1, targets[rows, None])[:, 0] - lse[rows]
+            if entropy:  # H = lse - sum(softmax * logits)
+                entropies[rows] = lse[rows] - (logits - lse[rows, None]).exp_().mul_(logits).sum(-1)
         ctx.save_for_backward(states, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk = temperature, max(1, chunk)
-        return out
+        ctx.mark_non_differentiable(entropies)
+        return out, entropies
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_entropy):
         states, weight, bias, targets, lse = ctx.saved_tensors
         want_states, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_states = torch.empty_like(states) if want_states else None
@@ -136,7 +145,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_weight.addmm_(grad_logits.t(), states[rows].to(lse.dtype))
             if want_bias:
                 grad_bias += grad_logits.sum(0)
-        return (grad_states, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None, None)
+        return (grad_states, _cast(grad_weight, weight), _cast(grad_bias, bias), None, None, None, None)
 
 
 def _chunk_logits(states, weight, bias, temperature: float) -> torch.Tensor:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file, save_model
 
 from tlt.errors import TltError, first_line
 from tlt.files import share_as_umask
-from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
+from tlt.optimizer_state import fit_param_groups, flatten_optimizer, unflatten_optimizer
 
 CHECKPOINT_PREFIX = "step-"
 RETIRED_PREFIX = ".old-"  # an earlier copy renamed aside while its replacement moves in (_swap_in)
@@ -195,7 +195,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler=None) -> dict:
     rng = read_tensors(path / "rng.safetensors")
     try:  # state.json's values as torch and random take them: an edited or damaged one fails here, named
         if optimizer_tensors is not None:
-            optimizer.load_state_dict(unflatten_optimizer(optimizer_tensors, state["optimizer"]))
+            saved = unflatten_optimizer(optimizer_tensors, state["optimizer"])
+            optimizer.load_state_dict(fit_param_groups(saved, optimizer, list(model.parameters())))
         if scheduler is not None and state.get("scheduler") is not None:
             scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(rng["torch_rng"])

@@ -72,12 +72,22 @@ class GRPOConfig:
     scale_rewards: bool = True     # divide advantages by the group std (False = Dr. GRPO)
     kl_coef: float = 0.0           # KL to the frozen initial policy (k3 estimator); 0 = no reference model
     updates_per_step: int = 1      # optimizer passes over each rollout (PPO epochs)
+    # The rollout may sample from another numerical policy than the one trained (bf16 inference copy on CUDA vs
+    # the fp32 master under autocast): per token, the policy-gradient term is weighted by
+    # min(pi_train / pi_rollout, rollout_is_cap) ("truncate": truncated importance sampling, TRL's default with
+    # vLLM and verl's TIS), or not ("off"). "auto": truncate when the rollout decodes from a lower-precision copy
+    # of the policy (rollout.dtype below the weights'), off when it samples from the trained weights themselves.
+    # Needs rollout.top_k=0 and top_p=1 (the rollout's log-probs are then of the distribution trained).
+    rollout_is: str = "auto"
+    rollout_is_cap: float = 2.0    # the largest importance weight (>= 1)
+    mask_truncated: bool = False   # responses cut at rollout.max_new_tokens add nothing to the loss (TRL's
+                                   # mask_truncated_completions; they still count in its normalizer)
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-5
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0      # AdamW decay of the weight matrices (norm weights and biases never decay)
     betas: tuple[float, float] = (0.9, 0.99)
     micro_batch_size: int = 4      # sequences per forward/backward; gradients accumulate over the step
     grad_clip: float = 1.0         # max global grad norm (0 = off)
@@ -177,6 +187,12 @@ ROLLOUT_COMPILE = ("off", *COMPILE_MODES)
 SCHEDULES = ("constant", "cosine")
 AUTOCAST_MODES = ("auto", "bf16", "off")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
+ROLLOUT_IS_MODES = ("auto", "truncate", "off")
+
+
+def filtered_sampling(rollout: RolloutConfig) -> bool:
+    """Whether the rollout samples a top-k/top-p truncation of the tempered softmax the update trains."""
+    return rollout.top_k > 0 or rollout.top_p < 1
 
 
 def _check_device(device: str | None) -> None:
@@ -236,6 +252,12 @@ def validate(config: TrainConfig) -> TrainConfig:
     _at_least("grpo.clip_high", grpo.clip_high, 0)
     _at_least("grpo.kl_coef", grpo.kl_coef, 0)
     _at_least("grpo.updates_per_step", grpo.updates_per_step, 1)
+    check_choice("grpo.rollout_is", grpo.rollout_is, ROLLOUT_IS_MODES)
+    _at_least("grpo.rollout_is_cap", grpo.rollout_is_cap, 1)
+    _check(grpo.rollout_is != "truncate" or not filtered_sampling(rollout),
+           f"grpo.rollout_is=truncate needs unfiltered sampling (rollout.top_k=0, rollout.top_p=1; got top_k="
+           f"{rollout.top_k}, top_p={rollout.top_p}): the rollout's log-probs are then of the softmax the update "
+           f"trains; with top-k/top-p they are of the truncated one")
     _check(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
     _at_least("optim.weight_decay", optim.weight_decay, 0)
     _check(all(0 <= b < 1 for b in optim.betas), f"optim.betas must each be in [0, 1), got {list(optim.betas)}")

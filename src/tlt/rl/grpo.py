@@ -35,10 +35,20 @@ def clipped_token_losses(logprobs, old_logprobs, advantages, clip_low: float, cl
     return -torch.minimum(unclipped, clipped), ratio
 
 
+KL_CLAMP = 10.0  # verl's bound on its low-variance KL: one token the policy all but left cannot swamp the step
+
+
 def k3_kl(logprobs, ref_logprobs):
-    """Low-variance, non-negative KL(pi || ref) estimator per token: exp(ref - logp) - (ref - logp) - 1."""
+    """Low-variance, non-negative KL(pi || ref) estimator per token: exp(ref - logp) - (ref - logp) - 1, at most
+    KL_CLAMP (as verl's)."""
     delta = ref_logprobs - logprobs
-    return torch.exp(delta) - delta - 1
+    return (torch.exp(delta) - delta - 1).clamp(max=KL_CLAMP)
+
+
+def truncated_importance_weights(old_logprobs, rollout_logprobs, cap: float):
+    """min(pi_old / pi_rollout, cap) per token (detached): the policy gradient of samples the rollout drew from
+    slightly other numerics, re-weighted toward the training forward's policy (truncated IS, as TRL and verl)."""
+    return torch.exp(old_logprobs.detach() - rollout_logprobs).clamp(max=cap)
 
 
 def aggregate_sequence_mean(token_losses, mask, totals):
@@ -61,13 +71,22 @@ AGGREGATIONS = {"grpo": aggregate_sequence_mean, "dapo": aggregate_token_mean, "
 
 
 def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dict, *, clip_low: float = 0.2,
-                clip_high: float = 0.2, ref_logprobs=None, kl_coef: float = 0.0):
-    """One micro-batch's share of the step loss, plus metrics. logprobs etc. [B, T]; mask [B, T] bool."""
+                clip_high: float = 0.2, ref_logprobs=None, kl_coef: float = 0.0, rollout_logprobs=None,
+                is_cap: float | None = None, entropy=None):
+    """One micro-batch's share of the step loss, plus metrics. logprobs etc. [B, T]; mask [B, T] bool.
+    rollout_logprobs: the sampler's own log-probs (metrics of the rollout/training mismatch; with is_cap, the
+    policy-gradient term is weighted by `truncated_importance_weights`). entropy [B, T]: logged only."""
     if name not in AGGREGATIONS:
         raise ValueError(f"unknown loss {name!r}: one of {', '.join(AGGREGATIONS)}")
     mask = mask.float()
     token_losses, ratio = clipped_token_losses(logprobs, old_logprobs, advantages, clip_low, clip_high)
     parts = {}
+    if rollout_logprobs is not None:
+        parts.update(rollout_mismatch(old_logprobs, rollout_logprobs, mask, is_cap))
+        if is_cap is not None:
+            token_losses = token_losses * truncated_importance_weights(old_logprobs, rollout_logprobs, is_cap)
+    if entropy is not None:
+        parts["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
     if ref_logprobs is not None and kl_coef > 0:
         kl = k3_kl(logprobs, ref_logprobs)
         token_losses = token_losses + kl_coef * kl
@@ -79,3 +98,19 @@ def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dic
         parts.update(loss=float(loss), clip_fraction=float((clipped * mask).sum() / count),
                      ratio_mean=float((ratio * mask).sum() / count), tokens=float(mask.sum()))
     return loss, parts
+
+
+def rollout_mismatch(old_logprobs, rollout_logprobs, mask, is_cap: float | None) -> dict:
+    """How far the rollout's sampling policy is from the training forward's, per response token (mask-weighted
+    means): rollout_kl, the k3 estimate of KL(pi_rollout || pi_old) from the rollout's own samples;
+    rollout_logprob_gap, mean |log pi_old - log pi_rollout|; with a cap, is_truncated, the share of tokens whose
+    importance weight was cut to it."""
+    with torch.no_grad():
+        log_ratio = old_logprobs.detach() - rollout_logprobs  # log(pi_old / pi_rollout)
+        count = mask.sum().clamp(min=1)
+        kl = torch.expm1(log_ratio) - log_ratio
+        parts = {"rollout_kl": float((kl * mask).sum() / count),
+                 "rollout_logprob_gap": float((log_ratio.abs() * mask).sum() / count)}
+        if is_cap is not None:
+            parts["is_truncated"] = float(((log_ratio.exp() > is_cap).float() * mask).sum() / count)
+    return parts

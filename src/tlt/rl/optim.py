@@ -20,7 +20,15 @@ from tlt.lr_schedule import lr_factor
 
 
 def build_optimizer(model, optim) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    """AdamW; weight decay (when set) on the matrices only: norm weights and biases are not decayed, as in the
+    Hugging Face Trainer (hence TRL)."""
+    params = list(model.parameters())  # each shared (tied) parameter once
+    if optim.weight_decay == 0:
+        return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=0.0)
+    decayed = [p for p in params if p.ndim >= 2]
+    kept = [p for p in params if p.ndim < 2]
+    groups = [{"params": decayed, "weight_decay": optim.weight_decay}, {"params": kept, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, betas=optim.betas)
 
 
 def decay_steps(optim, run_steps: int) -> int:

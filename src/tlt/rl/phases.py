@@ -7,7 +7,10 @@ Both drivers call exactly these: GRPOTrainer (rl/trainer.py) in one process, and
 distributed controller (distributed/worker.py) on its shard; they only sequence them. With one optimizer update
 per step (the default) the old log-probs equal the update's own, so no separate old-log-prob forward runs: the
 ratio is exp(logp - logp.detach()) (value 1, the policy gradient), as in TRL. With several updates per step the
-old log-probs are recomputed by the actor (no grad) before the first one. Every random choice derives from
+old log-probs are recomputed by the actor (no grad) before the first one. Either way they are the training
+forward's: where the rollout decodes with other numerics (a bf16 copy on CUDA), its own log-probs differ a little,
+and `grpo.rollout_is` weights each token by min(pi_old / pi_rollout, cap) (truncated importance sampling; the
+mismatch is logged as rollout_kl whenever the rollout's log-probs are of the trained softmax). Every random choice derives from
 (run seed, step, a prompt's position in the step), so with speculation off a resumed run repeats exactly what an
 uninterrupted one would have done (with it on, samples follow the same distribution: docs/architecture.md).
 
@@ -28,7 +31,7 @@ import torch
 
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.rl.actor import PackedSamples, actor_hidden, token_logprobs
-from tlt.rl.config import TrainConfig
+from tlt.rl.config import TrainConfig, filtered_sampling
 from tlt.rl.grpo import group_advantages, policy_loss
 from tlt.rl.optim import advance_schedule, training_autocast
 from tlt.rl.replica import PolicyReplica
@@ -53,6 +56,10 @@ class StepBatch:
     advantages: torch.Tensor     # [N]
     old_logprobs: torch.Tensor | None  # [N, L - 1]; None: on-policy, the update's own log-probs (detached)
     ref_logprobs: torch.Tensor | None
+    # [N, L - 1] the rollout's own log-probs of the sampled tokens, laid out as old_logprobs; None when they are of
+    # another distribution than the update's (top-k/top-p sampling)
+    rollout_logprobs: torch.Tensor | None = None
+    is_cap: float | None = None  # truncated importance weights min(pi_old / pi_rollout, is_cap); None: unweighted
     # Where this batch's drafter features go, and how many micro-batches (in update order) are in it already; the
     # update's forward adds the rest. features_done None: nothing to collect (no buffer, or the old-log-prob pass
     # did it).
@@ -119,8 +126,33 @@ def score(replica: PolicyReplica, examples: list, rollout: RolloutResult, step: 
         old = no_grad_logprobs(replica, replica.model, packed, step, features)
     ref = no_grad_logprobs(replica, replica.reference, packed, step) if replica.reference is not None else None
     pending = 0 if features is not None and old is None else None
+    sampled = None if filtered_sampling(config.rollout) else rollout_logprobs(rollout, packed)
+    if config.grpo.mask_truncated:
+        truncated = torch.tensor([s.finish_reason == "length" for s in rollout.samples])
+        packed.response_mask[truncated.to(packed.response_mask.device)] = False
     return StepBatch(step, packed, rewards, torch.tensor(scored.correct), scored.failures,
-                     advantages.to(replica.device), old, ref, features=features, features_done=pending)
+                     advantages.to(replica.device), old, ref, sampled, importance_cap(replica),
+                     features=features, features_done=pending)
+
+
+def rollout_logprobs(rollout: RolloutResult, packed: PackedSamples) -> torch.Tensor:
+    """[N, L - 1] each sampled token's log-prob as the rollout computed it, where `packed.response_mask` is set."""
+    values = torch.tensor([lp for s in rollout.samples for lp in s.logprobs], dtype=torch.float32)
+    out = torch.zeros(packed.response_mask.shape, dtype=torch.float32)
+    out[packed.response_mask.cpu()] = values  # row-major: each row's response positions in order
+    return out.to(packed.response_mask.device)
+
+
+def importance_cap(replica: PolicyReplica) -> float | None:
+    """The cap of the truncated importance weights this run applies (`grpo.rollout_is`), or None."""
+    grpo = replica.config.grpo
+    if grpo.rollout_is == "off" or filtered_sampling(replica.config.rollout):
+        return None
+    # "auto": only where the rollout's numerics differ from the training forward's (in fp32 on both sides the
+    # weights are 1 to ~1e-6 and would only add noise)
+    if grpo.rollout_is == "auto" and replica.engine.rollout_copy is None and replica.autocast_dtype is None:
+        return None
+    return grpo.rollout_is_cap
 
 
 def no_grad_logprobs(replica: PolicyReplica, model, packed: PackedSamples, step: int,
@@ -188,10 +220,11 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
     parts: list[dict] = []  # each micro-batch's loss parts, every pass
     grad_norms, skipped = [], 0
     advance_schedule(replica.scheduler, batch.step)  # this step's lr (all its passes share it)
-    for _ in range(grpo.updates_per_step):
+    for update_pass in range(grpo.updates_per_step):
         replica.optimizer.zero_grad(set_to_none=True)
         for index, chunk in enumerate(micro_batches(replica.config, batch.packed)):
-            parts.append(_micro_batch_backward(replica, batch, index, chunk, totals))
+            # the entropy of the policy that sampled: the first pass's (a metric, a few % of the head's cost)
+            parts.append(_micro_batch_backward(replica, batch, index, chunk, totals, entropy=update_pass == 0))
         if reduce_gradients is not None:
             reduce_gradients([p for p in model.parameters() if p.requires_grad])
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0
@@ -203,8 +236,7 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
             log.warning("RL step %d: the gradient norm is %s; this update is skipped (the weights stay as they were)",
                         batch.step, norm)
             continue
-        if cfg.grad_clip > 0:
-            grad_norms.append(norm)
+        grad_norms.append(norm)  # also without clipping (max_norm inf): the norm is computed either way
         replica.optimizer.step()
         if batch.features_done is not None:  # every micro-batch's features are in now
             batch.features_done = None
@@ -222,11 +254,13 @@ def combine_loss_parts(parts: list[dict], passes: int = 1) -> dict:
     """The update's loss metrics from its micro-batches' (or, data parallel, its workers') parts: `loss` is the
     step's loss (each part is its share of it), averaged over the update passes; the per-token metrics
     (clip_fraction, ratio_mean, kl) are weighted by each part's tokens, so neither moves with micro_batch_size
-    or the number of workers. `tokens`: the response tokens of one pass."""
+    or the number of workers. `tokens`: the response tokens of one pass. A metric only some parts report (the
+    entropy, of the first pass) is averaged over those."""
     tokens = sum(part["tokens"] for part in parts)
     summary = {"loss": sum(part["loss"] for part in parts) / passes, "tokens": tokens / passes}
-    for key in parts[0].keys() - {"loss", "tokens"}:
-        summary[key] = sum(part[key] * part["tokens"] for part in parts) / max(tokens, 1.0)
+    for key in sorted(set().union(*parts) - {"loss", "tokens"}):
+        having = [part for part in parts if key in part]
+        summary[key] = sum(part[key] * part["tokens"] for part in having) / max(sum(p["tokens"] for p in having), 1.0)
     return summary
 
 
@@ -240,22 +274,25 @@ def merge_worker_updates(summaries: list[dict]) -> dict:
 
 
 def _micro_batch_backward(replica: PolicyReplica, batch: StepBatch, index: int, chunk: list[int],
-                          totals: dict) -> dict:
+                          totals: dict, entropy: bool = False) -> dict:
     """One micro-batch's forward (feeding the drafter's features it still owes) and backward; its loss parts."""
     grpo = replica.config.grpo
     micro = batch.packed.select(chunk)
     width = micro.response_mask.shape[1]
     collect = batch.features_done is not None and index >= batch.features_done
     with training_autocast(replica.autocast_dtype, replica.device):
-        actor = token_logprobs(replica.model, micro, replica.config.rollout.temperature, want_hidden=collect)
+        actor = token_logprobs(replica.model, micro, replica.config.rollout.temperature, want_hidden=collect,
+                               want_entropy=entropy)
     if collect:  # the skipped old-log-prob pass would have fed the buffer: this forward does
         _add_features(batch.features, micro, actor.hidden, batch.step)
     logprobs = actor.logprobs
     old = batch.old_logprobs[chunk, :width] if batch.old_logprobs is not None else logprobs.detach()
     ref = batch.ref_logprobs[chunk, :width] if batch.ref_logprobs is not None else None
+    sampled = batch.rollout_logprobs[chunk, :width] if batch.rollout_logprobs is not None else None
     loss, parts = policy_loss(grpo.loss, logprobs, old, batch.advantages[chunk], micro.response_mask, totals,
                               clip_low=grpo.clip_low, clip_high=grpo.clip_high, ref_logprobs=ref,
-                              kl_coef=grpo.kl_coef)
+                              kl_coef=grpo.kl_coef, rollout_logprobs=sampled, is_cap=batch.is_cap,
+                              entropy=actor.entropy)
     loss.backward()
     return parts
 

@@ -2,7 +2,7 @@
 
 Exact integer match for the built-in task; math-verify (symbolic/numeric equivalence) for general math answers;
 or any function `fn(completion, example) -> float` given by dotted path. A reward function that raises (or
-returns no finite number) gives that sample reward 0; the failures are counted and reported, and the run goes
+returns no finite number) gives that sample reward 0, format bonus included; the failures are counted and reported, and the run goes
 on, unless every sample of several steps in a row failed (a bug, not hard samples: distributed/run.py stops it).
 """
 
@@ -134,7 +134,7 @@ def load_reward_function(path: str) -> Callable[[str, TaskExample], float]:
 class RewardScores:
     rewards: list[float]   # correctness + format bonus
     correct: list[bool]
-    failures: int          # reward function calls that raised or returned NaN/inf (those samples got 0)
+    failures: int          # reward function calls that raised or returned NaN/inf (those samples got 0, no bonus)
 
 
 class Reward:
@@ -145,6 +145,7 @@ class Reward:
     def score(self, completions: list[str], examples: list[TaskExample]) -> RewardScores:
         rewards, correct, failures = [], [], 0
         for completion, example in zip(completions, examples):
+            bonus = self.format_reward if extract_answer(completion) is not None else 0.0
             try:
                 value = _finite(self.check(completion, example))
             except Exception as error:  # noqa: BLE001 — a user's reward bug must not kill a long run; counted
@@ -155,7 +156,7 @@ class Reward:
                         f"raised {type(error).__name__}: {first_line(error)}"
                     log.warning("the reward function %s %s (that sample scores 0; the run goes on and counts such "
                                 "samples as reward_failures)", getattr(self.check, "__name__", "?"), what)
-            bonus = self.format_reward if extract_answer(completion) is not None else 0.0
+                bonus = 0.0  # no format bonus either: a broken check must not train the format alone
             rewards.append(value + bonus)
             correct.append(value >= 1.0)
         return RewardScores(rewards, correct, failures)

@@ -1,0 +1,104 @@
+"""The rollout/training mismatch: the rollout's own log-probs reach the update, are compared with the training
+forward's (metrics), and weight the policy gradient by truncated importance sampling where the two differ
+(grpo.rollout_is); and the update's other metrics (entropy, grad_norm) and options (mask_truncated)."""
+
+import math
+
+import pytest
+import torch
+
+from test_trainer import make_trainer
+from tlt.rl.actor import PackedSamples
+from tlt.rl.config import ConfigError, load_config
+from tlt.rl.grpo import KL_CLAMP, k3_kl, policy_loss, truncated_importance_weights
+from tlt.rl.phases import rollout_logprobs
+from tlt.rollout.request import RolloutResult, SampleOutput
+
+
+def test_rollout_logprobs_are_laid_out_as_the_training_logprobs():
+    samples = [SampleOutput(0, 0, (5, 6, 7), [8, 9], [-0.5, -1.5], "stop"),
+               SampleOutput(0, 1, (5,), [10, 11, 12], [-0.1, -0.2, -0.3], "length")]
+    packed = PackedSamples.build([list(s.prompt_ids) for s in samples], [s.token_ids for s in samples], 0)
+    out = rollout_logprobs(RolloutResult(samples, [], 0.0), packed)
+    assert out.shape == packed.response_mask.shape
+    assert out[0].tolist() == [0, 0, -0.5, -1.5] and out[1].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0])
+    assert (out[~packed.response_mask] == 0).all()
+
+
+def test_fp32_rollout_matches_the_training_forward_and_is_not_reweighted(tmp_path):
+    """On the CPU the rollout decodes the training weights themselves: the gap is rounding, and "auto" leaves the
+    gradient unweighted. Entropy and grad_norm are logged (grad_norm also without clipping)."""
+    trainer = make_trainer(tmp_path, **{"optim.grad_clip": 0})
+    metrics = trainer.train_step()
+    assert metrics["train/rollout_logprob_gap"] < 1e-5 and abs(metrics["train/rollout_kl"]) < 1e-8
+    assert "train/is_truncated" not in metrics
+    assert 0 < metrics["train/entropy"] <= math.log(16) + 1e-5  # at most log V
+    assert metrics["train/grad_norm"] > 0
+
+
+def test_a_bf16_rollout_is_reweighted_and_its_gap_measured(tmp_path):
+    """The CUDA default emulated on the CPU: a bf16 rollout copy samples, the fp32 master trains."""
+    trainer = make_trainer(tmp_path, **{"rollout.dtype": "bfloat16"})
+    batch = trainer.score(examples := trainer.task.sample(4, seed=0), trainer.rollout(examples))
+    assert batch.is_cap == 2.0 and batch.rollout_logprobs is not None
+    metrics = trainer.update(batch)
+    assert metrics["rollout_logprob_gap"] > 1e-5 and metrics["rollout_kl"] > 0
+    assert 0 <= metrics["is_truncated"] < 0.5
+    off = make_trainer(tmp_path / "off", **{"rollout.dtype": "bfloat16", "grpo.rollout_is": "off"})
+    assert off.score(examples, off.rollout(examples)).is_cap is None
+
+
+def test_top_p_sampling_keeps_no_rollout_logprobs_and_refuses_truncation(tmp_path):
+    trainer = make_trainer(tmp_path, **{"rollout.top_p": 0.9, "rollout.dtype": "bfloat16"})
+    batch = trainer.score(examples := trainer.task.sample(4, seed=0), trainer.rollout(examples))
+    assert batch.rollout_logprobs is None and batch.is_cap is None
+    assert "rollout_kl" not in trainer.update(batch)
+    with pytest.raises(ConfigError, match="grpo.rollout_is=truncate needs unfiltered sampling"):
+        load_config(None, ["grpo.rollout_is=truncate", "rollout.top_k=20"])
+    for bad, message in (("grpo.rollout_is=yes", "grpo.rollout_is must be one of"),
+                         ("grpo.rollout_is_cap=0.5", "grpo.rollout_is_cap must be >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [bad])
+
+
+def test_truncated_importance_weights_scale_the_policy_gradient_only():
+    """d loss / d logp = -w * A / tokens per token (dapo, ratio 1 on-policy), w = min(exp(old - rollout), cap);
+    the KL term is not weighted. Negative control: unweighted, the gradient differs."""
+    generator = torch.Generator().manual_seed(0)
+    logprobs = (-torch.rand(2, 5, generator=generator)).requires_grad_()
+    rollout = logprobs.detach() + torch.tensor([[0.0, 0.3, -0.3, -1.5, 0.1]] * 2)  # token 3: weight e^1.5 > 2
+    advantages, mask = torch.tensor([1.0, -2.0]), torch.ones(2, 5, dtype=torch.bool)
+    totals = {"tokens": 10.0, "sequences": 2.0, "max_tokens": 5.0}
+    weights = truncated_importance_weights(logprobs, rollout, 2.0)
+    assert weights[0, 3] == 2.0 and weights[0, 1] == pytest.approx(math.exp(-0.3))
+    grads = {}
+    for cap in (2.0, None):
+        loss, parts = policy_loss("dapo", logprobs, logprobs.detach(), advantages, mask, totals,
+                                  rollout_logprobs=rollout, is_cap=cap)
+        grads[cap], = torch.autograd.grad(loss, logprobs)
+    assert torch.allclose(grads[2.0], -weights * advantages[:, None] / 10)
+    assert not torch.allclose(grads[None], grads[2.0])  # the control: the weights did something
+    assert torch.allclose(grads[None], -advantages[:, None].expand(2, 5) / 10)
+    _, parts = policy_loss("dapo", logprobs, logprobs.detach(), advantages, mask, totals, rollout_logprobs=rollout,
+                           is_cap=2.0)
+    assert parts["is_truncated"] == pytest.approx(0.2)  # token 3 of each row
+    log_ratio = -(rollout - logprobs.detach())
+    assert parts["rollout_kl"] == pytest.approx(float((log_ratio.exp() - 1 - log_ratio).mean()), rel=1e-5)
+
+
+def test_the_k3_kl_is_clamped():
+    logprobs = torch.tensor([-30.0, -1.0])
+    kl = k3_kl(logprobs, torch.tensor([-0.1, -1.2]))
+    assert kl[0] == KL_CLAMP and 0 < kl[1] < 0.1
+
+
+def test_mask_truncated_drops_cut_responses_from_the_loss(tmp_path):
+    trainer = make_trainer(tmp_path, **{"grpo.mask_truncated": True, "rollout.max_new_tokens": 2})
+    examples = trainer.task.sample(4, seed=0)
+    rollout = trainer.rollout(examples)
+    batch = trainer.score(examples, rollout)
+    cut = torch.tensor([s.finish_reason == "length" for s in rollout.samples])
+    assert cut.any() and not batch.packed.response_mask[cut].any()
+    assert batch.packed.response_mask[~cut].sum(-1).tolist() == [len(s.token_ids) for s in rollout.samples
+                                                                  if s.finish_reason != "length"]
+    assert math.isfinite(trainer.update(batch)["loss"])
