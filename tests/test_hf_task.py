@@ -104,6 +104,13 @@ def test_bad_inputs_are_one_line(tmp_path, datasets):
     (tmp_path / "empty.jsonl").write_text("")  # datasets said only "(StopIteration)" (found by QA)
     with pytest.raises(DatasetError, match="empty.jsonl is empty: no records to train on"):
         load_hf_examples(tmp_path / "empty.jsonl")
+    # rows decode lazily: a file that is not UTF-8 was a UnicodeDecodeError traceback (found by review)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"question": "caf\xe9 2+2?", "answer": "4"}\n')
+    with pytest.raises(DatasetError, match=r"latin1.jsonl: not UTF-8 text \(byte 0xe9\)"):
+        load_hf_examples(tmp_path / "latin1.jsonl")
+    (tmp_path / "hello.json").write_text("hello")  # the cause under datasets' "An error occurred while ..."
+    with pytest.raises(DatasetError, match=r"hello.json: cannot load split 'train' with datasets \(.+: \w+: .+\)"):
+        load_hf_examples(tmp_path / "hello.json")
 
 
 def test_without_the_datasets_package_the_error_names_the_extra(tmp_path, monkeypatch):

@@ -102,3 +102,20 @@ def test_mask_truncated_drops_cut_responses_from_the_loss(tmp_path):
     assert batch.packed.response_mask[~cut].sum(-1).tolist() == [len(s.token_ids) for s in rollout.samples
                                                                   if s.finish_reason != "length"]
     assert math.isfinite(trainer.update(batch)["loss"])
+
+
+def test_a_step_whose_every_response_is_masked_says_it_trained_on_nothing(tmp_path, capsys):
+    """With grpo.mask_truncated and a budget no response finishes within, a run was a silent no-op (review)."""
+    from conftest import tiny_model
+    from tlt.distributed.run import train
+
+    model = tiny_model("llama", vocab_size=16, eos_token_id=None)
+    trainer = make_trainer(tmp_path / "masked", model=model, **{"grpo.mask_truncated": True, "run.steps": 1})
+    trainer.engine.eos_token_ids = []  # (the tiny tokenizer's EOS too) no stop token: every response is cut
+    history = train(trainer.config, trainer=trainer)
+    assert history[0]["train/tokens"] == 0
+    assert "this step trained on 0 tokens" in capsys.readouterr().out
+    control = make_trainer(tmp_path / "control", model=model, **{"run.steps": 1})
+    control.engine.eos_token_ids = []
+    assert train(control.config, trainer=control)[0]["train/tokens"] > 0
+    assert "trained on 0 tokens" not in capsys.readouterr().out

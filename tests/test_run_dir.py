@@ -668,6 +668,25 @@ def test_ctrl_c_says_where_to_resume_and_leaves_no_traceback(tmp_path, capsys, m
     assert capsys.readouterr().err == "tlt: interrupted\n"
 
 
+def test_ctrl_c_while_a_checkpoint_is_written_names_it_and_prunes(tmp_path, capsys, monkeypatch):
+    """Ctrl-C reached the main thread while a worker thread still wrote step 3's checkpoint: the message named
+    step 2's, and pruning never ran (3 checkpoints with keep_checkpoints=2; found by review). Here the save
+    completes and the interrupt comes right after it, before the loop prunes."""
+    trainer = make_trainer(tmp_path, **{"run.steps": 5, "run.keep_checkpoints": 2})
+    save = trainer.save
+
+    def interrupted_save(run_dir):
+        save(run_dir)
+        if trainer.step == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(trainer.config, trainer=trainer)
+    assert "continues from step-000003" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000003"]
+
+
 def test_resume_without_config_json_checks_against_the_checkpoints_config(tmp_path):
     """With RUN_DIR/config.json gone (deleted, or lost with a copy), --resume with another lr and loss continued
     the checkpoint silently under them; the checkpoint keeps its own config (model.device as a worker resolved

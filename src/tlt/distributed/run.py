@@ -68,7 +68,11 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
                 history = _loop(config, trainer, run_dir, checkpoint, console)
                 final = trainer.save_final(run_dir / "final")
             except KeyboardInterrupt:
+                if owned:  # a checkpoint a worker thread is still writing lands first: the message names it
+                    trainer.close()
                 saved = latest_checkpoint(run_dir)
+                if saved is not None:
+                    prune_checkpoints(run_dir, config.run.keep_checkpoints)
                 console.print(f"interrupted after {trainer.step} completed step(s): " + (
                     f"`tlt train ... --resume` continues from {saved.name}" if saved else "no checkpoint was saved"))
                 raise
@@ -76,7 +80,9 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
                 if owned:
                     trainer.close()
         except BaseException:
-            if restore_replaced(run_dir):
+            if latest_checkpoint(run_dir) is not None:  # (its first checkpoint may land as it is interrupted)
+                discard_replaced(run_dir)
+            elif restore_replaced(run_dir):
                 console.print(f"note: the run ended before its first checkpoint: the run it was replacing "
                               f"(--overwrite) is back in {run_dir}")
             raise
@@ -165,6 +171,10 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
             failed_steps = failed_steps + 1 if metrics["reward_failures"] >= samples else 0
         else:
             failed_steps = 0
+        if metrics.get("train/tokens") == 0:  # (only grpo.mask_truncated can leave none)
+            console.print(f"      warning: every response was cut at rollout.max_new_tokens="
+                          f"{config.rollout.max_new_tokens} and grpo.mask_truncated drops them: this step trained "
+                          f"on 0 tokens (raise the budget, or set grpo.mask_truncated=false)")
         if "eval_accuracy" in metrics:
             console.print(EVAL_LINE.format(**metrics))
         if getattr(trainer, "last_timeline", None) is not None:

@@ -29,12 +29,29 @@ def load_hf_examples(path: str | Path, split: str = "train", prompt_field: str =
     datasets = _import_datasets()
     with _quiet(datasets):
         try:
-            rows = _load(datasets, path, split)
+            # rows are decoded as they are read: a file that is not UTF-8 fails here, not at load_dataset
+            records = list(enumerate(_load(datasets, path, split), start=1))
         except DatasetError:
             raise
+        except UnicodeDecodeError as error:
+            raise DatasetError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x}); save the file as "
+                               f"UTF-8") from None
         except Exception as error:  # noqa: BLE001 - datasets raises many types (ValueError, FileNotFoundError, ...)
-            raise DatasetError(f"{path}: cannot load split {split!r} with datasets ({first_line(error)})") from None
-    return records_to_examples(enumerate(rows, start=1), prompt_field, answer_field, f"{path} [{split}]", "row")
+            raise DatasetError(f"{path}: cannot load split {split!r} with datasets ({_root_cause(error)})") from None
+    return records_to_examples(records, prompt_field, answer_field, f"{path} [{split}]", "row")
+
+
+def _root_cause(error: BaseException) -> str:
+    """datasets wraps the cause ("An error occurred while generating the dataset"): the innermost one says what
+    is wrong with the file; both are named when they differ."""
+    root, seen = error, set()
+    while (root.__cause__ or root.__context__) is not None and id(root) not in seen:
+        seen.add(id(root))
+        root = root.__cause__ or root.__context__
+    outer = first_line(error)
+    if root is error:
+        return outer
+    return f"{outer}: {type(root).__name__}: {first_line(root)}"
 
 
 def _load(datasets, path: Path, split: str):
