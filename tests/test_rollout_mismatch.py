@@ -119,3 +119,22 @@ def test_a_step_whose_every_response_is_masked_says_it_trained_on_nothing(tmp_pa
     control.engine.eos_token_ids = []
     assert train(control.config, trainer=control)[0]["train/tokens"] > 0
     assert "trained on 0 tokens" not in capsys.readouterr().out
+
+
+def test_resume_refuses_a_model_whose_weights_changed_when_it_is_the_kl_reference(tmp_path):
+    """The reference is the model as loaded from model.path: changed weights there silently pulled a resumed run
+    toward another initial policy (found by review); a changed dataset was already refused."""
+    from tlt.rl.checkpoint import CheckpointError, latest_checkpoint
+
+    trainer = make_trainer(tmp_path / "run", **{"grpo.kl_coef": 0.1})
+    trainer.train_step()
+    trainer.save(tmp_path / "run")
+    checkpoint = latest_checkpoint(tmp_path / "run")
+    same = make_trainer(tmp_path / "same", **{"grpo.kl_coef": 0.1})
+    same.resume(checkpoint)  # the same weights loaded anew: accepted
+    assert same.step == 1
+    changed = make_trainer(tmp_path / "changed", seed=1, **{"grpo.kl_coef": 0.1})
+    with pytest.raises(CheckpointError, match="is not the one the run .* started from"):
+        changed.resume(checkpoint)
+    without_kl = make_trainer(tmp_path / "nokl", seed=1)  # no reference: the checkpoint holds the whole policy
+    without_kl.resume(checkpoint)

@@ -18,7 +18,7 @@ from tlt.drafter.trainer import OPTIMIZER_FILE as DRAFTER_OPTIMIZER_FILE
 from tlt.drafter.trainer import save_trainer_state
 from tlt.models.eagle import EagleDrafter
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
-from tlt.rl.checkpoint import load_checkpoint, read_state, read_tensors, save_checkpoint
+from tlt.rl.checkpoint import CheckpointError, load_checkpoint, read_state, read_tensors, save_checkpoint
 from tlt.rl.replica import PolicyReplica
 
 DRAFTER_FILE = "drafter.safetensors"
@@ -48,6 +48,8 @@ def save_run_checkpoint(run_dir: Path, replica: PolicyReplica, step: int, *, dra
             files[DRAFTER_OPTIMIZER_FILE] = tensors
             state["drafter"]["trainer"] = {"steps": drafter.trainer_state["steps"], "optimizer": meta}
     state["config"] = replica.config.to_dict()
+    if replica.reference_digest is not None:
+        state["reference_digest"] = replica.reference_digest
     if replica.engine.speculation is not None:
         state["speculation"] = replica.engine.speculation.state_dict()
     optimizer = replica.optimizer if replica.config.run.save_optimizer else None
@@ -58,6 +60,13 @@ def resume_replica(replica: PolicyReplica, checkpoint: Path, rank: int = 0) -> i
     """Restore the policy, optimizer, lr schedule, RNG and speculation policy in place; returns the step. `rank`:
     the worker's, whose own speculation policy state the run's driver kept (`speculation_by_rank`: each worker's
     bandit learned its own batch sizes; a rank the checkpoint has none for takes rank 0's)."""
+    saved_reference = read_state(checkpoint).get("reference_digest")
+    if None not in (saved_reference, replica.reference_digest) and saved_reference != replica.reference_digest:
+        # the KL reference is the model as loaded from model.path: other weights there would pull the resumed
+        # policy toward another "initial policy" (a changed dataset is refused alike)
+        raise CheckpointError(f"--resume: the model at model.path={replica.config.model.path} is not the one the run "
+                              f"in {Path(checkpoint).parent} started from (its weights changed), and it is the KL "
+                              f"reference (grpo.kl_coef > 0): restore those weights, or start a new run")
     state = load_checkpoint(checkpoint, replica.model, replica.optimizer, replica.scheduler)
     by_rank = state.get("speculation_by_rank") or []
     own = by_rank[rank] if rank < len(by_rank) and by_rank[rank] is not None else state.get("speculation")
