@@ -140,9 +140,21 @@ def test_import_refuses_weights_it_would_drop(tmp_path):
         import_eagle(tmp_path, model)
 
 
-def test_non_llama_drafters_are_refused(tmp_path):
+def test_non_llama_drafters_are_refused(tmp_path, monkeypatch, capsys):
     with pytest.raises(ExportError, match="Llama"):
         export_eagle(EagleDrafter(tiny_model("qwen3").config), tmp_path)
+    from tlt.cli import main
+
+    # the command refuses from the drafter's own config, before it loads the target (found by review)
+    model = tiny_model("qwen2")
+    EagleDrafter(model.config).attach(model).save(tmp_path / "drafter")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the refusal")
+
+    monkeypatch.setattr("tlt.models.load_model", no_load)
+    assert main(["drafter", "export", str(tmp_path / "drafter"), "--model", "x", "--out", str(tmp_path / "o")]) == 2
+    assert "read Llama-family drafters (LlamaForCausalLMEagle); this one is 'qwen2'" in capsys.readouterr().err
 
 
 def test_export_never_replaces_a_model_directory_and_an_earlier_export_only_when_told(tmp_path, capsys):

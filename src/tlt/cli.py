@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     drafter = commands.add_parser("drafter", help="drafter warm-up and export (EAGLE for vLLM / SGLang)")
     drafter = drafter.add_subparsers(dest="drafter_command", required=True)
     _add_warmup(drafter.add_parser("warmup", help="train a drafter on the target's own responses"))
-    export = drafter.add_parser("export", help="write a drafter as an EAGLE draft model for vLLM / SGLang")
+    export = drafter.add_parser("export", help="write a drafter as an EAGLE draft model for vLLM / SGLang (Llama-family "
+                                "targets: the engines' EAGLE loaders read Llama drafters)")
     export.add_argument("directory", help="a tlt drafter directory")
     export.add_argument("--format", choices=["eagle"], default="eagle")
     export.add_argument("--target", choices=["vllm", "sglang"], default="vllm")
@@ -237,8 +238,8 @@ def _warmup_from_run_config(args, config, train_config) -> int:
 
 
 def _run_export(args) -> int:
-    from tlt.drafter.export import (DTYPES, ExportError, auto_serving_dtype, check_export_out, export_eagle,
-                                    export_notes, serve_command)
+    from tlt.drafter.export import (DTYPES, ExportError, auto_serving_dtype, check_export_out, check_exportable,
+                                    export_eagle, export_notes, serve_command)
     from tlt.models import load_model
     from tlt.models.eagle import DrafterError, EagleDrafter, check_drafter_dir
     from tlt.models.default_model import default_model_dir
@@ -249,6 +250,7 @@ def _run_export(args) -> int:
                           f"choose another --out")
     check_export_out(args.out, args.overwrite)  # before the model loads
     check_drafter_dir(args.directory)
+    check_exportable(args.directory)  # before the model loads
     loaded = load_model(args.model)
     try:
         drafter = EagleDrafter.load(args.directory, loaded.model)

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from tlt.distributed.controller import DistributedGRPO
 from tlt.distributed.placement import resolve
+from tlt.drafter.export import EXPORTABLE, drafter_model_type
 from tlt.files import write_whole
 from tlt.metrics.logger import open_metrics_logger
 from tlt.metrics.timeline import drop_timelines_after, save_timeline
@@ -90,8 +91,9 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     console.print(f"run saved in {run_dir} (final policy: {final}); see it with: tlt report {run_dir}")
     drafter = Path(final) / FINAL_DRAFTER_DIR
     if drafter.is_dir():
-        console.print(f"its drafter: {drafter} (for vLLM / SGLang: tlt drafter export {drafter} --model {final} "
-                      f"--out DIR; to go on training it: run.drafter={drafter})")
+        serving = (f"for vLLM / SGLang: tlt drafter export {drafter} --model {final} --out DIR; "
+                   if drafter_model_type(drafter) in EXPORTABLE else "")  # their EAGLE loaders read Llama drafters
+        console.print(f"its drafter: {drafter} ({serving}to go on training it: run.drafter={drafter})")
     elif isinstance(trainer, DistributedGRPO) and trainer.config.run.speculative != "off":  # as placed (resolve
         # may have turned it off, and said why); GRPOTrainer saves none
         console.print(f"no drafter in {final}: the run's drafter never trained (no spot-training step ran: a short "

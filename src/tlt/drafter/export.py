@@ -31,7 +31,7 @@ import torch
 
 from tlt.errors import TltError
 from tlt.files import refuse_a_file_in_the_way, share_as_umask
-from tlt.models.eagle import EagleDrafter
+from tlt.models.eagle import CONFIG_FILE, EagleDrafter
 
 ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -84,6 +84,26 @@ def _is_an_export(out: Path) -> bool:
     except Exception:  # noqa: BLE001 - not readable as safetensors: not ours to replace
         return False
     return bool(names) and all(name.startswith(("fc.", "layers.0.")) for name in names)
+
+
+EXPORTABLE = ("llama",)  # the model types vLLM's and SGLang's EAGLE drafter classes are (LlamaForCausalLMEagle)
+
+
+def drafter_model_type(directory: str | Path) -> str | None:
+    """The model type a tlt drafter directory was built for (its drafter_config.json), None if unreadable."""
+    try:
+        return json.loads((Path(directory) / CONFIG_FILE).read_text())["target_config"]["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_exportable(directory: str | Path) -> None:
+    """Before any model loads: a drafter of a model type the engines' EAGLE loaders do not read."""
+    model_type = drafter_model_type(directory)
+    if model_type is not None and model_type not in EXPORTABLE:
+        raise ExportError(f"{directory}: the EAGLE loaders of vLLM and SGLang read Llama-family drafters "
+                          f"(LlamaForCausalLMEagle); this one is {model_type!r}. It serves tlt's own rollouts "
+                          f"(run.drafter=..., tlt generate --drafter) but cannot be exported")
 
 
 def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", overwrite: bool = False,
