@@ -321,9 +321,11 @@ def test_a_killed_warmup_keeps_the_drafter_of_its_last_save(tmp_path, monkeypatc
     small = dict(prompts=6, samples_per_prompt=1, eval_prompts=1, max_new_tokens=8, draft_vocab=12,
                  eval_strategy=SpecStrategy.chain(2))
     loaded, out = _markov_loaded(), tmp_path / "drafter"
+    lines = []
     with pytest.raises(KeyboardInterrupt):
-        warmup(loaded, TargetTokenTask(vocab_size=16), out, WarmupConfig(steps=10, **small), log=lambda line: None)
+        warmup(loaded, TargetTokenTask(vocab_size=16), out, WarmupConfig(steps=10, **small), log=lines.append)
     assert json.loads((out / "drafter_trainer.json").read_text())["steps"] == 4
+    assert f"interrupted: the drafter after 4 optimizer step(s) is saved in {out}" in lines[-1]
     assert EagleDrafter.load(out, loaded.model).draft_vocab_size == 12
     assert not (out / "warmup_report.json").exists()  # a finished warm-up's mark
 
@@ -449,6 +451,15 @@ def test_cli_warmup_refuses_a_dataset_smaller_than_its_prompts_before_loading_th
     assert ("the dataset has 20 record(s); --prompts 64 and the 8 prompts that measure τ need 72: lower --prompts "
             "to at most 12") in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+    data.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(9)))
+    assert main(["drafter", "warmup", "--data", str(data), "--out", str(tmp_path / "d"), "--prompts", "2"]) == 2
+    # no --prompts would do (it is at least 2): the advice was "lower --prompts to at most 1" (found by review)
+    assert "the dataset has 9 record(s); a warm-up needs at least 10: 2 training prompts" in capsys.readouterr().err
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    assert main(["drafter", "warmup", "--out", str(model_dir)]) == 2
+    assert "holds a config.json (a model's directory?)" in capsys.readouterr().err
 
 
 def test_a_drafters_saved_optimizer_state_carries_its_moments_not_its_hyperparameters(tmp_path):
@@ -550,3 +561,26 @@ def test_the_function_training_fits_is_the_one_serving_runs(arch):
         with torch.no_grad():
             served = serving.step(tokens, features, rows, positions + 37)
         torch.testing.assert_close(served, trained.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_ctrl_c_in_the_first_minute_of_a_warmup_keeps_its_steps(tmp_path, monkeypatch):
+    """A warm-up saved on a timer only (SAVE_EVERY_S): Ctrl-C in its first minute kept nothing (found by review)."""
+    from tlt.drafter.trainer import DrafterTrainer
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.tasks.synthetic import TargetTokenTask
+
+    step = DrafterTrainer.train_steps
+
+    def ctrl_c_at_the_third(trainer, count):
+        if trainer.steps == 2:
+            raise KeyboardInterrupt
+        return step(trainer, count)
+
+    monkeypatch.setattr(DrafterTrainer, "train_steps", ctrl_c_at_the_third)
+    small = dict(prompts=6, samples_per_prompt=1, eval_prompts=1, max_new_tokens=8, draft_vocab=12,
+                 eval_strategy=SpecStrategy.chain(2))
+    loaded, out = _markov_loaded(), tmp_path / "drafter"
+    with pytest.raises(KeyboardInterrupt):
+        warmup(loaded, TargetTokenTask(vocab_size=16), out, WarmupConfig(steps=100, **small), log=lambda line: None)
+    assert DrafterTrainer.saved_state(out)["steps"] == 2
+    assert EagleDrafter.load(out, loaded.model).draft_vocab_size == 12

@@ -9,6 +9,7 @@ the target-only rule at the rollout temperature (tlt.drafter.chain): agreement a
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,17 +89,26 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     drafter = trainer.drafter
     held = list(held_buffer.entries)
     saved = time.perf_counter()
-    with tqdm(total=config.steps, desc="drafter warm-up", unit="step") as bar:
-        for step in range(config.steps):
-            for group in trainer.optimizer.param_groups:
-                group["lr"] = train_config.lr * lr_factor(step, schedule=config.lr_schedule, warmup_steps=0,
-                                                          horizon=config.steps, min_lr_ratio=0.1)
-            stats = trainer.train_steps(1)[-1]
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.2f}")
-            bar.update(1)
-            if time.perf_counter() - saved >= SAVE_EVERY_S and step + 1 < config.steps:
-                trainer.save(out)  # a warm-up killed later keeps this drafter (go on with --init OUT)
-                saved = time.perf_counter()
+    # off a terminal (a log file), a redraw every few seconds rather than one per step
+    with tqdm(total=config.steps, desc="drafter warm-up", unit="step",
+              mininterval=0.1 if sys.stderr.isatty() else 15.0) as bar:
+        try:
+            for step in range(config.steps):
+                for group in trainer.optimizer.param_groups:
+                    group["lr"] = train_config.lr * lr_factor(step, schedule=config.lr_schedule, warmup_steps=0,
+                                                              horizon=config.steps, min_lr_ratio=0.1)
+                stats = trainer.train_steps(1)[-1]
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.2f}", refresh=False)
+                bar.update(1)
+                if time.perf_counter() - saved >= SAVE_EVERY_S and step + 1 < config.steps:
+                    trainer.save(out)  # a warm-up killed later keeps this drafter (go on with --init OUT)
+                    saved = time.perf_counter()
+        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM, as the CLI maps it) between optimizer steps: keep them
+            bar.close()
+            trainer.save(out)
+            log(f"interrupted: the drafter after {trainer.steps} optimizer step(s) is saved in {out} (go on with "
+                f"--init {out}; it has no τ measurement)")
+            raise
     held_out = trainer.evaluate(held)
     log(f"scoring greedy draft chains on the {len(prompts) - held_from} held-out responses")
     chain = chain_acceptance(drafter, engine.policy_forward, prompts[held_from:], responses[held_from:],
@@ -142,9 +152,13 @@ def check_enough_examples(source, config: WarmupConfig) -> None:
     examples = getattr(source, "examples", None)
     needed = config.prompts + config.eval_prompts
     if isinstance(examples, list) and len(examples) < needed:
+        room = len(examples) - config.eval_prompts
+        if room < 2:  # no --prompts would do (at least 2): say what the dataset lacks
+            raise TltError(f"the dataset has {len(examples)} record(s); a warm-up needs at least "
+                           f"{2 + config.eval_prompts}: 2 training prompts and the {config.eval_prompts} held-out "
+                           f"prompts that measure τ")
         raise TltError(f"the dataset has {len(examples)} record(s); --prompts {config.prompts} and the "
-                       f"{config.eval_prompts} prompts that measure τ need {needed}: lower --prompts to at most "
-                       f"{max(0, len(examples) - config.eval_prompts)}")
+                       f"{config.eval_prompts} prompts that measure τ need {needed}: lower --prompts to at most {room}")
 
 
 def check_settings(config: WarmupConfig, train_config: DrafterTrainConfig) -> None:
@@ -169,6 +183,9 @@ def _tau_text(tau: float | None) -> str:
 
 def check_out(out: Path, init: str | None, overwrite: bool) -> None:
     refuse_a_file_in_the_way(out, "--out")
+    if (out / "config.json").exists():  # a model's directory (or an export's): the drafter would be mixed into it
+        raise TltError(f"{out} holds a config.json (a model's directory?): a drafter goes into a directory of its "
+                       f"own; choose another --out")
     same_as_init = init is not None and Path(init).resolve() == out.resolve()
     if (out / DRAFTER_CONFIG_FILE).exists() and not (overwrite or same_as_init):
         raise TltError(f"{out} already holds a drafter: pass --overwrite to replace it, --init {out} to go on "
