@@ -24,6 +24,19 @@ def test_jsonl_lines_and_truncation(tmp_path):
     assert not (tmp_path / "tensorboard").exists()
 
 
+def test_non_finite_metrics_are_strict_json_nulls(tmp_path):
+    """A huge reward wrote bare Infinity / NaN, which jq and JSON.parse reject (found by review)."""
+    import json
+
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(1, {"reward_mean": float("inf"), "train/loss": float("nan"), "lengths": [1.0, float("-inf")],
+                   "ok": 0.5})
+    logger.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    record = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
+    assert record == {"step": 1, "reward_mean": None, "train/loss": None, "lengths": [1.0, None], "ok": 0.5}
+
+
 def test_a_resume_killed_while_truncating_keeps_the_history(tmp_path, monkeypatch):
     """truncate_after rewrites metrics.jsonl: killed midway, the old file stays whole (a staged file renamed over
     it), never the half-written one."""

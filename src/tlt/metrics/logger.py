@@ -23,9 +23,10 @@ class MetricsLogger:
         self.sinks = ([_TensorBoard(writer)] if writer is not None else []) + list(sinks)
 
     def log(self, step: int, metrics: dict) -> None:
-        record = {"step": step, **metrics}
+        record = {"step": step, **{key: _json_value(value) for key, value in metrics.items()}}
         with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            # strict JSON (jq, JSON.parse and pandas read it): a NaN/inf metric is written as null
+            handle.write(json.dumps(record, allow_nan=False) + "\n")
         scalars = scalar_metrics(metrics)
         for sink in self.sinks:
             sink.log(step, scalars)
@@ -110,3 +111,14 @@ def _tensorboard_writer(directory: Path, resumed_at: int | None = None):
         return None
     # purge_step: TensorBoard drops the events of steps >= it that earlier event files hold
     return SummaryWriter(str(directory), purge_step=None if resumed_at is None else resumed_at + 1)
+
+
+def _json_value(value):
+    """A metric as strict JSON takes it: non-finite floats become None (null), in lists and dicts too."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _json_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
+    return value

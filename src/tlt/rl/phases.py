@@ -234,7 +234,7 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
             # same reduced gradients, so all skip together and stay identical.
             skipped += 1
             log.warning("RL step %d: the gradient norm is %s; this update is skipped (the weights stay as they were)",
-                        batch.step, norm)
+                        batch.step + 1, norm)  # (steps count from 1 wherever a user reads them)
             continue
         grad_norms.append(norm)  # also without clipping (max_norm inf): the norm is computed either way
         replica.optimizer.step()

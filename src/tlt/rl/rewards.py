@@ -148,7 +148,9 @@ class Reward:
             bonus = self.format_reward if extract_answer(completion) is not None else 0.0
             try:
                 value = _finite(self.check(completion, example))
-            except Exception as error:  # noqa: BLE001 — a user's reward bug must not kill a long run; counted
+            # a user's reward bug must not kill a long run; counted. SystemExit too: a checker that calls
+            # sys.exit() ended the whole run without a word (found by review)
+            except (Exception, SystemExit) as error:  # noqa: BLE001
                 value, failures = 0.0, failures + 1
                 if not self._told:
                     self._told = True
