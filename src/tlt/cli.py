@@ -145,8 +145,8 @@ def _add_train(parser: argparse.ArgumentParser) -> None:
                         "file, overrides) as YAML and exit, without loading a model")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.out_dir")
     parser.add_argument("--overwrite", action="store_true", help="start a new run in run.out_dir even if it holds "
-                        "one (deletes that run's checkpoints, metrics, timeline, TensorBoard and wandb logs and "
-                        "final policy)")
+                        "one (deletes that run's checkpoints, metrics, timeline, TensorBoard and wandb logs, "
+                        "final policy and tlt report's pages)")
 
 
 def _run_train(args) -> int:
@@ -324,7 +324,7 @@ def _run_verify(args) -> int:
     if args.drafter:
         check_drafter_dir(args.drafter)
     if args.json:  # before the check, whose results would be lost at the end
-        _check_writable(Path(args.json), "--json")
+        _check_writable(args.json, "--json")
     pick_threads(args.threads)
     console = Console()
     with console.status("loading model"):
@@ -351,7 +351,12 @@ def _run_verify(args) -> int:
 
 
 def _check_writable(path, option: str) -> None:
-    """A file the command will write at its end: its directory is made now, and a directory in its place fails."""
+    """A file the command will write at its end: its directory is made now, and a directory in its place fails
+    (so does a path written as one: `out/` became a file named out)."""
+    if str(path).endswith(("/", os.sep)):
+        raise TltError(f"{option} {path} names a directory; give a file name (e.g. {str(path).rstrip('/' + os.sep)}"
+                       f"/result.json)")
+    path = Path(path)
     if path.is_dir():
         raise TltError(f"{option} {path} is a directory; give a file name")
     refuse_a_file_in_the_way(path.parent, option)

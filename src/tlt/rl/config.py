@@ -287,7 +287,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     for key in ("checkpoint_every", "keep_checkpoints", "threads_per_worker"):
         _at_least(f"run.{key}", getattr(run, key), 0)
     _check(run.workers == "auto" or (isinstance(run.workers, int) and run.workers >= 1),
-           f"run.workers must be >= 1 (or auto), got {run.workers!r}")
+           f"run.workers must be an integer >= 1 (or auto), got {run.workers!r}")
     _check(0 < run.gpus_per_worker <= 1, f"run.gpus_per_worker must be in (0, 1] (0.5 puts two workers on each "
            f"GPU), got {run.gpus_per_worker}")
     for key in ("publish_every", "drafter_buffer_tokens"):

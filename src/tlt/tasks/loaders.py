@@ -33,7 +33,8 @@ def _text_field(value, name: str, where: str, *, answer: bool) -> str:
         raise DatasetError(f"{where}: field {name!r} is NaN")
     if not (isinstance(value, str) or numeric):
         hint = (" (a list of chat messages: tlt formats a text prompt with the model's chat template; put the "
-                "user's text in the field)" if isinstance(value, list) else "")
+                "user's text in the field)" if isinstance(value, list) and not answer else
+                " (a gold answer is one text or number)" if answer else "")
         raise DatasetError(f"{where}: field {name!r} is {type(value).__name__}, not text{hint}")
     text = normalize_answer(value) if answer else value
     if not str(text).strip():
