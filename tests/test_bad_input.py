@@ -240,7 +240,7 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
      "run.drafter_buffer_tokens=4 cannot hold one sample's features (rollout.max_new_tokens=4 + 1 tokens)"),
     ("rollout.max_batch_size=0", "rollout.max_batch_size must be >= 1"),
     ("rollout.samples_per_prompt=1", "samples_per_prompt must be >= 2"), ("task.name=csv", "task.name"),
-    ("optim.lr=0", "optim.lr must be > 0"), ("run.workers=0", "run.workers must be >= 1"),
+    ("optim.lr=0", "optim.lr must be > 0"), ("run.workers=0", "run.workers must be an integer >= 1"),
     ("run.speculative=adaptive run.spot_training=false", "run.speculative=adaptive needs run.drafter"),
     ("rollout.top_k=-1", "rollout.top_k must be >= 0"), ("grpo.clip_high=-0.1", "grpo.clip_high must be >= 0"),
     ("rollout.max_new_tokens=0", "rollout.max_new_tokens must be >= 1"), ("run.steps=-1", "run.steps must be >= 1"),

@@ -105,7 +105,7 @@ def test_a_pinned_gpu_holds_every_in_process_worker_and_is_refused_on_ray():
 
 @pytest.mark.parametrize("kwargs,expected", [
     ({"workers": 1, "device": "cuda", "gpus": 0}, "no CUDA GPU is visible.*model.device=cpu"),
-    ({"workers": 0, "device": "cpu", "gpus": 0}, "run.workers must be >= 1 \\(or auto\\)"),
+    ({"workers": 0, "device": "cpu", "gpus": 0}, "run.workers must be an integer >= 1 \\(or auto\\)"),
     ({"workers": "two", "device": "cpu", "gpus": 0}, "run.workers must be"),
     ({"workers": 1, "device": "cpu", "gpus": 0, "gpus_per_worker": 0}, "run.gpus_per_worker must be in \\(0, 1\\]"),
     ({"workers": 1, "device": "cpu", "gpus": 0, "gpus_per_worker": 2}, "run.gpus_per_worker must be in"),
@@ -151,8 +151,8 @@ def test_workers_default_to_auto_and_take_integers_or_auto(tmp_path):
 
 
 @pytest.mark.parametrize("override,expected", [
-    ("run.workers=two", "run.workers must be >= 1 \\(or auto\\), got 'two'"),
-    ("run.workers=0", "run.workers must be >= 1"), ("run.workers=true", "run.workers expects int or str"),
+    ("run.workers=two", "run.workers must be an integer >= 1 \\(or auto\\), got 'two'"),
+    ("run.workers=0", "run.workers must be an integer >= 1"), ("run.workers=true", "run.workers expects int or str"),
     ("run.gpus_per_worker=0", "run.gpus_per_worker must be in \\(0, 1\\]"),
     ("run.gpus_per_worker=1.5", "run.gpus_per_worker must be in"),
     ("run.workers=1 run.tail_training=off", "run.speculative=adaptive needs run.drafter")])

@@ -95,7 +95,7 @@ def plan(workers, *, device: str, gpus: int, gpus_per_worker: float = 1.0, backe
 
 def _check_request(workers, gpus_per_worker: float, backend: str) -> None:
     if workers != AUTO and not (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1):
-        raise PlacementError(f"run.workers must be >= 1 (or auto), got {workers!r}")
+        raise PlacementError(f"run.workers must be an integer >= 1 (or auto), got {workers!r}")
     if not (isinstance(gpus_per_worker, (int, float)) and 0 < gpus_per_worker <= 1):
         raise PlacementError(f"run.gpus_per_worker must be in (0, 1] (0.5 puts two workers on each GPU), got "
                              f"{gpus_per_worker!r}")

@@ -103,7 +103,8 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
                 if time.perf_counter() - saved >= SAVE_EVERY_S and step + 1 < config.steps:
                     trainer.save(out)  # a warm-up killed later keeps this drafter (go on with --init OUT)
                     saved = time.perf_counter()
-        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM, as the CLI maps it) between optimizer steps: keep them
+        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM, as the CLI maps it): keep the steps done. One cut inside
+            # its optimizer step may be partly applied: still a valid drafter (SD is exact whatever it drafts)
             bar.close()
             trainer.save(out)
             log(f"interrupted: the drafter after {trainer.steps} optimizer step(s) is saved in {out} (go on with "
@@ -158,7 +159,8 @@ def check_enough_examples(source, config: WarmupConfig) -> None:
                            f"{2 + config.eval_prompts}: 2 training prompts and the {config.eval_prompts} held-out "
                            f"prompts that measure τ")
         raise TltError(f"the dataset has {len(examples)} record(s); --prompts {config.prompts} and the "
-                       f"{config.eval_prompts} prompts that measure τ need {needed}: lower --prompts to at most {room}")
+                       f"{config.eval_prompts} prompts that measure τ need {needed}: lower --prompts to at most "
+                       f"{room}")
 
 
 def check_settings(config: WarmupConfig, train_config: DrafterTrainConfig) -> None:

@@ -10,9 +10,11 @@ ratio is exp(logp - logp.detach()) (value 1, the policy gradient), as in TRL. Wi
 old log-probs are recomputed by the actor (no grad) before the first one. Either way they are the training
 forward's: where the rollout decodes with other numerics (a bf16 copy on CUDA), its own log-probs differ a little,
 and `grpo.rollout_is` weights each token by min(pi_old / pi_rollout, cap) (truncated importance sampling; the
-mismatch is logged as rollout_kl whenever the rollout's log-probs are of the trained softmax). Every random choice derives from
-(run seed, step, a prompt's position in the step), so with speculation off a resumed run repeats exactly what an
-uninterrupted one would have done (with it on, samples follow the same distribution: docs/architecture.md).
+mismatch is logged as rollout_kl whenever the rollout's log-probs are of the trained softmax).
+
+Every random choice derives from (run seed, step, a prompt's position in the step), so with speculation off a
+resumed run repeats exactly what an uninterrupted one would have done (with it on, samples follow the same
+distribution: docs/architecture.md).
 
 Drafter features come from a forward the step runs anyway: the old-log-prob pass when there is one, else the
 update's own forward, or earlier a decoder-only pass of a worker idle in others' tail (`collect_features`). A

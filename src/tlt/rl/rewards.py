@@ -2,8 +2,9 @@
 
 Exact integer match for the built-in task; math-verify (symbolic/numeric equivalence) for general math answers;
 or any function `fn(completion, example) -> float` given by dotted path. A reward function that raises (or
-returns no finite number) gives that sample reward 0, format bonus included; the failures are counted and reported, and the run goes
-on, unless every sample of several steps in a row failed (a bug, not hard samples: distributed/run.py stops it).
+returns no finite number) gives that sample reward 0, format bonus included; the failures are counted and
+reported, and the run goes on, unless every sample of several steps in a row failed (a bug, not hard samples:
+distributed/run.py stops it).
 """
 
 from __future__ import annotations
