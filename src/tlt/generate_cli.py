@@ -118,6 +118,11 @@ def _print_trace(console, result) -> None:
         console.print("one row ran at a time: no batch to drain, so no long tail (sample more with -n or prompts)")
     elif batches:
         tail = sum(1 for b in batches if b <= tail_rows(max(batches)))
+        # rows admitted after the first ones finished (more samples than --max-batch-size) also run small batches
+        # at the end: that is a queue's last wave, not responses of uneven length
+        cause = ("the long tail that speculative decoding targets" if len(result.samples) <= max(batches) else
+                 f"the queue's last wave ({len(result.samples)} samples, at most {max(batches)} at a time) and "
+                 f"the long tail")
         console.print(f"running batch: {batches[0]} at the start → {batches[-1]} at the end; "
                       f"{tail} of {len(batches)} steps ({100 * tail / len(batches):.0f}%) ran at ≤ 1/4 of the peak "
-                      f"batch — the long tail that speculative decoding targets")
+                      f"batch — {cause}")

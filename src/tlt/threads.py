@@ -7,9 +7,12 @@ with 1 under load). So a command takes the cores that are idle now, not all core
 
 from __future__ import annotations
 
+import logging
 import os
 
 from tlt.errors import TltError
+
+log = logging.getLogger(__name__)
 
 
 def available_cores() -> int:
@@ -37,5 +40,8 @@ def pick_threads(requested: int = 0) -> int:
     if requested < 0:
         raise TltError(f"--threads must be >= 0 (0: the cores idle now), got {requested}")
     threads = requested if requested > 0 else idle_cores()
+    if threads > available_cores():  # oversubscribed, each op waits for threads that share a core (~10x slower)
+        log.warning("--threads %d is more than this machine's %d cores: expect every step to be several times "
+                    "slower than with %d", threads, available_cores(), available_cores())
     torch.set_num_threads(threads)
     return threads
