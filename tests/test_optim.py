@@ -242,3 +242,27 @@ def test_weight_decay_skips_norms_and_biases_and_resumes_a_one_group_checkpoint(
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
     with pytest.raises(ValueError):  # the control: unfitted, torch refuses the saved state
         build_optimizer(model, optim).load_state_dict(old.state_dict())
+
+
+@pytest.mark.parametrize("save_optimizer", [True, False])
+def test_a_run_saved_with_one_param_group_resumes_and_trains(tmp_path, monkeypatch, save_optimizer):
+    """End to end: the lr scheduler's state of such a checkpoint has one base lr; the first step after the resume
+    failed (zip() argument 2 is shorter than argument 1; found by review)."""
+    import tlt.rl.replica
+    from test_trainer import make_trainer
+
+    settings = {"optim.weight_decay": 0.1, "optim.schedule": "cosine", "run.steps": 4,
+                "run.save_optimizer": save_optimizer}
+    with monkeypatch.context() as patch:  # the optimizer as it was built before the split
+        patch.setattr(tlt.rl.replica, "build_optimizer", lambda model, optim: torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay))
+        old = make_trainer(tmp_path / "old", **settings)
+        assert len(old.optimizer.param_groups) == 1
+        old.train_step()
+        old.save(tmp_path / "old")
+    resumed = make_trainer(tmp_path / "new", **settings)
+    assert len(resumed.optimizer.param_groups) == 2
+    resumed.resume(latest_checkpoint(tmp_path / "old"))
+    metrics = resumed.train_step()
+    assert math.isfinite(metrics["train/grad_norm"])
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [metrics["lr"]] * 2

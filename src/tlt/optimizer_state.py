@@ -46,3 +46,16 @@ def fit_param_groups(state_dict: dict, optimizer: torch.optim.Optimizer, params:
             index += 1
         groups.append({**saved_groups[0], "weight_decay": group["weight_decay"], "params": ids})
     return {"state": state, "param_groups": groups}
+
+
+def fit_scheduler_groups(state_dict: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """An lr scheduler's state saved for one parameter group, for an optimizer of several (as
+    `fit_param_groups`): every group shares the one lr, so its per-group lists repeat it (a one-entry base_lrs
+    made the first scheduler step after the resume fail: found by review)."""
+    groups = len(optimizer.param_groups)
+    fitted = dict(state_dict)
+    for key in ("base_lrs", "_last_lr"):
+        values = state_dict.get(key)
+        if isinstance(values, list) and len(values) == 1 and groups > 1:
+            fitted[key] = values * groups
+    return fitted

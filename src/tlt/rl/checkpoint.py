@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file, save_model
 
 from tlt.errors import TltError, first_line
 from tlt.files import share_as_umask
-from tlt.optimizer_state import fit_param_groups, flatten_optimizer, unflatten_optimizer
+from tlt.optimizer_state import fit_param_groups, fit_scheduler_groups, flatten_optimizer, unflatten_optimizer
 
 CHECKPOINT_PREFIX = "step-"
 RETIRED_PREFIX = ".old-"  # an earlier copy renamed aside while its replacement moves in (_swap_in)
@@ -198,7 +198,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler=None) -> dict:
             saved = unflatten_optimizer(optimizer_tensors, state["optimizer"])
             optimizer.load_state_dict(fit_param_groups(saved, optimizer, list(model.parameters())))
         if scheduler is not None and state.get("scheduler") is not None:
-            scheduler.load_state_dict(state["scheduler"])
+            scheduler.load_state_dict(fit_scheduler_groups(state["scheduler"], optimizer))
         torch.set_rng_state(rng["torch_rng"])
         random.setstate(_as_python_rng_state(state["python_rng"]))
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
