@@ -52,13 +52,15 @@ def test_a_failed_check_gets_no_format_bonus():
     assert Reward(integer_match, format_reward=0.1).score([r"\boxed{4}"], [example(3)]).rewards == [0.1]  # control
 
 
-def test_a_check_that_calls_sys_exit_is_a_counted_failure(caplog):
+def test_a_check_that_calls_sys_exit_is_one_clear_error():
     """It ended `tlt train` with its exit code and no message at all (found by review)."""
     import sys
 
-    scores = Reward(lambda completion, ex: sys.exit(3)).score([r"\boxed{3}"], [example(3)])
-    assert scores.rewards == [0.0] and scores.failures == 1
-    assert "raised SystemExit: 3" in caplog.text
+    def exits(completion, ex):
+        sys.exit(3)
+
+    with pytest.raises(RewardError, match=r"the reward function exits called sys.exit\(3\): a reward check must"):
+        Reward(exits).score([r"\boxed{3}"], [example(3)])
 
 
 def test_dotted_path_loading():

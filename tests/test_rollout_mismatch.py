@@ -31,7 +31,7 @@ def test_fp32_rollout_matches_the_training_forward_and_is_not_reweighted(tmp_pat
     trainer = make_trainer(tmp_path, **{"optim.grad_clip": 0})
     metrics = trainer.train_step()
     assert metrics["train/rollout_logprob_gap"] < 1e-5 and abs(metrics["train/rollout_kl"]) < 1e-8
-    assert "train/is_truncated" not in metrics
+    assert "train/is_capped" not in metrics
     assert 0 < metrics["train/entropy"] <= math.log(16) + 1e-5  # at most log V
     assert metrics["train/grad_norm"] > 0
 
@@ -43,7 +43,7 @@ def test_a_bf16_rollout_is_reweighted_and_its_gap_measured(tmp_path):
     assert batch.is_cap == 2.0 and batch.rollout_logprobs is not None
     metrics = trainer.update(batch)
     assert metrics["rollout_logprob_gap"] > 1e-5 and metrics["rollout_kl"] > 0
-    assert 0 <= metrics["is_truncated"] < 0.5
+    assert 0 <= metrics["is_capped"] < 0.5
     off = make_trainer(tmp_path / "off", **{"rollout.dtype": "bfloat16", "grpo.rollout_is": "off"})
     assert off.score(examples, off.rollout(examples)).is_cap is None
 
@@ -81,15 +81,17 @@ def test_truncated_importance_weights_scale_the_policy_gradient_only():
     assert torch.allclose(grads[None], -advantages[:, None].expand(2, 5) / 10)
     _, parts = policy_loss("dapo", logprobs, logprobs.detach(), advantages, mask, totals, rollout_logprobs=rollout,
                            is_cap=2.0)
-    assert parts["is_truncated"] == pytest.approx(0.2)  # token 3 of each row
+    assert parts["is_capped"] == pytest.approx(0.2)  # token 3 of each row
     log_ratio = -(rollout - logprobs.detach())
     assert parts["rollout_kl"] == pytest.approx(float((log_ratio.exp() - 1 - log_ratio).mean()), rel=1e-5)
 
 
 def test_the_k3_kl_is_clamped():
-    logprobs = torch.tensor([-30.0, -1.0])
-    kl = k3_kl(logprobs, torch.tensor([-0.1, -1.2]))
-    assert kl[0] == KL_CLAMP and 0 < kl[1] < 0.1
+    logprobs = torch.tensor([-30.0, -1.0, -100.0], requires_grad=True)
+    kl = k3_kl(logprobs, torch.tensor([-0.1, -1.2, -0.01]))
+    assert kl[0] == KL_CLAMP and 0 < kl[1] < 0.1 and kl[2] == KL_CLAMP
+    grad, = torch.autograd.grad(kl.sum(), logprobs)
+    assert torch.isfinite(grad).all()  # ref - logp = 100: exp overflowed, a NaN gradient (found by review)
 
 
 def test_mask_truncated_drops_cut_responses_from_the_loss(tmp_path):
@@ -112,9 +114,12 @@ def test_a_step_whose_every_response_is_masked_says_it_trained_on_nothing(tmp_pa
     model = tiny_model("llama", vocab_size=16, eos_token_id=None)
     trainer = make_trainer(tmp_path / "masked", model=model, **{"grpo.mask_truncated": True, "run.steps": 1})
     trainer.engine.eos_token_ids = []  # (the tiny tokenizer's EOS too) no stop token: every response is cut
+    before = [p.detach().clone() for p in trainer.model.parameters()]
     history = train(trainer.config, trainer=trainer)
     assert history[0]["train/tokens"] == 0
     assert "this step trained on 0 tokens" in capsys.readouterr().out
+    # no optimizer step: AdamW's decay and momentum would still have moved them (found by review)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     control = make_trainer(tmp_path / "control", model=model, **{"run.steps": 1})
     control.engine.eos_token_ids = []
     assert train(control.config, trainer=control)[0]["train/tokens"] > 0

@@ -375,6 +375,23 @@ def test_resume_accepts_a_config_saved_by_an_older_tlt(tmp_path):
         prepare_run_dir(tmp_path, config, resume=True, overwrite=False)
 
 
+def test_a_run_from_before_rollout_is_resumes_as_it_ran(tmp_path):
+    """A run started before grpo.rollout_is trained without importance weights: --resume under the new default
+    ("auto", on for a CUDA run) would change its gradient silently, and rollout_is=off was refused as a change
+    (found by review)."""
+    from tlt.rl.config import TrainConfig
+    from tlt.rl.run_dir import prepare_run_dir
+
+    config = TrainConfig().to_dict()
+    saved = json.loads(json.dumps(config))
+    del saved["grpo"]["rollout_is"]
+    fake_run(tmp_path, saved)
+    with pytest.raises(RunDirError, match=r"grpo\.rollout_is: \"off\" in the run, \"auto\" now"):
+        prepare_run_dir(tmp_path, config, resume=True, overwrite=False)
+    config["grpo"]["rollout_is"] = "off"
+    assert prepare_run_dir(tmp_path, config, resume=True, overwrite=False) == tmp_path / "step-000001"
+
+
 def test_workers_write_checkpoints_and_the_final_policy_through_the_trainers_save(tmp_path):
     """The distributed run saves through the one run-checkpoint writer (rl/run_checkpoint.py), with its drafter;
     it resumes."""

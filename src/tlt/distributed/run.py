@@ -69,8 +69,10 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
                 history = _loop(config, trainer, run_dir, checkpoint, console)
                 final = trainer.save_final(run_dir / "final")
             except KeyboardInterrupt:
-                if owned:  # a checkpoint a worker thread is still writing lands first: the message names it
+                if owned:  # in-process workers: a checkpoint a thread is still writing lands first, and the
+                    # message names it (Ray's actors are killed: a checkpoint cut short is never the latest)
                     trainer.close()
+                    owned = False  # closed: not again below
                 saved = latest_checkpoint(run_dir)
                 if saved is not None:
                     prune_checkpoints(run_dir, config.run.keep_checkpoints)

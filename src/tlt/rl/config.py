@@ -75,13 +75,14 @@ class GRPOConfig:
     # The rollout may sample from another numerical policy than the one trained (bf16 inference copy on CUDA vs
     # the fp32 master under autocast): per token, the policy-gradient term is weighted by
     # min(pi_train / pi_rollout, rollout_is_cap) ("truncate": truncated importance sampling, TRL's default with
-    # vLLM and verl's TIS), or not ("off"). "auto": truncate when the rollout decodes from a lower-precision copy
-    # of the policy (rollout.dtype below the weights'), off when it samples from the trained weights themselves.
+    # vLLM and verl's TIS), or not ("off"). "auto": truncate when the rollout's numerics differ from the training
+    # forward's (a rollout.dtype copy other than the weights', or optim.autocast bf16: the CUDA defaults), off when
+    # both run the same weights at the same precision (the CPU's fp32 defaults: weights 1 to ~1e-6).
     # Needs rollout.top_k=0 and top_p=1 (the rollout's log-probs are then of the distribution trained).
     rollout_is: str = "auto"
     rollout_is_cap: float = 2.0    # the largest importance weight (>= 1)
     mask_truncated: bool = False   # responses cut at rollout.max_new_tokens add nothing to the loss (TRL's
-                                   # mask_truncated_completions; they still count in its normalizer)
+                                   # mask_truncated_completions; grpo and dr_grpo still count them as sequences)
 
 
 @dataclass(frozen=True)

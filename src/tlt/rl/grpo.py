@@ -36,12 +36,13 @@ def clipped_token_losses(logprobs, old_logprobs, advantages, clip_low: float, cl
 
 
 KL_CLAMP = 10.0  # verl's bound on its low-variance KL: one token the policy all but left cannot swamp the step
+LOG_RATIO_CLAMP = 20.0  # ... and on the log-ratio inside it: exp(89) overflows float32, its gradient was NaN
 
 
 def k3_kl(logprobs, ref_logprobs):
-    """Low-variance, non-negative KL(pi || ref) estimator per token: exp(ref - logp) - (ref - logp) - 1, at most
-    KL_CLAMP (as verl's)."""
-    delta = ref_logprobs - logprobs
+    """Low-variance, non-negative KL(pi || ref) estimator per token: exp(ref - logp) - (ref - logp) - 1, with
+    ref - logp within +-LOG_RATIO_CLAMP and the result at most KL_CLAMP (both as verl's)."""
+    delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return (torch.exp(delta) - delta - 1).clamp(max=KL_CLAMP)
 
 
@@ -59,7 +60,7 @@ def aggregate_sequence_mean(token_losses, mask, totals):
 
 def aggregate_token_mean(token_losses, mask, totals):
     """DAPO: every token of the step weighs the same (long responses are not down-weighted)."""
-    return (token_losses * mask).sum() / totals["tokens"]
+    return (token_losses * mask).sum() / max(totals["tokens"], 1.0)
 
 
 def aggregate_constant(token_losses, mask, totals):
@@ -103,7 +104,7 @@ def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dic
 def rollout_mismatch(old_logprobs, rollout_logprobs, mask, is_cap: float | None) -> dict:
     """How far the rollout's sampling policy is from the training forward's, per response token (mask-weighted
     means): rollout_kl, the k3 estimate of KL(pi_rollout || pi_old) from the rollout's own samples;
-    rollout_logprob_gap, mean |log pi_old - log pi_rollout|; with a cap, is_truncated, the share of tokens whose
+    rollout_logprob_gap, mean |log pi_old - log pi_rollout|; with a cap, is_capped, the share of tokens whose
     importance weight was cut to it."""
     with torch.no_grad():
         log_ratio = old_logprobs.detach() - rollout_logprobs  # log(pi_old / pi_rollout)
@@ -112,5 +113,5 @@ def rollout_mismatch(old_logprobs, rollout_logprobs, mask, is_cap: float | None)
         parts = {"rollout_kl": float((kl * mask).sum() / count),
                  "rollout_logprob_gap": float((log_ratio.abs() * mask).sum() / count)}
         if is_cap is not None:
-            parts["is_truncated"] = float(((log_ratio.exp() > is_cap).float() * mask).sum() / count)
+            parts["is_capped"] = float(((log_ratio.exp() > is_cap).float() * mask).sum() / count)
     return parts

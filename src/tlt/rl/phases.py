@@ -218,6 +218,11 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
     if batch.old_logprobs is None and grpo.updates_per_step > 1:
         raise ValueError("a batch scored without old log-probs allows one update per step only")
     totals = totals or loss_totals(replica.config, batch)
+    if totals["tokens"] == 0:
+        # every response masked (grpo.mask_truncated; the totals are global, so every replica returns here): no
+        # optimizer step, which would still move the weights by AdamW's momentum and decay
+        advance_schedule(replica.scheduler, batch.step)
+        return {"loss": 0.0, "tokens": 0.0}
     model.train()
     parts: list[dict] = []  # each micro-batch's loss parts, every pass
     grad_norms, skipped = [], 0

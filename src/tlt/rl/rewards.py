@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class RewardError(TltError):
-    """A reward function that cannot be loaded."""
+    """A reward function that cannot be loaded, or that cannot be used (it exits the process)."""
 
 
 def extract_boxed(text: str) -> str | None:
@@ -149,9 +149,11 @@ class Reward:
             bonus = self.format_reward if extract_answer(completion) is not None else 0.0
             try:
                 value = _finite(self.check(completion, example))
-            # a user's reward bug must not kill a long run; counted. SystemExit too: a checker that calls
-            # sys.exit() ended the whole run without a word (found by review)
-            except (Exception, SystemExit) as error:  # noqa: BLE001
+            except SystemExit as error:  # it ended the whole run without a word (found by review); not counted
+                # as a failure, which would also swallow a worker's own termination (Ray's SIGTERM handler exits)
+                raise RewardError(f"the reward function {getattr(self.check, '__name__', '?')} called sys.exit("
+                                  f"{error.code!r}): a reward check must return a number (or raise)") from None
+            except Exception as error:  # noqa: BLE001 — a user's reward bug must not kill a long run; counted
                 value, failures = 0.0, failures + 1
                 if not self._told:
                     self._told = True

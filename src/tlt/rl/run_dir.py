@@ -320,11 +320,18 @@ def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
                           f"run.out_dir")
 
 
+# Fields whose default, when added, changed what a run does: a run started before them ran as this value
+# (grpo.rollout_is: no importance weights). Resuming it under the new default is then a config change, named.
+BEFORE_THE_FIELD = {("grpo", "rollout_is"): "off"}
+
+
 def _saved_value(saved: dict, section: str, key: str):
-    """A field the saved config lacks was added to tlt after that run started: it ran with the default.
-    (Fields the saved config has and this tlt lacks are ignored: they no longer mean anything.)"""
+    """A field the saved config lacks was added to tlt after that run started: it ran with the default (or as
+    BEFORE_THE_FIELD says). (Fields the saved config has and this tlt lacks are ignored: they mean nothing now.)"""
     if key in saved.get(section, {}):
         return saved[section][key]
+    if (section, key) in BEFORE_THE_FIELD:
+        return BEFORE_THE_FIELD[section, key]
     return TrainConfig().to_dict()[section][key]
 
 
