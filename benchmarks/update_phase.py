@@ -96,6 +96,9 @@ def default_config(max_new_tokens: int):
 class _Sample:
     def __init__(self, request_index, prompt_ids, token_ids):
         self.request_index, self.prompt_ids, self.token_ids = request_index, tuple(prompt_ids), token_ids
+        # not recorded: the rollout/training mismatch metrics the phase computes from them are meaningless here
+        # (their cost is the phase's); on the CPU no importance weight applies
+        self.logprobs, self.finish_reason = [0.0] * len(token_ids), "stop"
 
 
 class _Rollout:
