@@ -26,7 +26,8 @@ def _metrics(step: int) -> dict:
     record = {"step": step, "reward_mean": 0.25 * step, "accuracy": 0.125 * step, "response_len_p50": 40 + step,
               "response_len_p90": 90 + step, "response_len_max": 120 + step, "rollout_s": 1.5, "train_s": 0.5,
               "rollout_tok_s": 321.5, "train/loss": 0.1, "sd/tau": 2.5 + step / 10, "sd/sd_step_share": 0.75,
-              "sd/arm/<k4>/tau": 3.0, "drafter/pairs": 200000, "lr": 5e-7 * (3 - step)}
+              "sd/arm/<k4>/tau": 3.0, "drafter/pairs": 200000, "lr": 5e-7 * (3 - step),
+              "train/entropy": 1.5 - step / 10, "train/grad_norm": 0.8, "train/rollout_kl": 2e-4}
     if step > 1:  # newer keys appear part-way, as in a resumed run on a newer version
         record.update({"idle_fraction": 0.15, "step_s": 2.0, "drafter_versions": [step]})
     return record
@@ -53,8 +54,9 @@ def test_report_page_tables_and_figures(run_dir):
     steps = re.search(r"<h2>Steps</h2>(.*?)</table>", page).group(1)
     assert "<th>lr</th>" in steps and "<td>1e-06</td>" in steps and "<td>0</td>" in steps  # the schedule, lr 0 too
     images = re.findall(r"<img src='([^']+)'", page)
-    assert {"curves_reward.png", "curves_length.png", "curves_time.png", "curves_tau.png",
-            "timeline_step_0003.png"} <= set(images)
+    assert {"curves_reward.png", "curves_length.png", "curves_time.png", "curves_tau.png", "curves_entropy.png",
+            "curves_mismatch.png", "timeline_step_0003.png"} <= set(images)
+    assert "<th>entropy</th>" in steps and "<td>1.300</td>" in steps and "<td>2.00e-04</td>" in steps
     for name in images:
         assert (path.parent / name).read_bytes().startswith(b"\x89PNG")
 

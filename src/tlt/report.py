@@ -24,7 +24,9 @@ STEP_COLUMNS = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), (
                 ("len p50", "response_len_p50", "{:.0f}"), ("len p90", "response_len_p90", "{:.0f}"),
                 ("len max", "response_len_max", "{:.0f}"), ("rollout s", "rollout_s", "{:.2f}"),
                 ("train s", "train_s", "{:.2f}"), ("tok/s", "rollout_tok_s", "{:.1f}"),
-                ("lr", "lr", "{:.3g}")]  # a schedule mistake (e.g. a resumed step at lr 0) shows here
+                ("lr", "lr", "{:.3g}"),  # a schedule mistake (e.g. a resumed step at lr 0) shows here
+                ("entropy", "train/entropy", "{:.3f}"), ("grad norm", "train/grad_norm", "{:.3g}"),
+                ("rollout KL", "train/rollout_kl", "{:.2e}")]
 IDLE_COLUMN = ("idle", "idle_fraction", "{:.1%}")
 WORKER_COLUMNS = [("step s", "step_s", "{:.1f}"), ("spot-train", "spot_train_share", "{:.1%}"),
                   ("tail-train", "tail_train_share", "{:.1%}"),  # a lone worker's (one GPU: the default)

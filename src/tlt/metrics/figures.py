@@ -54,7 +54,10 @@ def draw_curves(metrics: list[dict], out: Path) -> list[tuple[str, str]]:
                                                              ("eval_accuracy", "held-out accuracy (greedy)")]),
                ("response length", "curves_length.png", [("response_len_p50", "p50"), ("response_len_p90", "p90"),
                                                          ("response_len_max", "max")]),
-               ("speculative decoding τ", "curves_tau.png", [(key, key) for key in tau])]
+               ("speculative decoding τ", "curves_tau.png", [(key, key) for key in tau]),
+               # the RL health curves: an entropy collapse, and how far the rollout samples from the trained policy
+               ("policy entropy (nats per token)", "curves_entropy.png", [("train/entropy", "entropy")]),
+               ("rollout vs training policy", "curves_mismatch.png", [("train/rollout_kl", "KL(rollout || training)")])]
     drawn = [(title, name) for title, name, series in figures if _line_plot(metrics, out / name, title, series)]
     if _time_plot(metrics, out / "curves_time.png"):
         drawn.insert(2, ("step time split", "curves_time.png"))
