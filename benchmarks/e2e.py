@@ -35,7 +35,9 @@ from rl_pairs import interleaved_runs  # noqa: E402
 
 CURVE_KEYS = ("reward_mean", "accuracy", "response_len_mean", "response_tokens", "step_s", "rollout_s", "train_s",
               "step_tok_s", "rollout_tok_s", "rollout_tail_share", "idle_fraction", "spot_train_share",
-              "tail_train_share", "sd/tau", "sd/sd_step_share", "response_len_max")
+              "tail_train_share", "sd/tau", "sd/sd_step_share", "response_len_max",
+              # the bf16 rollout vs the training forward (grpo.rollout_is: on CUDA's defaults), and the entropy
+              "train/rollout_kl", "train/rollout_logprob_gap", "train/is_capped", "train/entropy")
 SUMMARY_KEYS = ("step_s", "rollout_s", "train_s", "step_tok_s", "rollout_tok_s", "response_tokens",
                 "response_len_mean", "response_len_max",
                 "completion_len_mean", "completion_len_max")  # TRL's names for the completion lengths
@@ -80,9 +82,14 @@ def curves(history: list[dict]) -> dict:
         metrics["step_tok_s"] = metrics["response_tokens"] / metrics["step_s"]
         metrics["response_len_max"] = max(metrics["response_lengths"])  # the rollout waits for it
     # a key a step lacks stays null (τ of a step without a speculative step is no 0)
-    out = {key: [None if m.get(key) is None else round(float(m[key]), 4) for m in history] for key in CURVE_KEYS}
+    out = {key: [None if m.get(key) is None else _rounded(float(m[key])) for m in history] for key in CURVE_KEYS}
     out["response_lengths"] = [m["response_lengths"] for m in history]  # every sample's, per step
     return out
+
+
+def _rounded(value: float) -> float:
+    """4 decimals, or 3 significant digits below 0.01 (a KL of 2e-4 is not 0)."""
+    return round(value, 4) if abs(value) >= 0.01 else float(f"{value:.3g}")
 
 
 def trl_curves(trl: list[dict], batch: int) -> dict:
