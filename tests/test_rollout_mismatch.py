@@ -143,3 +143,25 @@ def test_resume_refuses_a_model_whose_weights_changed_when_it_is_the_kl_referenc
         changed.resume(checkpoint)
     without_kl = make_trainer(tmp_path / "nokl", seed=1)  # no reference: the checkpoint holds the whole policy
     without_kl.resume(checkpoint)
+
+
+def test_the_overlong_penalty_rises_over_the_buffer():
+    """DAPO's soft overlong punishment: 0 before the buffer, linear in it, the whole penalty at the budget."""
+    from tlt.rl.phases import overlong_penalties
+
+    config = load_config(None, ["rollout.max_new_tokens=100", "grpo.overlong_buffer=20", "grpo.overlong_penalty=0.5"])
+    assert overlong_penalties([10, 80, 90, 100], config).tolist() == [0.0, 0.0, 0.25, 0.5]
+    with pytest.raises(ConfigError, match=r"grpo.overlong_buffer must be in \[0, rollout.max_new_tokens=100\]"):
+        load_config(None, ["rollout.max_new_tokens=100", "grpo.overlong_buffer=101"])
+
+
+def test_the_overlong_penalty_reaches_the_rewards_and_advantages(tmp_path):
+    """Every response of this tiny task is cut at max_new_tokens=6 or stops earlier: with a 6-token buffer each
+    loses penalty * length / 6 (the control: none without it)."""
+    trainer = make_trainer(tmp_path, **{"grpo.overlong_buffer": 6, "grpo.overlong_penalty": 0.6})
+    examples = trainer.task.sample(4, seed=0)
+    rollout = trainer.rollout(examples)
+    batch = trainer.score(examples, rollout)
+    plain = make_trainer(tmp_path / "plain").score(examples, rollout)
+    lengths = torch.tensor([len(s.token_ids) for s in rollout.samples], dtype=torch.float32)
+    assert torch.allclose(plain.rewards - batch.rewards, 0.6 * lengths / 6)

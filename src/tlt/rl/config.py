@@ -83,6 +83,10 @@ class GRPOConfig:
     rollout_is_cap: float = 2.0    # the largest importance weight (>= 1)
     mask_truncated: bool = False   # responses cut at rollout.max_new_tokens add nothing to the loss (TRL's
                                    # mask_truncated_completions; grpo and dr_grpo still count them as sequences)
+    overlong_buffer: int = 0       # DAPO's soft overlong punishment: a response within this many tokens of
+                                   # rollout.max_new_tokens loses overlong_penalty * (its way into the buffer),
+                                   # the whole penalty at the budget (0 = off)
+    overlong_penalty: float = 1.0  # ... the most it loses
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,9 @@ def validate(config: TrainConfig) -> TrainConfig:
     _at_least("grpo.clip_high", grpo.clip_high, 0)
     _at_least("grpo.kl_coef", grpo.kl_coef, 0)
     _at_least("grpo.updates_per_step", grpo.updates_per_step, 1)
+    _check(0 <= grpo.overlong_buffer <= rollout.max_new_tokens, f"grpo.overlong_buffer must be in [0, "
+           f"rollout.max_new_tokens={rollout.max_new_tokens}], got {grpo.overlong_buffer}")
+    _at_least("grpo.overlong_penalty", grpo.overlong_penalty, 0)
     check_choice("grpo.rollout_is", grpo.rollout_is, ROLLOUT_IS_MODES)
     _at_least("grpo.rollout_is_cap", grpo.rollout_is_cap, 1)
     _check(grpo.rollout_is != "truncate" or not filtered_sampling(rollout),

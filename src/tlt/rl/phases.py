@@ -116,6 +116,8 @@ def score(replica: PolicyReplica, examples: list, rollout: RolloutResult, step: 
     texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in rollout.samples]
     scored = replica.reward.score(texts, [examples[s.request_index] for s in rollout.samples])
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+    if config.grpo.overlong_buffer > 0:
+        rewards = rewards - overlong_penalties([len(s.token_ids) for s in rollout.samples], config)
     n = config.rollout.samples_per_prompt
     advantages = group_advantages(rewards.view(-1, n), scale_rewards=config.grpo.scale_rewards).view(-1)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -135,6 +137,15 @@ def score(replica: PolicyReplica, examples: list, rollout: RolloutResult, step: 
     return StepBatch(step, packed, rewards, torch.tensor(scored.correct), scored.failures,
                      advantages.to(replica.device), old, ref, sampled, importance_cap(replica),
                      features=features, features_done=pending)
+
+
+def overlong_penalties(lengths: list[int], config: TrainConfig) -> torch.Tensor:
+    """DAPO's soft overlong punishment per response: 0 up to max_new_tokens - overlong_buffer tokens, then rising
+    linearly to overlong_penalty at the budget (a response cut there gets all of it): long rambling loses reward
+    before the hard cut, which alone rewards a cut response like a finished one."""
+    budget, buffer = config.rollout.max_new_tokens, config.grpo.overlong_buffer
+    into = (torch.tensor(lengths, dtype=torch.float32) - (budget - buffer)).clamp(0, buffer)
+    return config.grpo.overlong_penalty * into / buffer
 
 
 def rollout_logprobs(rollout: RolloutResult, packed: PackedSamples) -> torch.Tensor:
