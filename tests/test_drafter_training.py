@@ -299,31 +299,37 @@ def test_warmup_goes_on_from_an_earlier_drafter_with_its_optimizer(tmp_path):
     assert (first["init"], second["init"], second["lr_schedule"]) == (None, str(tmp_path / "a"), "cosine")
 
 
+def _interrupted_warmup(tmp_path, monkeypatch, at_step: int, steps: int):
+    """A small warm-up whose optimizer step `at_step` + 1 is cut by a KeyboardInterrupt: (loaded, out, log lines)."""
+    from tlt.drafter.trainer import DrafterTrainer
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.tasks.synthetic import TargetTokenTask
+
+    step = DrafterTrainer.train_steps
+
+    def interrupted(trainer, count):
+        if trainer.steps == at_step:
+            raise KeyboardInterrupt
+        return step(trainer, count)
+
+    monkeypatch.setattr(DrafterTrainer, "train_steps", interrupted)
+    small = dict(prompts=6, samples_per_prompt=1, eval_prompts=1, max_new_tokens=8, draft_vocab=12,
+                 eval_strategy=SpecStrategy.chain(2))
+    loaded, out, lines = _markov_loaded(), tmp_path / "drafter", []
+    with pytest.raises(KeyboardInterrupt):
+        warmup(loaded, TargetTokenTask(vocab_size=16), out, WarmupConfig(steps=steps, **small), log=lines.append)
+    return loaded, out, lines
+
+
 def test_a_killed_warmup_keeps_the_drafter_of_its_last_save(tmp_path, monkeypatch):
     """A warm-up saved only at its end: killed at a time limit (the GPU session's), it left nothing. It saves as it
     trains; `--init` goes on from the save, optimizer steps included."""
     import json
 
     import tlt.drafter.warmup as warmup_module
-    from tlt.drafter.trainer import DrafterTrainer
-    from tlt.drafter.warmup import WarmupConfig, warmup
-    from tlt.tasks.synthetic import TargetTokenTask
 
     monkeypatch.setattr(warmup_module, "SAVE_EVERY_S", 0.0)
-    step = DrafterTrainer.train_steps
-
-    def killed_at_the_fifth(trainer, count):
-        if trainer.steps == 4:
-            raise KeyboardInterrupt
-        return step(trainer, count)
-
-    monkeypatch.setattr(DrafterTrainer, "train_steps", killed_at_the_fifth)
-    small = dict(prompts=6, samples_per_prompt=1, eval_prompts=1, max_new_tokens=8, draft_vocab=12,
-                 eval_strategy=SpecStrategy.chain(2))
-    loaded, out = _markov_loaded(), tmp_path / "drafter"
-    lines = []
-    with pytest.raises(KeyboardInterrupt):
-        warmup(loaded, TargetTokenTask(vocab_size=16), out, WarmupConfig(steps=10, **small), log=lines.append)
+    loaded, out, lines = _interrupted_warmup(tmp_path, monkeypatch, at_step=4, steps=10)
     assert json.loads((out / "drafter_trainer.json").read_text())["steps"] == 4
     assert f"interrupted: the drafter after 4 optimizer step(s) is saved in {out}" in lines[-1]
     assert EagleDrafter.load(out, loaded.model).draft_vocab_size == 12
@@ -566,21 +572,7 @@ def test_the_function_training_fits_is_the_one_serving_runs(arch):
 def test_ctrl_c_in_the_first_minute_of_a_warmup_keeps_its_steps(tmp_path, monkeypatch):
     """A warm-up saved on a timer only (SAVE_EVERY_S): Ctrl-C in its first minute kept nothing (found by review)."""
     from tlt.drafter.trainer import DrafterTrainer
-    from tlt.drafter.warmup import WarmupConfig, warmup
-    from tlt.tasks.synthetic import TargetTokenTask
 
-    step = DrafterTrainer.train_steps
-
-    def ctrl_c_at_the_third(trainer, count):
-        if trainer.steps == 2:
-            raise KeyboardInterrupt
-        return step(trainer, count)
-
-    monkeypatch.setattr(DrafterTrainer, "train_steps", ctrl_c_at_the_third)
-    small = dict(prompts=6, samples_per_prompt=1, eval_prompts=1, max_new_tokens=8, draft_vocab=12,
-                 eval_strategy=SpecStrategy.chain(2))
-    loaded, out = _markov_loaded(), tmp_path / "drafter"
-    with pytest.raises(KeyboardInterrupt):
-        warmup(loaded, TargetTokenTask(vocab_size=16), out, WarmupConfig(steps=100, **small), log=lambda line: None)
+    loaded, out, _ = _interrupted_warmup(tmp_path, monkeypatch, at_step=2, steps=100)
     assert DrafterTrainer.saved_state(out)["steps"] == 2
     assert EagleDrafter.load(out, loaded.model).draft_vocab_size == 12
