@@ -31,7 +31,7 @@ import torch
 
 from tlt.errors import TltError
 from tlt.files import refuse_a_file_in_the_way, share_as_umask
-from tlt.models.eagle import CONFIG_FILE, EagleDrafter
+from tlt.models.eagle import EagleDrafter, read_target_config
 
 ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -92,7 +92,7 @@ EXPORTABLE = ("llama",)  # the model types vLLM's and SGLang's EAGLE drafter cla
 def drafter_model_type(directory: str | Path) -> str | None:
     """The model type a tlt drafter directory was built for (its drafter_config.json), None if unreadable."""
     try:
-        return json.loads((Path(directory) / CONFIG_FILE).read_text())["target_config"]["model_type"]
+        return read_target_config(directory)["model_type"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -69,6 +69,12 @@ def check_drafter_dir(directory: str | Path) -> Path:
     return directory
 
 
+def read_target_config(directory: str | Path) -> dict:
+    """The target's config a drafter directory was built for (drafter_config.json's target_config), read without
+    loading anything; OSError / ValueError / KeyError when it is missing or damaged."""
+    return json.loads((Path(directory) / CONFIG_FILE).read_text())["target_config"]
+
+
 @dataclass
 class ChainTables:
     """Slots [B, P], additive attention bias [B, 1, P, S], RoPE cos / signed sin [B, 1, P, D] of a chain's P

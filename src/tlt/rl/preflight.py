@@ -11,7 +11,7 @@ from tlt.drafter.trainer import DrafterTrainer
 from tlt.errors import RequestError
 from tlt.metrics.logger import logger_names
 from tlt.metrics.wandb_logger import check_wandb_installed
-from tlt.models.eagle import CONFIG_FILE, WEIGHTS_FILE, DrafterError
+from tlt.models.eagle import CONFIG_FILE, WEIGHTS_FILE, DrafterError, read_target_config
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
 from tlt.rl.config import BUILTIN_REWARDS
 from tlt.rl.rewards import integer_text, load_reward_function
@@ -77,7 +77,7 @@ def _check_drafter(directory: Path, model_path: Path | None) -> None:
     if model_path is None or model_path.is_file():
         return  # the default model or a GGUF: its shapes are checked when the drafter attaches
     try:
-        drafter = json.loads((directory / CONFIG_FILE).read_text())["target_config"]
+        drafter = read_target_config(directory)
         target = json.loads((model_path / "config.json").read_text())
     except (ValueError, KeyError, OSError) as error:
         raise ModelLoadError(f"cannot compare run.drafter with the model: {error}") from None
