@@ -85,6 +85,9 @@ TAU_STEPS=${TAU_STEPS:-10}                 # tail-tau: RL steps per mode (#15: a
 TAU_TOKENS=${TAU_TOKENS:-512}              # tail-tau: max_new_tokens (1024 x 10 steps x 2 modes exceeds a call)
 SPEC_BATCHES=${SPEC_BATCHES:-1,4,16,32}    # spec: batch sizes at T=1
 SPEC_GREEDY_BATCHES=${SPEC_GREEDY_BATCHES:-1,4}  # spec-greedy: batch sizes
+# spec, spec-greedy: prompts per batch size at least (batch 1: 8 prompts x 128 tokens). On 2026-11-27 batch 1 was
+# one prompt: greedy τ 1.53 there, 1.51 on the CPU for the same prompt, 2.42 on the CPU's four (+~20 s a phase)
+SPEC_MIN_PROMPTS=${SPEC_MIN_PROMPTS:-8}
 THROUGHPUT_BATCHES=${THROUGHPUT_BATCHES:-1,64}     # throughput: batch sizes
 # spec (T=1): target-only chain and tree, a q chain, q trees. S6K2q (22 nodes), batch 1 on the CPU with the
 # committed drafter: tau 3.12 on one prompt set, 2.16 on another (S4K2q 2.52 / 2.18; docs/benchmarks.md §2), its
@@ -198,11 +201,11 @@ for phase in "$@"; do
     drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
     spec)  # T=1: speculative_h100.json is the file #13 and #14 need (spec-greedy adds its results to it)
       run spec_t1 150 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
-        --batches "$SPEC_BATCHES" --strategies "$SPEC_ARMS" --json "$OUT/speculative_h100.json" \
+        --batches "$SPEC_BATCHES" --strategies "$SPEC_ARMS" --min-prompts "$SPEC_MIN_PROMPTS" --json "$OUT/speculative_h100.json" \
         --png /tmp/speculative_h100.png ;;
     spec-greedy)
       run spec_greedy 100 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
-        --batches "$SPEC_GREEDY_BATCHES" --strategies "$SPEC_GREEDY_ARMS" --json "$OUT/speculative_h100_greedy.json" \
+        --batches "$SPEC_GREEDY_BATCHES" --strategies "$SPEC_GREEDY_ARMS" --min-prompts "$SPEC_MIN_PROMPTS" --json "$OUT/speculative_h100_greedy.json" \
         --png /tmp/speculative_h100_greedy.png
       [ -s "$OUT/speculative_h100.json" ] && python3 benchmarks/speculative.py \
         --add-greedy-to "$OUT/speculative_h100.json" --greedy-json "$OUT/speculative_h100_greedy.json" ;;

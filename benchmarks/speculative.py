@@ -91,6 +91,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--greedy-json", help="a --temperature 0 run's file: its results go beside these")
     parser.add_argument("--rounds", type=int, default=1, help="prompts per batch slot: batch x rounds distinct "
                         "prompts decoded at that batch size (more tokens behind τ at small batch)")
+    parser.add_argument("--min-prompts", type=int, default=0, help="at least this many distinct prompts at "
+                        "every batch size (more rounds where batch x rounds is fewer): τ at batch 1 from one "
+                        "prompt is that prompt's (greedy on the H100, 2026-11-27: τ 1.53 on one prompt, 2.42 "
+                        "on four)")
     parser.add_argument("--add-greedy-to", metavar="FILE", help="only put --greedy-json's results into FILE, a "
                         "T=1 run's (a GPU session runs T=1 first, so that a short call still gets the T=1 file)")
     args = parser.parse_args(argv)
@@ -113,7 +117,8 @@ def main(argv=None) -> dict:
     results = {"plain_tok_s": {}, "sd_tok_s": {}, "speedup": {}, "tau": {}, "strategy": {}, "by_strategy": {},
                "best_by_rule": {"target": {}, "q": {}},
                "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new,
-               "temperature": args.temperature, "rounds": args.rounds, "repeats": args.repeats,
+               "temperature": args.temperature, "rounds": args.rounds, "min_prompts": args.min_prompts,
+               "repeats": args.repeats,
                "compile": args.compile,
                # with --compile one engine, built with the drafter, runs plain and SD alike (a compile per
                # engine costs minutes): its plain runs also store the drafter's features (slightly slower)
@@ -125,7 +130,8 @@ def main(argv=None) -> dict:
         write_json(args.json, results, echo=False)
 
     for batch in batches:
-        prompts = [task.prompt_ids(e) for e in task.sample(batch * args.rounds, seed=100 + batch)]
+        rounds = max(args.rounds, -(-args.min_prompts // batch))
+        prompts = [task.prompt_ids(e) for e in task.sample(batch * rounds, seed=100 + batch)]
         key = str(batch)
         # Rounds of plain, then every arm; plain once more at the end. Each arm's speedup is the median of its
         # ratios to the plain runs either side of it (paired: load that drifts on the machine cancels), and its
