@@ -42,6 +42,11 @@
 #   plus what its line names. The warmed drafter travels in the working tree (benchmarks/drafters/, 8.4 MB). After
 #   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
+# Where it stands (2026-11-27): plan A ran (all its files are in benchmarks/results/, docs/benchmarks.md §9 "Second H100
+# session"); plan B and C never have. Next session: plan B, with its call 1 running the two GPU tests fixed since
+# instead of `echo ok` (timeout_s 150: cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=110 bash
+# benchmarks/gpu_session.sh tests-fixed), then e2e, then tail. After that, plan A again to measure the sampler's
+# operation diet (spec with --min-prompts) and `throughput` on its own call (its compile took 157 s a shape).
 # Plan A, the engine (#13, #14): speculative_h100.json, rollout_throughput_h100.json, the GPU tests.
 #   1. carry .gpu/a, timeout_s 220 (env.sh says the model is MISSING here: expected, its second half is call 2's):
 #        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=180 bash benchmarks/gpu_session.sh tests
@@ -198,6 +203,10 @@ for phase in "$@"; do
         -o faulthandler_timeout=100 -k "not compiled" --junitxml="$OUT/tests.xml"
       run tests_compiled 90 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE -o faulthandler_timeout=80 \
         -k compiled --junitxml="$OUT/tests_compiled.xml" ;;
+    tests-fixed)  # the two tests whose defects the 2026-11-27 session found (fixed on the CPU, not rerun there)
+      run tests_fixed 100 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE -o faulthandler_timeout=90 \
+        -k "sampled_distribution_through_speculative_graphs or compiled_graphs_decode" \
+        --junitxml="$OUT/tests_fixed.xml" ;;
     drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
     spec)  # T=1: speculative_h100.json is the file #13 and #14 need (spec-greedy adds its results to it)
       run spec_t1 150 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \

@@ -37,7 +37,7 @@ from tlt.sampling import SamplingParams  # noqa: E402
 from tlt.speculative.decoder import SpeculativeDecoder  # noqa: E402
 from tlt.speculative.strategy import SpecStrategy  # noqa: E402
 
-SD_STRATEGIES = ("S5K1q", "S3K1N3", "S4K2N8", "S4K2q")
+SD_STRATEGIES = ("S5K1q", "S3K1N3", "S4K2N8", "S4K2q", "S6K2q")  # S6K2q: the best T=1 arm at batch 1 on the H100
 
 VIEWS = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "permute", "expand",
          "alias", "split", "split_with_sizes", "chunk", "as_strided", "reshape", "detach", "lift_fresh"}

@@ -82,16 +82,16 @@ def draw_without_replacement(logq: torch.Tensor, uniforms: torch.Tensor, greedy:
     remaining = logq.clone() if draws > 1 else logq  # only a later draw needs the earlier ones removed
     scores, ids = [], []
     for i in range(draws):
-        drawn = sample_from_logprobs(remaining.reshape(-1, vocab), uniforms[..., i].reshape(-1))
-        drawn = drawn.view(batch, frontier).clamp(max=vocab - 1)
+        drawn = sample_from_logprobs(remaining.reshape(-1, vocab), uniforms[..., i].reshape(-1)).view(batch, frontier)
         drawn = torch.where(greedy[:, None], remaining.argmax(-1), drawn)
-        score = logq.gather(-1, drawn[..., None])[..., 0]
-        if i > 0:  # the first draw always has mass (a chain's only one): fewer kernels per drafter pass
-            score = torch.where(torch.isfinite(remaining.gather(-1, drawn[..., None]))[..., 0], score, -torch.inf)
-        scores.append(score)
+        # log q of the drawn token: `remaining` is logq but for the earlier draws' -inf, so this is also the
+        # -inf of a draw that found no mass left (one operation where logq, isfinite and where were three)
+        scores.append(remaining.gather(-1, drawn[..., None])[..., 0])
         ids.append(drawn)
         if i + 1 < draws:
             remaining.scatter_(-1, drawn[..., None], -torch.inf)
+    if draws == 1:  # a chain: views instead of two stacks
+        return scores[0][..., None], ids[0][..., None]
     return torch.stack(scores, -1), torch.stack(ids, -1)
 
 
