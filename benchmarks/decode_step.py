@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, median_time, write_json  # noqa: E402
@@ -24,6 +25,7 @@ from tlt.models import load_model  # noqa: E402
 from tlt.models.kv_cache import KVCache  # noqa: E402
 from tlt.models.lean_forward import COMPILE_MODES, LeanForward  # noqa: E402
 from tlt.models.rollout_copy import RolloutCopy  # noqa: E402
+from tlt.rollout.graph_runner import CAPTURED_ATTENTION  # noqa: E402
 
 
 def timed_ms(fn, repeats: int = 50) -> float:
@@ -69,37 +71,43 @@ def main(argv=None) -> dict:
     copy = RolloutCopy(loaded.model, torch.bfloat16)
     lean = LeanForward(copy.model, copy.fused)
     results = {"kv_len": args.kv, "by_batch": {}, "environment": environment(),
+               "attention": [backend.name for backend in CAPTURED_ATTENTION],
                "complete": False}  # until the last write: a run killed at its time limit keeps its finished rows
-    for batch in [int(b) for b in args.batches.split(",")]:
-        cache = KVCache(lean.spec, batch, args.kv, device="cuda", dtype=torch.bfloat16)
-        rows = cache.rows(0, batch)
-        ids = torch.randint(0, lean.spec.vocab_size, (batch, 1), device="cuda")
-        lengths = torch.full((batch,), args.kv // 2, device="cuda")
-
-        def step(forward=lean.run):
-            return forward(ids, rows, lengths, logits_at="all", kv_len=args.kv).logits
-
-        row = {"eager_ms": timed_ms(step)}
-        row["kernels"], row["kernels_by_name"] = kernels_per_call(step)
-        graph = capture(step)
-        row["graph_ms"] = timed_ms(graph.replay)
-        results["by_batch"][str(batch)] = row
-        write_json(args.json, results, echo=False)  # before the compile's minutes
-        if args.compile:
-            started = time.perf_counter()
-            compiled_lean = LeanForward(copy.model, copy.fused)
-            compiled_lean.compile(args.compile_mode)  # what rollout.compile runs
-            compiled = compiled_lean.run
-            step(compiled)
-            row["compile_s"] = time.perf_counter() - started
-            row["compile_mode"] = args.compile_mode
-            row["compiled_kernels"], row["compiled_kernels_by_name"] = kernels_per_call(lambda: step(compiled))
-            row["compiled_graph_ms"] = timed_ms(capture(lambda: step(compiled)).replay)
-        write_json(args.json, results, echo=False)
-        print(batch, row, file=sys.stderr, flush=True)
+    with sdpa_kernel(CAPTURED_ATTENTION):  # the engine's graphs' attention kernels (before 2026-11-27: cuDNN's)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            measure_batch(args, lean, copy, batch, results)
     results["complete"] = True
     write_json(args.json, results)
     return results
+
+
+def measure_batch(args, lean: LeanForward, copy: RolloutCopy, batch: int, results: dict) -> None:
+    cache = KVCache(lean.spec, batch, args.kv, device="cuda", dtype=torch.bfloat16)
+    rows = cache.rows(0, batch)
+    ids = torch.randint(0, lean.spec.vocab_size, (batch, 1), device="cuda")
+    lengths = torch.full((batch,), args.kv // 2, device="cuda")
+
+    def step(forward=lean.run):
+        return forward(ids, rows, lengths, logits_at="all", kv_len=args.kv).logits
+
+    row = {"eager_ms": timed_ms(step)}
+    row["kernels"], row["kernels_by_name"] = kernels_per_call(step)
+    graph = capture(step)
+    row["graph_ms"] = timed_ms(graph.replay)
+    results["by_batch"][str(batch)] = row
+    write_json(args.json, results, echo=False)  # before the compile's minutes
+    if args.compile:
+        started = time.perf_counter()
+        compiled_lean = LeanForward(copy.model, copy.fused)
+        compiled_lean.compile(args.compile_mode)  # what rollout.compile runs
+        compiled = compiled_lean.run
+        step(compiled)
+        row["compile_s"] = time.perf_counter() - started
+        row["compile_mode"] = args.compile_mode
+        row["compiled_kernels"], row["compiled_kernels_by_name"] = kernels_per_call(lambda: step(compiled))
+        row["compiled_graph_ms"] = timed_ms(capture(lambda: step(compiled)).replay)
+    write_json(args.json, results, echo=False)
+    print(batch, row, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

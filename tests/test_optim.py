@@ -174,6 +174,22 @@ def test_autocast_auto_is_bf16_on_cuda_and_off_on_cpu(tmp_path):
     assert make_trainer(tmp_path).autocast_dtype is None  # the default, on this CPU
 
 
+def test_cudnn_attention_is_taken_out_on_cuda_only():
+    """cuDNN builds an attention plan for every new micro-batch shape (~1 s a shape, forward and backward, on
+    torch 2.11): a replica on CUDA takes it out of SDPA's backends; on the CPU nothing changes."""
+    from tlt.rl.optim import keep_cudnn_attention_out
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        keep_cudnn_attention_out(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        keep_cudnn_attention_out(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 def test_bf16_autocast_wraps_the_training_forward(tmp_path):
     """Asked for explicitly, bf16 autocast also runs on CPU: the log-probs stay fp32 tensors, close to the fp32
     ones but not equal (the matmuls ran in bf16), and a step trains."""

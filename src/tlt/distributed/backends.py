@@ -20,7 +20,7 @@ import torch
 from tlt.distributed.collective import ThreadReducer
 from tlt.distributed.hub import DrafterHub
 from tlt.distributed.placement import check_ray_resources
-from tlt.distributed.worker import HubClient, RolloutWorker
+from tlt.distributed.worker import HubClient, RolloutWorker, freeze_long_lived, thaw_long_lived
 from tlt.errors import TltError
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class InProcessBackend:
                                                              initializer=_use_device, initargs=(device,))
                        for r, device in enumerate(placement.devices)]
         self.workers = []
+        self._frozen = False  # freeze_long_lived() done: shutdown thaws
         try:  # one at a time, as before: model loading and seeded initialization never interleave
             for rank, (pool, device) in enumerate(zip(self._pools, placement.devices)):
                 self.workers.append(pool.submit(
@@ -94,6 +95,8 @@ class InProcessBackend:
         except BaseException:  # its own start-up error (bad model, task file...), raised as itself
             self.shutdown()
             raise
+        freeze_long_lived()
+        self._frozen = True
 
     def submit(self, rank: int, method: str, *args):
         return self._pools[rank].submit(getattr(self.workers[rank], method), *args)
@@ -121,6 +124,9 @@ class InProcessBackend:
     def shutdown(self, wait: bool = True) -> None:
         for pool in self._pools:
             pool.shutdown(wait=wait)
+        if self._frozen:
+            self._frozen = False
+            thaw_long_lived()
 
 
 class RayBackend:
@@ -296,6 +302,7 @@ class _RayWorker(RolloutWorker):
             super().__init__(*args, **kwargs)
         except TltError as error:
             self.start_error = error
+        freeze_long_lived()  # the actor's process is this worker's: nothing to thaw before it ends
 
     def ping(self):
         return self.start_error if self.start_error is not None else super().ping()

@@ -383,6 +383,22 @@ class RolloutWorker:
         return self.rank
 
 
+def freeze_long_lived() -> None:
+    """Move every object alive now (the model, tokenizer, engine, the libraries' modules: ~370,000 objects with
+    the default model) to the garbage collector's permanent generation, once the workers are built. A full
+    collection walks every tracked object: ~200 ms on a 2-core CPU, paid by `_return_free_memory` after every
+    update and by each full collection Python starts on its own, mid-rollout included (on a GPU a 135M model's
+    update is ~1 s). After the freeze it walks what was made since: ~0.3 ms. Refcounting still frees frozen
+    objects; only their cycles wait for `thaw_long_lived` (the in-process backend's shutdown: a process that
+    builds runs one after another, as tests do, would otherwise keep each run's cycles)."""
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_long_lived() -> None:
+    gc.unfreeze()
+
+
 def _return_free_memory() -> None:
     """Hand the update's freed activations back to the OS. glibc keeps freed heap pages, so a worker would
     otherwise hold its peak (several GB for a 135M model's backward) while it waits for the next step."""

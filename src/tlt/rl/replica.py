@@ -22,7 +22,7 @@ from tlt.models.eagle import EagleDrafter
 from tlt.models.loading import LoadedModel, eos_token_ids, load_model
 from tlt.rl.config import TrainConfig, check_speculation
 from tlt.rl.optim import (autocast_dtype, build_optimizer, build_scheduler, disable_dropout,
-                          enable_grad_checkpointing)
+                          enable_grad_checkpointing, keep_cudnn_attention_out)
 from tlt.rl.rewards import build_reward
 from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine
@@ -66,6 +66,7 @@ class PolicyReplica:
         loaded = loaded or load_model(config.model.path, device=config.model.device)
         model = loaded.model
         device = next(model.parameters()).device
+        keep_cudnn_attention_out(device)
         task = task if task is not None else build_task(config.task, loaded.tokenizer)
         check_prompts_fit(task, loaded.spec, config.rollout.max_new_tokens)  # before the cost curve's minute
         if disable_dropout(model) and announce:
