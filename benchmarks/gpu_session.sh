@@ -19,6 +19,8 @@
 #                                                                  -> speculative_h100_compiled{,_greedy}.json (#13)
 #   tail        spot_training.py --lone-worker, overhead (greedy, 2 steps)      -> spot_training_h100.json (#15)
 #   tail-tau    spot_training.py --lone-worker, tau vs frozen (TAU_STEPS steps) -> spot_training_tau_h100.json (#15)
+#   update      update_cost.py: one policy update of 16 samples (~1,450 tokens) as a run does it, with cuDNN's
+#               attention, with one shape repeated, with micro-batch 16; a full GC  -> update_cost_h100.json (#15)
 #   head        head_precision.py: the training head in fp32 (outside autocast) vs bf16, forward + backward of
 #               16 x 1024 tokens at SmolLM2's head                               -> head_precision_h100.json
 #   e2e         e2e.py --replay (equal work), seed 0                            -> e2e_replay_h100.json (#15)
@@ -45,8 +47,10 @@
 # Where it stands (2026-11-27): plan A ran (all its files are in benchmarks/results/, docs/benchmarks.md §9 "Second H100
 # session"); plan B and C never have. Next session: plan B, with its call 1 running the two GPU tests fixed since
 # instead of `echo ok` (timeout_s 150: cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=110 bash
-# benchmarks/gpu_session.sh tests-fixed), then e2e, then tail. After that, plan A again to measure the sampler's
-# operation diet (spec with --min-prompts) and `throughput` on its own call (its compile took 157 s a shape).
+# benchmarks/gpu_session.sh tests-fixed), then e2e, then `update tail` in call 3 (update: what the cuDNN-attention
+# and garbage-collector fixes of 2026-11-27 did to the ~1.05 s update of 1,450 tokens). After that, plan A again to
+# measure the sampler's operation diet (spec with --min-prompts) and `throughput` on its own call (its compile took
+# 157 s a shape).
 # Plan A, the engine (#13, #14): speculative_h100.json, rollout_throughput_h100.json, the GPU tests.
 #   1. carry .gpu/a, timeout_s 220 (env.sh says the model is MISSING here: expected, its second half is call 2's):
 #        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=180 bash benchmarks/gpu_session.sh tests
@@ -62,7 +66,7 @@
 #   1. carry .gpu/a, timeout_s 60:               cp .gpu/a/part.aa /root/ && echo ok
 #   2. carry .gpu/b, at once, timeout_s 500:      . .gpu/env.sh && BUDGET=460 bash ... e2e
 #   3. at once, timeout_s = call 2's lease.budget_left_s - 60 (about 200), BUDGET = that timeout_s - 40:
-#        . .gpu/env.sh && BUDGET=160 bash benchmarks/gpu_session.sh tail
+#        . .gpu/env.sh && BUDGET=160 bash benchmarks/gpu_session.sh update tail
 #   then give_back. (The machine still holds the model, the drafter and the cost curves of call 2; a phase cut by
 #   its limit keeps the steps it finished: spot_overhead_ratio is written after each step.)
 # Plan C, against TRL (#15): as B, with `trl` in call 2 (carry .gpu/b and .gpu/trl, ~55 MiB with the rest; bash
@@ -190,7 +194,7 @@ ensure_model() {  # the default model's cached copy, converted from its GGUF onc
 
 for phase in "$@"; do
   case $phase in
-    drafter|spec|spec-greedy|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl)
+    drafter|spec|spec-greedy|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl|update)
       if ! ensure_model; then echo "== $phase skipped: the default model did not convert"; continue; fi ;;
   esac
   case $phase in
@@ -203,6 +207,8 @@ for phase in "$@"; do
         -o faulthandler_timeout=100 -k "not compiled" --junitxml="$OUT/tests.xml"
       run tests_compiled 90 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE -o faulthandler_timeout=80 \
         -k compiled --junitxml="$OUT/tests_compiled.xml" ;;
+    update)
+      run update 120 python3 benchmarks/update_cost.py --device cuda --json "$OUT/update_cost_h100.json" ;;
     tests-fixed)  # the two tests whose defects the 2026-11-27 session found (fixed on the CPU, not rerun there)
       run tests_fixed 100 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE -o faulthandler_timeout=90 \
         -k "sampled_distribution_through_speculative_graphs or compiled_graphs_decode" \
@@ -259,6 +265,6 @@ for phase in "$@"; do
       run trl 540 python3 benchmarks/e2e.py --device cuda --drafter none --trl-only --max-new-tokens 1024 \
         --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_h100.json" ;;
     *) echo "unknown phase $phase (tests drafter spec spec-greedy spec-compiled kernels throughput head tail" \
-         "tail-tau e2e e2e-natural trl)"; exit 2 ;;
+         "tail-tau e2e e2e-natural trl update tests-fixed)"; exit 2 ;;
   esac
 done
