@@ -98,3 +98,24 @@ def test_unknown_loss_is_rejected():
     logp, old, adv, mask = setup()
     with pytest.raises(ValueError, match="unknown loss"):
         policy_loss("ppo2", logp, old, adv, mask, {"sequences": 2, "tokens": 5, "max_tokens": 4})
+
+
+def test_an_updates_metrics_are_read_once_and_equal_the_per_micro_batch_floats():
+    """The update keeps each micro-batch's metrics on the device and reads them in one copy at the end (each
+    float() was a sync on a GPU): the same numbers as policy_loss's host metrics."""
+    from tlt.rl.grpo import metrics_to_host
+
+    torch.manual_seed(0)
+    logp, old = -torch.rand(3, 5), -torch.rand(3, 5)
+    adv, mask = torch.randn(3), torch.rand(3, 5) > 0.3
+    totals = {"sequences": 3, "tokens": float(mask.sum()), "max_tokens": 5}
+    kwargs = dict(ref_logprobs=-torch.rand(3, 5), kl_coef=0.1, rollout_logprobs=-torch.rand(3, 5), is_cap=2.0,
+                  entropy=torch.rand(3, 5))
+    _, host = policy_loss("grpo", logp, old, adv, mask, totals, **kwargs)
+    _, device = policy_loss("grpo", logp, old, adv, mask, totals, **kwargs, host_metrics=False)
+    assert all(isinstance(v, torch.Tensor) for v in device.values())
+    assert set(host) == {"loss", "clip_fraction", "ratio_mean", "tokens", "entropy", "kl", "rollout_kl",
+                         "rollout_logprob_gap", "is_capped"}
+    assert all(isinstance(v, float) for v in host.values())
+    read = metrics_to_host([device, {"tokens": 2.0}, {}])
+    assert read[0] == pytest.approx(host, rel=1e-12) and read[1:] == [{"tokens": 2.0}, {}]

@@ -101,6 +101,26 @@ def test_chunked_logprobs_and_gradients_equal_the_full_vocabulary_softmax(temper
         assert torch.allclose(grad, full_grads[name], atol=1e-5), name
 
 
+def test_response_positions_are_the_masks_set_positions_in_its_order_also_after_masking_rows():
+    """token_logprobs indexes with positions made from the host lengths (a boolean mask's count is a device read):
+    they must be exactly the mask's, in its row-major order, for every selection and after rows are masked
+    (grpo.mask_truncated); the log-probs and entropies stay 0 off the mask."""
+    from conftest import random_prompts
+
+    prompts = random_prompts([5, 1, 7, 3], vocab_size=97, seed=1)
+    responses = random_prompts([4, 6, 1, 9], vocab_size=97, seed=2)
+    packed = PackedSamples.build(prompts, responses, pad_id=0)
+    packed.mask_responses([2])
+    for view in (packed, packed.select([3, 0, 2]), packed.select([1])):
+        rows, columns = view.response_positions()
+        assert torch.equal(torch.stack([rows, columns], 1), view.response_mask.nonzero())
+    assert packed.select([3, 0, 2]).masked_rows == {2}
+    out = token_logprobs(tiny_model("llama"), packed, want_entropy=True)
+    off = ~packed.response_mask
+    assert bool((out.logprobs[off] == 0).all()) and bool((out.entropy[off] == 0).all())
+    assert bool((out.logprobs[packed.response_mask] < 0).all())
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_chunked_head_gradients_pass_gradcheck_with_a_bias(temperature):
     generator = torch.Generator().manual_seed(0)

@@ -31,6 +31,7 @@ class PackedSamples:
     response_mask: torch.Tensor
     prompt_lengths: list[int]
     response_lengths: list[int]
+    masked_rows: frozenset[int] = frozenset()  # rows none of whose response tokens is trained on (`mask_responses`)
 
     @classmethod
     def build(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int, device=None) -> "PackedSamples":
@@ -51,7 +52,26 @@ class PackedSamples:
         width = max(self.prompt_lengths[r] + self.response_lengths[r] for r in rows)
         return PackedSamples(self.input_ids[index, :width], self.attention_mask[index, :width],
                              self.response_mask[index, :width - 1], [self.prompt_lengths[r] for r in rows],
-                             [self.response_lengths[r] for r in rows])
+                             [self.response_lengths[r] for r in rows],
+                             frozenset(i for i, r in enumerate(rows) if r in self.masked_rows))
+
+    def mask_responses(self, rows: list[int]) -> None:
+        """Train on none of these rows' response tokens (grpo.mask_truncated): their response_mask rows are
+        cleared, and `response_positions` leaves them out."""
+        if rows:
+            self.response_mask[torch.tensor(rows, device=self.response_mask.device)] = False
+            self.masked_rows = self.masked_rows | frozenset(rows)
+
+    def response_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) [N] of response_mask's set positions in its row-major order, made from the host
+        lengths: indexing with a boolean mask reads its count back from the device (a sync on a GPU)."""
+        counts = [0 if row in self.masked_rows else count for row, count in enumerate(self.response_lengths)]
+        rows = [row for row, count in enumerate(counts) for _ in range(count)]
+        columns = [column for prompt, count in zip(self.prompt_lengths, counts)
+                   for column in range(prompt - 1, prompt - 1 + count)]
+        device = self.response_mask.device
+        return (torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
+                torch.tensor(columns, dtype=torch.long).to(device, non_blocking=True))
 
     def feature_spans(self) -> tuple[list[int], list[int]]:
         """Per row, the [start, end) positions whose features the drafter trains on: the response plus the last
@@ -84,15 +104,18 @@ def token_logprobs(model, batch: PackedSamples, temperature: float = 1.0, *, wan
     """
     hidden = actor_hidden(model, batch)
     mask = batch.response_mask
-    # Pack the response positions: [N, H] states and the [N] tokens that follow them.
-    states = hidden[:, :-1][mask]
-    targets = batch.input_ids[:, 1:][mask]
+    # Pack the response positions: [N, H] states and the [N] tokens that follow them (indices from the host
+    # lengths, so neither this nor the backward's scatter reads anything back from the device).
+    rows, columns = batch.response_positions()
+    states = hidden[rows, columns]
+    targets = batch.input_ids[rows, columns + 1]
     head = model.get_output_embeddings()
     picked, entropy = ChunkedTokenLogprobs.apply(states, head.weight, getattr(head, "bias", None), targets,
                                                  float(temperature), chunk_tokens, want_entropy)
-    logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)
+    logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).index_put((rows, columns), picked)
     if want_entropy:
-        entropy = torch.zeros(mask.shape, dtype=entropy.dtype, device=entropy.device).masked_scatter(mask, entropy)
+        entropy = torch.zeros(mask.shape, dtype=entropy.dtype, device=entropy.device).index_put((rows, columns),
+                                                                                                 entropy)
     return ActorOutput(logprobs, hidden.detach() if want_hidden else None, entropy if want_entropy else None)
 
 

@@ -73,10 +73,12 @@ AGGREGATIONS = {"grpo": aggregate_sequence_mean, "dapo": aggregate_token_mean, "
 
 def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dict, *, clip_low: float = 0.2,
                 clip_high: float = 0.2, ref_logprobs=None, kl_coef: float = 0.0, rollout_logprobs=None,
-                is_cap: float | None = None, entropy=None):
+                is_cap: float | None = None, entropy=None, host_metrics: bool = True):
     """One micro-batch's share of the step loss, plus metrics. logprobs etc. [B, T]; mask [B, T] bool.
     rollout_logprobs: the sampler's own log-probs (metrics of the rollout/training mismatch; with is_cap, the
-    policy-gradient term is weighted by `truncated_importance_weights`). entropy [B, T]: logged only."""
+    policy-gradient term is weighted by `truncated_importance_weights`). entropy [B, T]: logged only.
+    host_metrics=False: the metrics stay 0-d device tensors (`metrics_to_host` reads a whole update's at once:
+    on a GPU each read is a sync that stops the host from queueing the backward)."""
     if name not in AGGREGATIONS:
         raise ValueError(f"unknown loss {name!r}: one of {', '.join(AGGREGATIONS)}")
     mask = mask.float()
@@ -87,18 +89,32 @@ def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dic
         if is_cap is not None:
             token_losses = token_losses * truncated_importance_weights(old_logprobs, rollout_logprobs, is_cap)
     if entropy is not None:
-        parts["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+        parts["entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
     if ref_logprobs is not None and kl_coef > 0:
         kl = k3_kl(logprobs, ref_logprobs)
         token_losses = token_losses + kl_coef * kl
-        parts["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+        parts["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
     loss = AGGREGATIONS[name](token_losses, mask, totals)
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
         clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
-        parts.update(loss=float(loss), clip_fraction=float((clipped * mask).sum() / count),
-                     ratio_mean=float((ratio * mask).sum() / count), tokens=float(mask.sum()))
-    return loss, parts
+        parts.update(loss=loss.detach(), clip_fraction=(clipped * mask).sum() / count,
+                     ratio_mean=(ratio * mask).sum() / count, tokens=mask.sum())
+    return loss, (metrics_to_host([parts])[0] if host_metrics else parts)
+
+
+def metrics_to_host(parts: list[dict]) -> list[dict]:
+    """Each dict's 0-d tensor (or float) values as floats, all read in one device-to-host copy."""
+    keys = [(index, key) for index, part in enumerate(parts) for key in part]
+    tensors = [value for part in parts for value in part.values() if isinstance(value, torch.Tensor)]
+    host = [{} for _ in parts]
+    if tensors:
+        values = torch.stack([value.detach().reshape(()).to(torch.float64) for value in tensors]).tolist()
+        read = iter(values)
+    for index, key in keys:
+        value = parts[index][key]
+        host[index][key] = next(read) if isinstance(value, torch.Tensor) else float(value)
+    return host
 
 
 def rollout_mismatch(old_logprobs, rollout_logprobs, mask, is_cap: float | None) -> dict:
@@ -110,8 +126,8 @@ def rollout_mismatch(old_logprobs, rollout_logprobs, mask, is_cap: float | None)
         log_ratio = old_logprobs.detach() - rollout_logprobs  # log(pi_old / pi_rollout)
         count = mask.sum().clamp(min=1)
         kl = torch.expm1(log_ratio) - log_ratio
-        parts = {"rollout_kl": float((kl * mask).sum() / count),
-                 "rollout_logprob_gap": float((log_ratio.abs() * mask).sum() / count)}
+        parts = {"rollout_kl": (kl * mask).sum() / count,
+                 "rollout_logprob_gap": (log_ratio.abs() * mask).sum() / count}
         if is_cap is not None:
-            parts["is_capped"] = float(((log_ratio.exp() > is_cap).float() * mask).sum() / count)
-    return parts
+            parts["is_capped"] = ((log_ratio.exp() > is_cap).float() * mask).sum() / count
+    return parts  # 0-d tensors: `policy_loss` reads them with its own

@@ -34,7 +34,7 @@ import torch
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.rl.actor import PackedSamples, actor_hidden, token_logprobs
 from tlt.rl.config import TrainConfig, filtered_sampling
-from tlt.rl.grpo import group_advantages, policy_loss
+from tlt.rl.grpo import group_advantages, metrics_to_host, policy_loss
 from tlt.rl.optim import advance_schedule, training_autocast
 from tlt.rl.replica import PolicyReplica
 from tlt.rollout.replay import length_matched, regroup
@@ -132,8 +132,7 @@ def score(replica: PolicyReplica, examples: list, rollout: RolloutResult, step: 
     pending = 0 if features is not None and old is None else None
     sampled = None if filtered_sampling(config.rollout) else rollout_logprobs(rollout, packed)
     if config.grpo.mask_truncated:
-        truncated = torch.tensor([s.finish_reason == "length" for s in rollout.samples])
-        packed.response_mask[truncated.to(packed.response_mask.device)] = False
+        packed.mask_responses([row for row, s in enumerate(rollout.samples) if s.finish_reason == "length"])
     return StepBatch(step, packed, rewards, torch.tensor(scored.correct), scored.failures,
                      advantages.to(replica.device), old, ref, sampled, importance_cap(replica),
                      features=features, features_done=pending)
@@ -260,7 +259,7 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
             batch.features_done = None
     replica.optimizer.zero_grad(set_to_none=True)
     model.eval()
-    summary = combine_loss_parts(parts, passes=grpo.updates_per_step)
+    summary = combine_loss_parts(metrics_to_host(parts), passes=grpo.updates_per_step)  # one read for all
     if grad_norms:
         summary["grad_norm"] = statistics.fmean(grad_norms)
     if skipped:
@@ -310,7 +309,7 @@ def _micro_batch_backward(replica: PolicyReplica, batch: StepBatch, index: int, 
     loss, parts = policy_loss(grpo.loss, logprobs, old, batch.advantages[chunk], micro.response_mask, totals,
                               clip_low=grpo.clip_low, clip_high=grpo.clip_high, ref_logprobs=ref,
                               kl_coef=grpo.kl_coef, rollout_logprobs=sampled, is_cap=batch.is_cap,
-                              entropy=actor.entropy)
+                              entropy=actor.entropy, host_metrics=False)
     loss.backward()
     return parts
 
