@@ -11,7 +11,9 @@ checkpointing (TRL turns it on by default; tlt's `optim.grad_checkpointing` is o
 ones tlt draws for steps 0..K-1 (same seeds), in order. On a GPU, bf16 mixed precision (fp32 master weights), as
 tlt's training autocast there; fp32 on the CPU, as tlt. Differences left as TRL's defaults: its advantages divide
 by the sample std (n - 1; tlt: the population std), its micro-batches are padded to the generation batch's
-longest completion, and it computes token entropies in every training forward.
+longest completion, and it computes token entropies in every training forward. Attention: torch's default choice
+(cuDNN's first for masked bf16 attention on Hopper), where tlt turns cuDNN's off (it builds a plan for every new
+shape); `environment.cudnn_sdp` of a results file says what tlt's modes ran with.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ def trl_step_times(model_dir: str, examples_per_step: list[list], reward, *, sam
                          samples_per_prompt, max_new_tokens, len(examples_per_step), seed=seed, use_cpu=use_cpu,
                          out_dir=out_dir)
     timings = _StepClock(log, synchronize=not use_cpu, on_step=on_step)
+    # TRL as its users run it: torch's default attention choice (cuDNN first on Hopper), also when tlt's engines
+    # ran earlier in this process and turned cuDNN's attention off (lean_forward.keep_cudnn_attention_out)
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(True)
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32"),
         processing_class=AutoTokenizer.from_pretrained(model_dir), reward_funcs=reward_fn, args=config,

@@ -15,7 +15,7 @@ and one full garbage collection of this process (what `_return_free_memory` paid
 workers' objects were frozen). Medians over --steps; each variant's lengths are its own (no shared shape).
 
     python benchmarks/update_cost.py --device cuda --json $OUT/update_cost_h100.json   # ~1 min on an H100
-    python benchmarks/update_cost.py --device cpu --steps 1 --scale 0.1                # a smoke test
+    python benchmarks/update_cost.py --device cpu --steps 1 --scale 0.1                # a smoke test (~30 s)
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def synthetic_batch(seed: int, device: torch.device, scale: float) -> phases.Ste
                  for _ in range(SAMPLES)]
     packed = PackedSamples.build(prompts, responses, 0, device)
     advantages = torch.randn(SAMPLES, generator=torch.Generator().manual_seed(seed)).to(device)
-    return phases.StepBatch(seed, packed, torch.zeros(SAMPLES), torch.zeros(SAMPLES, dtype=torch.bool), 0,
+    # RL step 0 for all: the seed only draws the lengths (a step number would move the lr schedule)
+    return phases.StepBatch(0, packed, torch.zeros(SAMPLES), torch.zeros(SAMPLES, dtype=torch.bool), 0,
                             advantages, None, None, torch.zeros(packed.response_mask.shape, device=device), 2.0)
 
 

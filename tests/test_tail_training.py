@@ -201,3 +201,27 @@ def test_the_tail_trainers_callback_keeps_each_samples_features_while_rows_are_r
     assert len(stored) == len(handed) == 8
     for entry, (tokens, features) in zip(stored, handed):
         assert torch.equal(entry.tokens, tokens) and torch.equal(entry.features, features)
+
+
+def test_a_cuda_tail_shortens_the_gil_switch_interval_while_it_trains_and_restores_it(caplog):
+    """The decode loop needs the GIL back within a fraction of its ~2-3 ms step: while a CUDA tail trains, the
+    switch interval is CUDA_SWITCH_INTERVAL_S, restored at stop() (also when the thread failed: here, no CUDA
+    on this machine). A CPU tail leaves it alone."""
+    import sys
+
+    from tlt.drafter.tail_trainer import CUDA_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    tail, _ = tail_trainer()
+    tail.start()
+    assert sys.getswitchinterval() == before
+    tail.stop()
+    tail.device = torch.device("cuda")
+    tail.start()
+    try:
+        assert sys.getswitchinterval() == CUDA_SWITCH_INTERVAL_S
+    finally:
+        report = tail.stop()
+    assert sys.getswitchinterval() == before
+    if not torch.cuda.is_available():
+        assert report.error is not None  # the side stream needs CUDA: the thread failed, the interval came back

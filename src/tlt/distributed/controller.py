@@ -51,7 +51,12 @@ class DistributedGRPO:
         self.speculative = config.run.speculative != "off"
         self.spot_training = self.speculative and config.run.spot_training and self.size > 1
         if self.speculative:
-            self._call(0, "publish_initial_drafter")
+            try:
+                self._call(0, "publish_initial_drafter")
+            except BaseException:  # nobody holds this controller to close it: the workers it started (and the
+                if backend is None:  # process's frozen garbage collection, worker.freeze_long_lived) end here
+                    self.backend.shutdown()
+                raise
 
     # -- one RL step -----------------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -32,6 +33,12 @@ from tlt.drafter.trainer import DrafterTrainer
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the thread sleeps when it has nothing to train on yet
+# Python's GIL switch interval while a CUDA tail trains. A replayed decode step is ~2-3 ms of host work at
+# batch 1-4; with the default 5 ms interval, the training thread (Python between its launches) can keep the GIL
+# that long each time the decode loop wants it back, doubling the steps it overlaps. On the H100 (2026-11-27)
+# the rollout took 1.15-1.22x with a tail trainer that ran for 30-40 ms and 0-1 drafter steps. (On the CPU a
+# step's ops release the GIL for most of its 30+ ms: left as it is.)
+CUDA_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -73,6 +80,7 @@ class TailTrainer:
         self._thread: threading.Thread | None = None
         self._report = TailReport()
         self._stream = None  # the side CUDA stream, made on first use
+        self._switch_interval: float | None = None  # the process's, while start() has set CUDA's
 
     # -- the decode loop's side (main thread) -------------------------------------------------------------
 
@@ -95,6 +103,9 @@ class TailTrainer:
             return
         self._stop.clear()
         self._report = TailReport(started_s=time.time())
+        if self.device.type == "cuda":
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(CUDA_SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="tlt-tail-trainer", daemon=True)
         self._thread.start()
 
@@ -104,8 +115,13 @@ class TailTrainer:
         if self._thread is not None:
             self._report.stop_asked_s = time.time()
             self._stop.set()
-            self._thread.join()
-            self._thread = None
+            try:
+                self._thread.join()
+            finally:
+                self._thread = None
+                if self._switch_interval is not None:
+                    sys.setswitchinterval(self._switch_interval)
+                    self._switch_interval = None
         else:
             self._drain()
         report, self._report = self._report, TailReport()

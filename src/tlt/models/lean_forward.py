@@ -177,6 +177,22 @@ def grouped_query_attention(q, k, v, bias, scale: float) -> torch.Tensor:
     return out.reshape(batch, heads, num_new, dim)  # SDPA's output may be strided on CUDA
 
 
+def keep_cudnn_attention_out(device: torch.device) -> None:
+    """On CUDA, take cuDNN out of SDPA's backends for this process.
+
+    torch 2.11 with cuDNN >= 9.15 puts cuDNN first for masked bf16 attention on Hopper and newer, and cuDNN
+    builds an execution plan for every (batch, length) it has not seen: ~0.4 s forward and ~0.55 s backward per
+    new shape reported with torch 2.11 (modelscope/FunASR#3704). The update's and the log-probs' micro-batches
+    are padded to new lengths at every step, so each step would pay that in every micro-batch; the
+    memory-efficient kernel that takes over has no plan to build. The rollout's graphs never used cuDNN
+    (`graph_runner.CAPTURED_ATTENTION`); its prefills (a new prompt length each) and the drafter's training did.
+    Every engine on CUDA calls this (and so every replica, `tlt generate`, the drafter's warm-up). Process-wide
+    rather than an `sdpa_kernel` context per forward: that sets global flags too, and in-process workers on
+    threads would race over restoring them."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def _raise_dynamo_limit(names: tuple[str, ...], floor: int) -> None:
     """Raise a Dynamo limit to at least `floor`, under the first of its names this torch has."""
     config = torch._dynamo.config

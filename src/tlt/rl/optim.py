@@ -92,20 +92,6 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16
 
 
-def keep_cudnn_attention_out(device: torch.device) -> None:
-    """On CUDA, take cuDNN out of SDPA's backends for this process.
-
-    torch 2.11 with cuDNN >= 9.15 puts cuDNN first for masked bf16 attention on Hopper and newer, and cuDNN
-    builds an execution plan for every (batch, length) it has not seen: ~0.4 s forward and ~0.55 s backward per
-    new shape reported with torch 2.11 (modelscope/FunASR#3704). The update's and the log-probs' micro-batches
-    are padded to new lengths at every step, so each step would pay that in every micro-batch; the
-    memory-efficient kernel that takes over has no plan to build. The rollout's graphs never used cuDNN
-    (`graph_runner.CAPTURED_ATTENTION`). Process-wide rather than an `sdpa_kernel` context per forward: that
-    sets global flags too, and in-process workers on threads would race over restoring them."""
-    if torch.device(device).type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-
-
 def training_autocast(dtype: torch.dtype | None, device: torch.device):
     """The context the training and log-prob forwards run in."""
     if dtype is None:

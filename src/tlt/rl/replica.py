@@ -19,10 +19,11 @@ import torch
 from tlt.drafter.vocabulary import frequent_tokens, limits_vocab
 from tlt.errors import RequestError
 from tlt.models.eagle import EagleDrafter
+from tlt.models.lean_forward import keep_cudnn_attention_out
 from tlt.models.loading import LoadedModel, eos_token_ids, load_model
 from tlt.rl.config import TrainConfig, check_speculation
 from tlt.rl.optim import (autocast_dtype, build_optimizer, build_scheduler, disable_dropout,
-                          enable_grad_checkpointing, keep_cudnn_attention_out)
+                          enable_grad_checkpointing)
 from tlt.rl.rewards import build_reward
 from tlt.rollout.cost_curve import EXPECTED_TAU, curve_for
 from tlt.rollout.engine import RolloutEngine

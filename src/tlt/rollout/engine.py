@@ -18,7 +18,7 @@ import time
 import torch
 
 from tlt.errors import RequestError
-from tlt.models.lean_forward import LeanForward
+from tlt.models.lean_forward import LeanForward, keep_cudnn_attention_out
 from tlt.models.loading import LoadedModel
 from tlt.models.loading import eos_token_ids as eos_token_ids_of
 from tlt.models.rollout_copy import RolloutCopy
@@ -59,6 +59,7 @@ class RolloutEngine:
         if not (is_integer(max_batch_size) and max_batch_size >= 1):
             raise RequestError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.policy_forward = LeanForward(model)  # the master weights: training features, drafter training
+        keep_cudnn_attention_out(self.policy_forward.device)
         dtype = resolve_rollout_dtype(dtype, self.policy_forward.device, self.policy_forward.dtype)
         self.rollout_copy = RolloutCopy(model, dtype) if dtype != self.policy_forward.dtype else None
         forward = self.policy_forward if self.rollout_copy is None else \
