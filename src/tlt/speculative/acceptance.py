@@ -40,6 +40,8 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
     the walk stops when no row is active (same result).
     accept_rule(u, cumulative, child_probs) -> bool [B, K] can replace the exact rule (tests use it to show
     that a biased rule is detected)."""
+    if sync_free:
+        return _accept_every_node(tree, logprobs, greedy, uniforms, accept_rule)
     children = tree.children                                                      # [B, N + 1, K]
     child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
     child_logprobs = logprobs.gather(2, child_tokens)                               # [B, N + 1, K]
@@ -67,6 +69,63 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
         if walk.finished(sync_free):
             break
     return _finish(walk, tree, logprobs, child_tokens, argmax, greedy, uniforms)
+
+
+def _accept_every_node(tree: DraftTree, logprobs, greedy, uniforms, accept_rule) -> Acceptance:
+    """`accept` for a CUDA graph, which walks every depth: each node's test runs for all nodes at once, on the
+    uniforms of its depth (the walk reaches a node at the step equal to its depth), over [B, N + 1, K]; then
+    `follow_accepted` chases the accepted children, one gather per depth, where the walk spent ~30 operations
+    a depth. The same arithmetic per node: the same `Acceptance` (tested against the walk)."""
+    children = tree.children                                                      # [B, N + 1, K]
+    batch, nodes, k = children.shape
+    child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
+    child_logprobs = logprobs.gather(2, child_tokens)                               # [B, N + 1, K]
+    argmax = logprobs.argmax(-1)                                                    # [B, N + 1]
+    valid = children >= 0
+    child_probs = child_logprobs.exp() * valid
+    cumulative = child_probs.cumsum(-1)
+    u = 1.0 - uniforms.gather(1, 2 * tree.depths)                                   # (0, 1], each node's depth's
+    if accept_rule is None:
+        hit = (u[..., None] <= cumulative) & valid
+    else:  # as the walk calls it: u [rows], cumulative and child_probs [rows, K]
+        hit = accept_rule(u.reshape(-1), cumulative.reshape(-1, k), child_probs.reshape(-1, k)).view_as(valid) & valid
+    hit = torch.where(greedy[:, None, None], (child_tokens == argmax[..., None]) & valid, hit)
+    choice = hit.float().argmax(-1, keepdim=True)                                   # first hit
+    node_next = torch.where(hit.any(-1), children.gather(2, choice)[..., 0], -1)
+    path, through = follow_accepted(node_next, tree.max_depth)
+    accepted = (path[:, 1:] >= 0).sum(1)
+    tokens = along(through, child_tokens.gather(2, choice)[..., 0], -1)            # the accepted children's
+    token_logprobs = along(through, child_logprobs.gather(2, choice)[..., 0], 0.0).float()
+    # the final token at the node each row stopped at, as `_finish` draws it
+    rows, stop = torch.arange(batch, device=logprobs.device), path.gather(1, accepted[:, None])[:, 0]
+    node_logprobs = logprobs[rows, stop]                                            # [B, V]
+    final = residual_sample(node_logprobs, child_tokens[rows, stop], valid[rows, stop],
+                            uniforms.gather(1, 2 * accepted[:, None] + 1)[:, 0], greedy, argmax[rows, stop])
+    tokens.scatter_(1, accepted[:, None], final[:, None])
+    token_logprobs.scatter_(1, accepted[:, None], node_logprobs.gather(1, final[:, None]).float())
+    return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
+
+
+def follow_accepted(node_next: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's walk from the root once each node's accepted child is known: node_next [B, N + 1] (-1: none,
+    the row stops there). Returns (path [B, S + 2]: the root, then the accepted nodes, -1 padded; the same with
+    a sink node N + 1 in place of -1, for `along`). A stopped row moves to the sink, which leads to itself: one
+    gather of a [B, 1] pointer per depth, nothing read on the host."""
+    batch, nodes = node_next.shape
+    table = torch.cat([node_next.masked_fill(node_next < 0, nodes), node_next.new_full((batch, 1), nodes)], 1)
+    current = node_next.new_zeros(batch, 1)
+    steps = [current]
+    for _ in range(max_depth + 1):
+        current = table.gather(1, current)
+        steps.append(current)
+    through = torch.cat(steps, 1)
+    return through.masked_fill(through == nodes, -1), through
+
+
+def along(through: torch.Tensor, values: torch.Tensor, fill) -> torch.Tensor:
+    """values [B, N + 1] (one per node) at each step of the paths `follow_accepted` returned, `fill` past their
+    end."""
+    return torch.cat([values, values.new_full((values.shape[0], 1), fill)], 1).gather(1, through)
 
 
 def _finish(walk: "TreeWalk", tree: DraftTree, logprobs, child_tokens, argmax, greedy, uniforms) -> Acceptance:

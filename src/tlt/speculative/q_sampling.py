@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tlt.sampling import RowSampling, processed_logprobs, sample_from_logprobs
-from tlt.speculative.acceptance import Acceptance, TreeWalk
+from tlt.speculative.acceptance import Acceptance, TreeWalk, along, follow_accepted
 from tlt.speculative.tree import Candidates, DraftTree
 
 
@@ -152,14 +152,15 @@ def _accept_q_every_node(tree: DraftTree, logprobs, drafts: DraftDistributions, 
     final = sample_from_logprobs(residual.log(), coins.reshape(-1, k + 1)[:, k])
     final = torch.where(node_greedy, node_logprobs.argmax(-1), final).view(batch, nodes)
     choice = choice.view(batch, nodes)
-    walk = TreeWalk(batch, depth, logprobs.device)
-    for step in range(depth + 1):
-        at = (walk.rows, walk.current)
-        picked = choice[at].clamp(min=0)[:, None]
-        found = (choice[at] >= 0) & walk.active
-        emitted = torch.where(found, child_tokens[at].gather(1, picked)[:, 0], final[at])
-        walk.record(step, found, children[at].gather(1, picked)[:, 0], emitted, logprobs[at + (emitted,)])
-    return walk.result()
+    # what each node emits: its accepted child, or (the row stops there) its final draw; then one gather a depth
+    found, picked = choice >= 0, choice.clamp(min=0)[..., None]
+    node_next = torch.where(found, children.gather(2, picked)[..., 0], -1)
+    node_tokens = torch.where(found, child_tokens.gather(2, picked)[..., 0], final)
+    path, through = follow_accepted(node_next, depth)
+    accepted = (path[:, 1:] >= 0).sum(1)
+    tokens = along(through, node_tokens, -1)
+    token_logprobs = along(through, logprobs.gather(2, node_tokens[..., None])[..., 0].float(), 0.0)
+    return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
 
 
 def _every_draft_probs(drafts: DraftDistributions, draft_to_target, vocab: int) -> torch.Tensor:
