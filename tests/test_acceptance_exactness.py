@@ -44,13 +44,19 @@ class BigramDrafter:
     def chain_tables(self, cache, base, passes, kv_len):
         return _NoTables()
 
+    def tree_tables(self, cache, base, depth, k, kv_len):
+        return _NoTables()
+
     def to_target_ids(self, ids):
         return ids if self.draft_to_target is None else self.draft_to_target[ids]
 
 
 class _NoTables:
-    def at(self, _):
+    def at(self, *_):
         return None
+
+    def add_nodes(self, *_):
+        pass
 
 
 def first_tokens(target: torch.Tensor, drafter: BigramDrafter, strategy: SpecStrategy, params: list,

@@ -301,6 +301,74 @@ def test_a_chain_drafts_what_its_drafter_says_fed_one_pair_at_a_time(rule):
         reference.advance(1)
 
 
+@pytest.mark.parametrize("rule", ["target", "q"])
+@pytest.mark.parametrize("kv_len", [None, 64], ids=["spans-from-lengths", "fixed-span"])
+def test_a_tree_drafts_what_its_drafter_says_along_each_nodes_own_path(rule, kv_len):
+    """A tree's passes re-run every frontier node so far under a mask that shows each only its own path (its
+    slots, RoPE and mask rows made once a step: `EagleDrafter.tree_tables`). Every candidate's draft log-prob
+    (and, under q-sampling, the distribution it was drawn from) must be the drafter's when fed the committed
+    pairs and then that candidate's ancestors one at a time. Rows with different committed lengths."""
+    import torch
+
+    from tlt.speculative.q_sampling import sampling_pick
+    from tlt.speculative.tree import draft_tree, top_children
+
+    model = tiny_model("llama", seed=3)
+    drafter = EagleDrafter(model.config).attach(model)
+    generator = torch.Generator().manual_seed(1)
+    lengths, hidden_size = [7, 4], model.config.hidden_size
+    strategy = SpecStrategy(4, 2, rule=rule) if rule == "q" else SpecStrategy(4, 2, 8)
+    settings = RowSampling.from_params([SamplingParams(temperature=1.0)] * 2, "cpu")
+    pick = sampling_pick(settings, torch.rand(2, strategy.tree_size, generator=generator)) if rule == "q" \
+        else top_children
+    tokens = torch.randint(0, 97, (2, max(lengths)), generator=generator)
+    features = torch.randn(2, max(lengths), hidden_size, generator=generator)
+
+    def fed(row):  # a one-row drafter cache holding that row's committed pairs; its root hidden state
+        rows = drafter.new_cache(1, 64).rows(0, 1)
+        count = lengths[row]
+        hidden = drafter.step(tokens[row:row + 1, :count], features[row:row + 1, :count], rows,
+                              torch.arange(count)[None])[:, -1]
+        rows.advance(count)
+        return rows, hidden
+
+    caches = [fed(row) for row in range(2)]
+    rows = drafter.new_cache(2, 64).rows(0, 2)  # both rows, right-padded: each attends to its own pairs only
+    for row in range(2):
+        one = rows.cache.rows(row, 1)
+        drafter.step(tokens[row:row + 1, :lengths[row]], features[row:row + 1, :lengths[row]], one,
+                     torch.arange(lengths[row])[None])
+        one.advance(lengths[row])
+    root = torch.cat([hidden for _, hidden in caches])
+    candidates = draft_tree(drafter, root, rows, torch.tensor(lengths), strategy, pick, kv_len=kv_len)
+    parents = candidates.parents.tolist()
+    dists = {}
+    if rule == "q":
+        for ids, dist in candidates.expanded:
+            for row in range(2):
+                for f, node in enumerate(ids[row].tolist()):
+                    dists[row, node] = dist[row, f]
+    for row in range(2):
+        for candidate, parent in enumerate(parents[row]):
+            path = []
+            while parent >= 0:
+                path.insert(0, parent)
+                parent = parents[row][parent]
+            cache, hidden = fed(row)
+            for depth, node in enumerate(path):
+                hidden = drafter.step(candidates.tokens[row:row + 1, node:node + 1], hidden[:, None], cache,
+                                      torch.full((1, 1), lengths[row] + depth))[:, 0]
+                cache.advance(1)
+            expected = torch.log_softmax(drafter.draft_logits(hidden), -1)[0]
+            parent = parents[row][candidate]
+            score = candidates.scores[row, candidate] - (candidates.scores[row, parent] if parent >= 0 else 0)
+            draft_id = int((candidates.tokens[row, candidate] == drafter.to_target_ids(
+                torch.arange(expected.shape[0]))).nonzero()[0])
+            assert abs(float(score - expected[draft_id])) < 1e-5, (row, candidate)
+            if rule == "q":
+                torch.testing.assert_close(dists[row, parent], expected, atol=1e-5, rtol=0)
+
+
 def test_a_hot_swap_mid_rollout_resets_every_rows_drafter_state():
     """A swapped-in drafter must rebuild each row's drafter KV from the per-slot features, never continue from KV the
     old drafter wrote (lossless either way, but drafts from another drafter's state). Checked at the swap itself,

@@ -92,6 +92,42 @@ class ChainTables:
                 self.cos[:, :, p:p + 1], self.sin[:, :, p:p + 1])
 
 
+@dataclass
+class TreeTables:
+    """What a tree's drafting passes need besides their pairs, made once per step (`EagleDrafter.tree_tables`).
+
+    The passes feed the M = (S - 1) K frontier nodes in the order they were chosen (K per pass, pass p feeding
+    the first (p + 1) K): each node's slot [B, M] and RoPE cos / signed sin [B, 1, M, D] are known up front;
+    its row of the attention mask [B, M, S] (the committed slots, its ancestors, itself) is filled by `add_nodes`
+    once its parent is chosen. A pass's bias is then one conversion of the rows so far, where building it from
+    the lengths, a growing node-visibility matrix and RoPE took ~30 operations a pass (2026-11-27)."""
+
+    slots: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor        # [B, M, S] bool, rows filled by add_nodes
+    committed: torch.Tensor   # [B, 1, S] bool: the committed slots, which every node sees
+    spans: list[int]          # each pass's attention span
+    groups: int               # query heads per KV head (`grouped_attention_bias`)
+    dtype: torch.dtype
+
+    def add_nodes(self, first: int, k: int, parents: torch.Tensor | None) -> None:
+        """Nodes first .. first + K - 1: the root's children (parents None), or children of the K nodes before
+        them (parents [B, K]: each one's index among those K)."""
+        batch, _, span = self.mask.shape
+        if parents is None:
+            rows = self.committed.expand(batch, k, span).clone()
+        else:
+            rows = self.mask.gather(1, (first - k + parents)[..., None].expand(-1, -1, span))
+        rows.scatter_(2, self.slots[:, first:first + k, None], True)  # each node sees itself
+        self.mask[:, first:first + k] = rows
+
+    def at(self, count: int, p: int) -> tuple:
+        """`EagleDrafter.step`'s tables for pass p, which feeds the first `count` nodes."""
+        bias = grouped_attention_bias(self.mask[:, None, :count, :self.spans[p]], self.groups, self.dtype)
+        return self.slots[:, :count], bias, self.cos[:, :, :count], self.sin[:, :, :count]
+
+
 class EagleDrafter(nn.Module):
     def __init__(self, target_config, draft_vocab: torch.Tensor | None = None):
         super().__init__()
@@ -214,6 +250,29 @@ class EagleDrafter(nn.Module):
         bias = grouped_attention_bias(mask, lean.spec.num_heads // lean.spec.num_kv_heads, x.dtype)
         cos, sin = lean.rope(x, positions.to(x.device))
         return lean.layer(self.layer, 0, x, x, cos, sin, cache, slots, bias, fused=self._fused_projections)
+
+    def tree_tables(self, cache: CacheRows, base: torch.Tensor, depth: int, k: int, kv_len: int | None) -> TreeTables:
+        """A tree's drafting tables (`TreeTables`) for its depth - 1 passes of K new nodes each, over drafter
+        cache rows whose committed lengths are base [B] (device); kv_len as in `step` (None: each pass's own span,
+        read from the host)."""
+        device = base.device
+        nodes = (depth - 1) * k
+        local = torch.arange(nodes, device=device)
+        capacity = mask_capacity(cache)
+        if kv_len is None:  # eager: each pass attends over its own span, as `step` would (host reads)
+            longest = int(base.max())
+            spans = [aligned_span(longest + (p + 1) * k, capacity) for p in range(depth - 1)]
+        else:
+            spans = [aligned_span(kv_len, capacity)] * (depth - 1)
+        width = max(spans)
+        committed = (torch.arange(width, device=device)[None, :] < base[:, None])[:, None]   # [B, 1, S]
+        mask = torch.zeros(base.shape[0], nodes, width, dtype=torch.bool, device=device)
+        dtype = self.fc.weight.dtype
+        # a node fed at local index i sits at slot base + i, at position base + its depth - 1 = base + i // K
+        cos, sin = self.target.rope(torch.empty(0, dtype=dtype, device=device), base[:, None] + local[None, :] // k)
+        lean = self.target
+        return TreeTables(base[:, None] + local[None, :], cos, sin, mask, committed, spans,
+                          lean.spec.num_heads // lean.spec.num_kv_heads, dtype)
 
     def chain_tables(self, cache: CacheRows, base: torch.Tensor, passes: int, kv_len: int | None) -> "ChainTables":
         """What a chain's drafting passes need besides their pair, for all of them at once: pass p feeds one pair

@@ -76,10 +76,10 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
     pick(logits [B, F, Vd], k, depth) -> (log-scores [B, F, K], draft ids [B, F, K], distribution or None)
     chooses each expanded node's K children. The drafter cache holds the committed pairs; the frontier nodes'
     pairs are written past them, uncommitted: each depth re-runs all frontier nodes so far with a mask that shows
-    every node only its own path (a few dozen one-layer token-steps at most); a chain (K = 1) feeds only its
-    newest node. base_positions [B] (device): the position of the first draft pair, which is also the drafter
-    cache's committed length; kv_len: the drafter's attention span (a CUDA graph fixes it; default: from the
-    lengths).
+    every node only its own path (a few dozen one-layer token-steps at most; `EagleDrafter.tree_tables`); a chain
+    (K = 1) feeds only its newest node. base_positions [B] (device): the position of the first draft pair, which
+    is also the drafter cache's committed length; kv_len: the drafter's attention span (a CUDA graph fixes it;
+    default: from the lengths).
     """
     if strategy.branching == 1:
         return _draft_chain(drafter, root_hidden, cache, base_positions, strategy, pick, kv_len)
@@ -95,16 +95,15 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
     frontier_features = root_hidden[:, None].expand(batch, k, hidden_size)
     frontier_parent = None                                             # [B, K] local index in previous frontier
     path_tokens, path_features = [], []
-    visible = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)
+    # every pass's slots, RoPE and mask rows, made once (a node's mask row as soon as its parent is chosen)
+    tables = drafter.tree_tables(cache, base_positions.to(device), strategy.depth, k, kv_len)
     for depth in range(2, strategy.depth + 1):
         path_tokens.append(torch.cat(tokens, 1).gather(1, frontier))
         path_features.append(frontier_features)
-        visible = _extend_visibility(visible, frontier_parent, k)
-        count = visible.shape[1]
-        positions = base_positions.to(device)[:, None] + torch.arange(count, device=device)[None, :] // k
-        hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, positions,
-                              new_token_mask=visible, lengths=base_positions,
-                              kv_len=kv_len)[:, -k:]                   # the newest frontier [B, K, H]
+        count = (depth - 1) * k
+        tables.add_nodes(count - k, k, frontier_parent)
+        hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, None,
+                              tables=tables.at(count, depth - 2))[:, -k:]  # the newest frontier [B, K, H]
         child_scores, child_ids, dist = pick(drafter.draft_logits(hidden), k, depth)
         if dist is not None:
             expanded.append((frontier, dist))
@@ -146,19 +145,6 @@ def _draft_chain(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_posi
         tokens.append(drafter.to_target_ids(child_ids).reshape(batch, 1))
     parents = torch.arange(-1, strategy.depth - 1, device=device).expand(batch, -1)
     return Candidates(torch.cat(tokens, 1), torch.cat(all_scores, 1), parents, expanded)
-
-
-def _extend_visibility(visible: torch.Tensor, frontier_parent: torch.Tensor | None, k: int) -> torch.Tensor:
-    """Add K frontier nodes to the path mask; frontier_parent [B, K] indexes the previous K nodes (None at
-    depth 1, whose parent is the committed context itself)."""
-    batch, count, _ = visible.shape
-    grown = torch.zeros(batch, count + k, count + k, dtype=torch.bool, device=visible.device)
-    grown[:, :count, :count] = visible
-    grown.diagonal(dim1=1, dim2=2)[:, count:].fill_(True)  # each new node sees itself
-    if frontier_parent is not None:
-        parent_rows = visible.gather(1, (count - k + frontier_parent)[:, :, None].expand(-1, -1, count))
-        grown[:, count:, :count] = parent_rows
-    return grown
 
 
 def select_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: SpecStrategy) -> DraftTree:
