@@ -75,6 +75,7 @@ def count_speculative_step(model, strategy: SpecStrategy) -> int:
     assert engine.spec_decoder.drafter._fused_projections is not None
     engine.runner = GraphRunner(engine.forward, capture=False)
     engine.forward.linear = torch.nn.functional.linear
+    engine.forward.residual_gemm = True  # as on CUDA (the drafter's serving copy runs its layer through it too)
     counts, run = [], SpeculativeDecoder.run
 
     def counted(decoder, *args, **kwargs):
@@ -102,6 +103,7 @@ def main(argv=None) -> dict:
     copy = RolloutCopy(model, torch.float32)  # the fused layout the GPU rollout decodes from (its dtype aside)
     lean = LeanForward(copy.model, copy.fused)
     lean.linear = torch.nn.functional.linear  # one GEMM per projection, as on CUDA (not oneDNN's packed linear)
+    lean.residual_gemm = True  # as on CUDA: o_proj and down_proj add into the residual inside their GEMM
     results = {"model_layers": config.num_hidden_layers, "kv_len": args.kv, "by_step": {},
                "environment": environment()}
     for name, num_new in (("decode", 1), ("verify_6", 6)):

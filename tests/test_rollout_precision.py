@@ -85,6 +85,40 @@ def test_forward_over_device_lengths_and_a_fixed_kv_block_equals_the_host_forwar
     torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
 
 
+def test_the_residual_gemm_path_cuda_takes_decodes_and_drafts_as_the_plain_one(arch):
+    """On CUDA, o_proj and down_proj add into the residual inside their GEMM (addmm_ in place: two kernels a layer
+    fewer). Forced on the CPU here: the fused copy's prefill, its decode steps, a drafter pass over the same
+    layers and a tree verify equal the plain path, and the caller's tensors are left as they were."""
+    model = tiny_model(arch)
+    copy = RolloutCopy(model, torch.float32)
+    plain, gemm = LeanForward(copy.model, copy.fused), LeanForward(copy.model, copy.fused)
+    plain.linear = gemm.linear = torch.nn.functional.linear
+    gemm.residual_gemm = True
+    prompts = random_prompts([6, 3], seed=5)
+    ids = torch.tensor([p + [4] * (6 - len(p)) for p in prompts])
+    outputs = []
+    for lean in (plain, gemm):
+        rows = KVCache(lean.spec, 2, 64).rows(0, 2)
+        first = lean(ids, rows)
+        rows.advance(torch.tensor([len(p) for p in prompts]))
+        new = torch.tensor([[5, 6, 7], [8, 9, 10]])
+        mask = torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(2, 3, 3).clone()
+        mask[:, 2, 1] = False
+        verify = lean(new, rows, positions=rows.lengths[:, None] + torch.tensor([0, 1, 1]), new_token_mask=mask)
+        torch.manual_seed(0)  # the same random drafter for both paths
+        drafter = EagleDrafter(model.config).attach(model).inference_copy(lean)
+        features = verify.hidden.clone()
+        drafted = drafter.step(new, features, drafter.new_cache(2, 64).rows(0, 2), torch.arange(3).expand(2, -1))
+        assert torch.equal(features, verify.hidden)  # the drafter's inputs are not written over
+        outputs.append((first.logits, verify.logits, drafted))
+    for got, want in zip(outputs[1], outputs[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with torch.enable_grad():  # under autograd the in-place GEMM is never taken
+        residual = torch.ones(1, 2, model.config.hidden_size, requires_grad=True)
+        hidden = torch.ones(1, 2, model.config.intermediate_size)
+        gemm.add_projection(residual * 1, hidden, copy.model.model.layers[0].mlp.down_proj.weight, None).sum()
+
+
 def test_buckets():
     assert [batch_bucket(b, 64) for b in (1, 3, 5, 17, 33, 64)] == [1, 4, 8, 24, 48, 64]
     assert batch_bucket(65, 64) is None and batch_bucket(3, 3) is None  # no cache rows for the padding
