@@ -49,8 +49,9 @@
 # instead of `echo ok` (timeout_s 80: cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=50 bash
 # benchmarks/gpu_session.sh tests-fixed), then e2e, then `update tail` in call 3 (update: what the cuDNN-attention
 # and garbage-collector fixes of 2026-11-27 did to the ~1.05 s update of 1,450 tokens). After that, plan A again to
-# measure the sampler's operation diet (spec with --min-prompts) and `throughput` on its own call (its compile took
-# 157 s a shape).
+# measure the 2026-11-27 operation cuts (sampler, tree walk and tables, residual GEMM: S6K2N22q's step 2,133 ->
+# 1,636 operations, the plain forward 812 -> 752; spec with --min-prompts; `kernels` for the captured forward's
+# count) and `throughput` on its own call (its compile took 157 s a shape).
 # Plan A, the engine (#13, #14): speculative_h100.json, rollout_throughput_h100.json, the GPU tests.
 #   1. carry .gpu/a, timeout_s 220 (env.sh says the model is MISSING here: expected, its second half is call 2's):
 #        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=180 bash benchmarks/gpu_session.sh tests
