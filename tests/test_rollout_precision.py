@@ -107,16 +107,26 @@ def test_the_residual_gemm_path_cuda_takes_decodes_and_drafts_as_the_plain_one(a
         verify = lean(new, rows, positions=rows.lengths[:, None] + torch.tensor([0, 1, 1]), new_token_mask=mask)
         torch.manual_seed(0)  # the same random drafter for both paths
         drafter = EagleDrafter(model.config).attach(model).inference_copy(lean)
-        features = verify.hidden.clone()
-        drafted = drafter.step(new, features, drafter.new_cache(2, 64).rows(0, 2), torch.arange(3).expand(2, -1))
-        assert torch.equal(features, verify.hidden)  # the drafter's inputs are not written over
-        outputs.append((first.logits, verify.logits, drafted))
+        drafted = drafter.step(new, verify.hidden, drafter.new_cache(2, 64).rows(0, 2), torch.arange(3).expand(2, -1))
+        outputs.append((first.logits, verify.logits, verify.hidden, drafted))
     for got, want in zip(outputs[1], outputs[0]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    with torch.enable_grad():  # under autograd the in-place GEMM is never taken
-        residual = torch.ones(1, 2, model.config.hidden_size, requires_grad=True)
-        hidden = torch.ones(1, 2, model.config.intermediate_size)
-        gemm.add_projection(residual * 1, hidden, copy.model.model.layers[0].mlp.down_proj.weight, None).sum()
+    weight = copy.model.model.layers[0].mlp.down_proj.weight
+    hidden = torch.randn(1, 2, weight.shape[1])
+
+    def added(residual, *, bias=None, grad=False, hidden=hidden):
+        before = residual.clone()
+        with torch.set_grad_enabled(grad):
+            out = gemm.add_projection(residual, hidden, weight, bias)
+        torch.testing.assert_close(out, before + torch.nn.functional.linear(hidden, weight, bias), atol=1e-5,
+                                   rtol=1e-5)
+        return out is residual, torch.equal(residual, before)
+
+    fresh = lambda: torch.randn(1, 2, weight.shape[0])
+    assert added(fresh()) == (True, False)  # the fast path: in place, one GEMM
+    assert added(fresh(), grad=True) == (False, True)  # autograd: never in place
+    assert added(fresh(), bias=torch.randn(weight.shape[0])) == (False, True)
+    assert added(torch.randn(1, weight.shape[0], 2).transpose(1, 2)) == (False, True)  # a strided residual
 
 
 def test_buckets():

@@ -303,7 +303,8 @@ def test_a_chain_drafts_what_its_drafter_says_fed_one_pair_at_a_time(rule):
 
 @pytest.mark.parametrize("rule", ["target", "q"])
 @pytest.mark.parametrize("kv_len", [None, 64], ids=["spans-from-lengths", "fixed-span"])
-def test_a_tree_drafts_what_its_drafter_says_along_each_nodes_own_path(rule, kv_len):
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_a_tree_drafts_what_its_drafter_says_along_each_nodes_own_path(rule, kv_len, depth):
     """A tree's passes re-run every frontier node so far under a mask that shows each only its own path (its
     slots, RoPE and mask rows made once a step: `EagleDrafter.tree_tables`). Every candidate's draft log-prob
     (and, under q-sampling, the distribution it was drawn from) must be the drafter's when fed the committed
@@ -317,7 +318,7 @@ def test_a_tree_drafts_what_its_drafter_says_along_each_nodes_own_path(rule, kv_
     drafter = EagleDrafter(model.config).attach(model)
     generator = torch.Generator().manual_seed(1)
     lengths, hidden_size = [7, 4], model.config.hidden_size
-    strategy = SpecStrategy(4, 2, rule=rule) if rule == "q" else SpecStrategy(4, 2, 8)
+    strategy = SpecStrategy(depth, 2, rule=rule) if rule == "q" else SpecStrategy(depth, 2, min(8, 2 * depth))
     settings = RowSampling.from_params([SamplingParams(temperature=1.0)] * 2, "cpu")
     pick = sampling_pick(settings, torch.rand(2, strategy.tree_size, generator=generator)) if rule == "q" \
         else top_children

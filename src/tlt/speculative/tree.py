@@ -96,7 +96,8 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
     frontier_parent = None                                             # [B, K] local index in previous frontier
     path_tokens, path_features = [], []
     # every pass's slots, RoPE and mask rows, made once (a node's mask row as soon as its parent is chosen)
-    tables = drafter.tree_tables(cache, base_positions.to(device), strategy.depth, k, kv_len)
+    tables = drafter.tree_tables(cache, base_positions.to(device), strategy.depth, k, kv_len) \
+        if strategy.depth > 1 else None  # depth 1: the root's children are the whole tree, no pass
     for depth in range(2, strategy.depth + 1):
         path_tokens.append(torch.cat(tokens, 1).gather(1, frontier))
         path_features.append(frontier_features)
