@@ -19,7 +19,6 @@ import torch
 from tlt.drafter.vocabulary import frequent_tokens, limits_vocab
 from tlt.errors import RequestError
 from tlt.models.eagle import EagleDrafter
-from tlt.models.lean_forward import keep_cudnn_attention_out
 from tlt.models.loading import LoadedModel, eos_token_ids, load_model
 from tlt.rl.config import TrainConfig, check_speculation
 from tlt.rl.optim import (autocast_dtype, build_optimizer, build_scheduler, disable_dropout,
@@ -67,7 +66,6 @@ class PolicyReplica:
         loaded = loaded or load_model(config.model.path, device=config.model.device)
         model = loaded.model
         device = next(model.parameters()).device
-        keep_cudnn_attention_out(device)
         task = task if task is not None else build_task(config.task, loaded.tokenizer)
         check_prompts_fit(task, loaded.spec, config.rollout.max_new_tokens)  # before the cost curve's minute
         if disable_dropout(model) and announce:

@@ -42,10 +42,7 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
     that a biased rule is detected)."""
     if sync_free:
         return _accept_every_node(tree, logprobs, greedy, uniforms, accept_rule)
-    children = tree.children                                                      # [B, N + 1, K]
-    child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
-    child_logprobs = logprobs.gather(2, child_tokens)                               # [B, N + 1, K]
-    argmax = logprobs.argmax(-1)                                                    # [B, N + 1]
+    children, child_tokens, child_logprobs, argmax = _child_tables(tree, logprobs)
     walk = TreeWalk(logprobs.shape[0], tree.max_depth, logprobs.device)
     for step in range(tree.max_depth + 1):
         at = (walk.rows, walk.current)
@@ -63,12 +60,22 @@ def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, unifor
         hit = torch.where(greedy[:, None], greedy_hit, hit)
         found = hit.any(-1) & walk.active
         choice = hit.float().argmax(-1)[:, None]                                  # first hit
-        # a row that stops here records its chosen child too: `_finish` puts the final token over it
+        # a row that stops here records its chosen child too: `_put_final_tokens` puts the final token over it
         walk.record(step, found, node_children.gather(1, choice)[:, 0], tokens.gather(1, choice)[:, 0],
                     node_child_logprobs.gather(1, choice)[:, 0])
         if walk.finished(sync_free):
             break
-    return _finish(walk, tree, logprobs, child_tokens, argmax, greedy, uniforms)
+    _put_final_tokens(tree, logprobs, child_tokens, argmax, greedy, uniforms, walk.current, walk.accepted,
+                      walk.tokens, walk.logprobs)
+    return walk.result()
+
+
+def _child_tables(tree: DraftTree, logprobs):
+    """Every node's children [B, N + 1, K] (-1 padded), their tokens and target log-probs, and the target's
+    argmax at every node [B, N + 1]: what both walks read."""
+    children = tree.children
+    child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
+    return children, child_tokens, logprobs.gather(2, child_tokens), logprobs.argmax(-1)
 
 
 def _accept_every_node(tree: DraftTree, logprobs, greedy, uniforms, accept_rule) -> Acceptance:
@@ -76,11 +83,8 @@ def _accept_every_node(tree: DraftTree, logprobs, greedy, uniforms, accept_rule)
     uniforms of its depth (the walk reaches a node at the step equal to its depth), over [B, N + 1, K]; then
     `follow_accepted` chases the accepted children, one gather per depth, where the walk spent ~30 operations
     a depth. The same arithmetic per node: the same `Acceptance` (tested against the walk)."""
-    children = tree.children                                                      # [B, N + 1, K]
-    batch, nodes, k = children.shape
-    child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
-    child_logprobs = logprobs.gather(2, child_tokens)                               # [B, N + 1, K]
-    argmax = logprobs.argmax(-1)                                                    # [B, N + 1]
+    children, child_tokens, child_logprobs, argmax = _child_tables(tree, logprobs)
+    k = children.shape[-1]
     valid = children >= 0
     child_probs = child_logprobs.exp() * valid
     cumulative = child_probs.cumsum(-1)
@@ -92,25 +96,19 @@ def _accept_every_node(tree: DraftTree, logprobs, greedy, uniforms, accept_rule)
     hit = torch.where(greedy[:, None, None], (child_tokens == argmax[..., None]) & valid, hit)
     choice = hit.float().argmax(-1, keepdim=True)                                   # first hit
     node_next = torch.where(hit.any(-1), children.gather(2, choice)[..., 0], -1)
-    path, through = follow_accepted(node_next, tree.max_depth)
-    accepted = (path[:, 1:] >= 0).sum(1)
+    path, through, accepted = follow_accepted(node_next, tree.max_depth)
     tokens = along(through, child_tokens.gather(2, choice)[..., 0], -1)            # the accepted children's
     token_logprobs = along(through, child_logprobs.gather(2, choice)[..., 0], 0.0).float()
-    # the final token at the node each row stopped at, as `_finish` draws it
-    rows, stop = torch.arange(batch, device=logprobs.device), path.gather(1, accepted[:, None])[:, 0]
-    node_logprobs = logprobs[rows, stop]                                            # [B, V]
-    final = residual_sample(node_logprobs, child_tokens[rows, stop], valid[rows, stop],
-                            uniforms.gather(1, 2 * accepted[:, None] + 1)[:, 0], greedy, argmax[rows, stop])
-    tokens.scatter_(1, accepted[:, None], final[:, None])
-    token_logprobs.scatter_(1, accepted[:, None], node_logprobs.gather(1, final[:, None]).float())
+    _put_final_tokens(tree, logprobs, child_tokens, argmax, greedy, uniforms, path.gather(1, accepted[:, None])[:, 0],
+                      accepted, tokens, token_logprobs)
     return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
 
 
-def follow_accepted(node_next: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+def follow_accepted(node_next: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every row's walk from the root once each node's accepted child is known: node_next [B, N + 1] (-1: none,
     the row stops there). Returns (path [B, S + 2]: the root, then the accepted nodes, -1 padded; the same with
-    a sink node N + 1 in place of -1, for `along`). A stopped row moves to the sink, which leads to itself: one
-    gather of a [B, 1] pointer per depth, nothing read on the host."""
+    a sink node N + 1 in place of -1, for `along`; the accepted count [B]). A stopped row moves to the sink,
+    which leads to itself: one gather of a [B, 1] pointer per depth, nothing read on the host."""
     batch, nodes = node_next.shape
     table = torch.cat([node_next.masked_fill(node_next < 0, nodes), node_next.new_full((batch, 1), nodes)], 1)
     current = node_next.new_zeros(batch, 1)
@@ -119,7 +117,8 @@ def follow_accepted(node_next: torch.Tensor, max_depth: int) -> tuple[torch.Tens
         current = table.gather(1, current)
         steps.append(current)
     through = torch.cat(steps, 1)
-    return through.masked_fill(through == nodes, -1), through
+    path = through.masked_fill(through == nodes, -1)
+    return path, through, (path[:, 1:] >= 0).sum(1)
 
 
 def along(through: torch.Tensor, values: torch.Tensor, fill) -> torch.Tensor:
@@ -128,17 +127,18 @@ def along(through: torch.Tensor, values: torch.Tensor, fill) -> torch.Tensor:
     return torch.cat([values, values.new_full((values.shape[0], 1), fill)], 1).gather(1, through)
 
 
-def _finish(walk: "TreeWalk", tree: DraftTree, logprobs, child_tokens, argmax, greedy, uniforms) -> Acceptance:
-    """Each row's final token, at the node it stopped at (its depth: its accepted count): a sample of p without
-    that node's children, or p's argmax for a greedy row."""
-    at = (walk.rows, walk.current)
-    stop = walk.accepted[:, None]
+def _put_final_tokens(tree: DraftTree, logprobs, child_tokens, argmax, greedy, uniforms, stop_node, accepted,
+                      tokens, token_logprobs) -> None:
+    """Each row's final token, at the node it stopped at (stop_node [B]; its depth: its accepted count), written
+    into tokens / token_logprobs at that position: a sample of p without that node's children, or p's argmax
+    for a greedy row."""
+    at = (torch.arange(stop_node.shape[0], device=stop_node.device), stop_node)
+    stop = accepted[:, None]
     node_logprobs = logprobs[at]                                                    # [B, V]
     final = residual_sample(node_logprobs, child_tokens[at], tree.children[at] >= 0,
                             uniforms.gather(1, 2 * stop + 1)[:, 0], greedy, argmax[at])
-    walk.tokens.scatter_(1, stop, final[:, None])
-    walk.logprobs.scatter_(1, stop, node_logprobs.gather(1, final[:, None]).to(walk.logprobs.dtype))
-    return walk.result()
+    tokens.scatter_(1, stop, final[:, None])
+    token_logprobs.scatter_(1, stop, node_logprobs.gather(1, final[:, None]).to(token_logprobs.dtype))
 
 
 class TreeWalk:

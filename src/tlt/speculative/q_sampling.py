@@ -156,8 +156,7 @@ def _accept_q_every_node(tree: DraftTree, logprobs, drafts: DraftDistributions, 
     found, picked = choice >= 0, choice.clamp(min=0)[..., None]
     node_next = torch.where(found, children.gather(2, picked)[..., 0], -1)
     node_tokens = torch.where(found, child_tokens.gather(2, picked)[..., 0], final)
-    path, through = follow_accepted(node_next, depth)
-    accepted = (path[:, 1:] >= 0).sum(1)
+    path, through, accepted = follow_accepted(node_next, depth)
     tokens = along(through, node_tokens, -1)
     token_logprobs = along(through, logprobs.gather(2, node_tokens[..., None])[..., 0].float(), 0.0)
     return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
