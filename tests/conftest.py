@@ -1,7 +1,12 @@
 """Tiny random models built from configs: no network, no model hub, a few hundred KB each."""
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run under Triton's interpreter (before tlt imports them)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 

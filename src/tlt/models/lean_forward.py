@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tlt.models import kernels
 from tlt.models.kv_cache import CacheRows
 from tlt.models.spec import ModelSpec
 
@@ -107,6 +108,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 # rollout.compile's values -> torch.compile modes. Never "reduce-overhead": the graph runner captures the step
 # itself, with its own static buffers, and Inductor's own CUDA graphs would nest inside that capture.
 COMPILE_MODES = {"inductor": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+# rollout.kernels' values: torch's own kernels, or the fused Triton kernels of models/kernels.py (CUDA)
+KERNEL_CHOICES = ("torch", "triton")
+# The Triton kernels serve forwards of at most this many new tokens a row (decode steps, trees, drafter passes);
+# a prompt's prefill keeps SDPA, whose flash kernels are made for long query blocks.
+KERNEL_MAX_NEW_TOKENS = 64
 
 ATTENTION_ALIGN = 16  # SDPA's memory-efficient kernel pads (copies) a mask whose last dim is not a multiple of 16
 
@@ -219,6 +225,24 @@ class LeanForward:
         self._fused = {} if fused is None else {id(layer): f for layer, f in zip(self.decoder.layers, fused)}
         self._compiled_run = None  # set by `compile`: the static-shape forward, Inductor-compiled
         self.compile_mode: str | None = None
+        self.kernels = "torch"  # `use_kernels`
+
+    def use_kernels(self, choice: str) -> None:
+        """"triton": RoPE with the KV write, attention and SiLU-and-multiply as one fused Triton kernel each
+        (models/kernels.py) in forwards of up to KERNEL_MAX_NEW_TOKENS new tokens a row without gradients;
+        "torch": torch's kernels. Triton needs CUDA (or its interpreter, for tests)."""
+        if choice not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
+        if choice == "triton":
+            reason = kernels.unavailable_reason(self.device)
+            if reason is not None:
+                raise ValueError(f"kernels='triton': {reason}")
+            if self._compiled_run is not None:
+                raise ValueError("kernels='triton' and compile are alternatives: Inductor fuses its own kernels")
+        self.kernels = choice
+
+    def _fused_kernels(self, num_new: int) -> bool:
+        return self.kernels == "triton" and num_new <= KERNEL_MAX_NEW_TOKENS and not torch.is_grad_enabled()
 
     def compile(self, mode: str = "inductor") -> None:
         """Inductor-compile the static-shape forward: `run` with a fixed kv_len, which is what the graph runner
@@ -229,6 +253,8 @@ class LeanForward:
         that change (batch bucket, KV span) make Dynamo recompile once with them dynamic."""
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode must be one of {sorted(COMPILE_MODES)}, got {mode!r}")
+        if self.kernels != "torch":
+            raise ValueError("compile and kernels='triton' are alternatives: Inductor fuses its own kernels")
         # PackedOneDNNLinear keeps its packs in host-side caches Dynamo cannot trace; Inductor lowers F.linear
         # to its own GEMMs (on CUDA F.linear is the linear in use anyway).
         self.linear = F.linear
@@ -358,6 +384,11 @@ class LeanForward:
             v = self.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, num_new, kv_heads, dim)
         if spec.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
             q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
+        kv_len = bias.shape[-1]
+        if self._fused_kernels(num_new):  # two kernels for what follows: RoPE + KV write, attention
+            kernels.rope_and_store(q, k, v, cos, sin, slots, cache.keys(index), cache.values(index))
+            return kernels.attention(q, cache.keys(index)[:, :, :kv_len], cache.values(index)[:, :, :kv_len], bias,
+                                     attn.scaling)
         if fused is not None and not spec.qk_norm:
             # q and k are adjacent heads of one GEMM's output: rotate them together (half the RoPE kernels)
             qk = apply_rope(qkv[:, :, :heads + kv_heads].transpose(1, 2), cos, sin)   # [B, H + Hkv, T, D]
@@ -366,14 +397,16 @@ class LeanForward:
             q = apply_rope(q.transpose(1, 2), cos, sin)   # [B, H, T, D]
             k = apply_rope(k.transpose(1, 2), cos, sin)   # [B, Hkv, T, D]
         cache.write(index, slots, k, v.transpose(1, 2), rows=rows)
-        kv_len = bias.shape[-1]
         out = grouped_query_attention(q, cache.keys(index)[:, :, :kv_len], cache.values(index)[:, :, :kv_len],
                                       bias, attn.scaling)
         return out.transpose(1, 2).reshape(batch, num_new, spec.num_heads * spec.head_dim)  # o_proj: the caller
 
     def _mlp(self, mlp, h: torch.Tensor, fused=None) -> torch.Tensor:
         if fused is not None and fused.gate_up_weight is not None:
-            gate, up = self.linear(h, fused.gate_up_weight, None).chunk(2, dim=-1)
+            gate_up = self.linear(h, fused.gate_up_weight, None)
+            if self._fused_kernels(h.shape[1]):
+                return kernels.silu_and_mul(gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
             return F.silu(gate) * up  # down_proj: the caller's `add_projection`
         gate = F.silu(self.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
         return gate * self.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)

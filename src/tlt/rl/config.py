@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from tlt.errors import TltError
-from tlt.models.lean_forward import COMPILE_MODES
+from tlt.models.lean_forward import COMPILE_MODES, KERNEL_CHOICES
 from tlt.rl.config_text import (ConfigError, FlowListDumper, UniqueKeyLoader, check_key, coerce, parse_text,
                                  yaml_problem)
 from tlt.rl.grpo import AGGREGATIONS
@@ -62,6 +62,8 @@ class RolloutConfig:
     cuda_graphs: bool = True       # on CUDA, replay plain decode steps and whole speculative steps as CUDA graphs
     compile: str = "off"           # on CUDA: "inductor" / "max-autotune" compile what the graphs capture (fused
                                    # kernels: the decode forward and the speculative step's device part)
+    kernels: str = "torch"         # on CUDA: "triton" fuses RoPE + KV write, attention, SiLU-and-multiply into
+                                   # one Triton kernel each (models/kernels.py); an alternative to compile
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,10 @@ def validate(config: TrainConfig) -> TrainConfig:
     _at_least("rollout.top_k", rollout.top_k, 0)
     check_choice("rollout.dtype", rollout.dtype, ROLLOUT_DTYPES)
     check_choice("rollout.compile", rollout.compile, ROLLOUT_COMPILE)
+    check_choice("rollout.kernels", rollout.kernels, KERNEL_CHOICES)
+    if rollout.compile != "off" and rollout.kernels != "torch":
+        raise ConfigError("rollout.compile and rollout.kernels=triton are alternatives (Inductor fuses its own "
+                          "kernels): set one of them")
     if rollout.compile != "off" and not rollout.cuda_graphs:
         raise ConfigError("rollout.compile compiles the steps CUDA graphs capture: it needs rollout.cuda_graphs=true")
     check_choice("grpo.loss", grpo.loss, tuple(AGGREGATIONS))

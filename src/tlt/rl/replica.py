@@ -149,6 +149,11 @@ def build_engine(loaded, config: TrainConfig, *, task=None, announce: bool = Tru
     elif config.rollout.compile != "off":  # kept, not refused: one config serves the GPU and the CPU machines
         log.warning("rollout.compile=%s is ignored on %s: it compiles the steps CUDA graphs replay",
                     config.rollout.compile, loaded.model.device.type)
+    if config.rollout.kernels != "torch" and loaded.model.device.type == "cuda":
+        precision["kernels"] = config.rollout.kernels
+    elif config.rollout.kernels != "torch":  # as compile: kept for the GPU machines, the CPU runs torch's
+        log.warning("rollout.kernels=%s is ignored on %s: the Triton kernels run on CUDA",
+                    config.rollout.kernels, loaded.model.device.type)
     if run.speculative == "off":
         if run.drafter:  # not refused: an A/B pair of configs may differ in run.speculative alone
             log.warning("run.drafter=%s is not used: run.speculative=off decodes without a drafter", run.drafter)

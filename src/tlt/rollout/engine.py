@@ -49,10 +49,14 @@ class RolloutEngine:
     cuda_graphs: replay decode and verification steps as CUDA graphs (default: on CUDA).
     compile: "off" (default), "inductor" or "max-autotune": Inductor-compile the forward the CUDA graphs capture
         (fused kernels, fewer launches; `LeanForward.compile`). Needs CUDA graphs.
+    kernels: "torch" (default) or "triton": the fused Triton kernels of models/kernels.py for RoPE with the KV
+        write, attention and SiLU-and-multiply in decode, verify and drafter forwards (`LeanForward.use_kernels`).
+        Needs CUDA; an alternative to compile.
     """
 
     def __init__(self, model, *, max_batch_size: int = 64, eos_token_ids=None, drafter=None, speculation=None,
-                 max_tree_size: int = 64, dtype="auto", cuda_graphs: bool | None = None, compile: str = "off"):
+                 max_tree_size: int = 64, dtype="auto", cuda_graphs: bool | None = None, compile: str = "off",
+                 kernels: str = "torch"):
         tokenizer = None
         if isinstance(model, LoadedModel):
             model, tokenizer = model.model, model.tokenizer
@@ -64,6 +68,13 @@ class RolloutEngine:
         self.rollout_copy = RolloutCopy(model, dtype) if dtype != self.policy_forward.dtype else None
         forward = self.policy_forward if self.rollout_copy is None else \
             LeanForward(self.rollout_copy.model, self.rollout_copy.fused)
+        try:
+            forward.use_kernels(kernels)
+            if compile != "off" and kernels != "torch":
+                raise ValueError(f"compile={compile!r} and kernels={kernels!r} are alternatives: Inductor fuses "
+                                 "its own kernels")
+        except ValueError as error:
+            raise RequestError(str(error)) from None
         self.model_runner = ModelRunner(forward, cuda_graphs=cuda_graphs, max_tree_size=max_tree_size)
         if compile != "off":
             if self.model_runner.graphs is None:

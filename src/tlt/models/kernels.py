@@ -1,0 +1,288 @@
+"""Fused Triton kernels for the rollout's forward on CUDA: fewer, larger launches per decoder layer.
+
+A batch-1 decode step of a small model is launch-bound on a GPU: the H100 replayed 540 kernels in 1.79 ms for
+SmolLM2-135M (~3.3 us each) against ~0.09 ms of weight streaming (docs/benchmarks.md §9). Per layer, torch ran
+RoPE as three kernels (cat, mul, addcmul), the KV write as two index_puts, attention as cuDNN's kernel plus a
+memset plus a copy of its strided output, and SiLU-and-multiply as two. Here each group is one kernel:
+
+- `rope_and_store`: rotate q (in place) and k, write k and v into the cache at each row's slots;
+- `attention`: masked attention of T new tokens over the cache with grouped KV heads, written straight into
+  the [B, T, H * D] layout o_proj reads (a split over the KV span plus one combine kernel when the batch gives
+  too few programs to fill the device);
+- `silu_and_mul`: the MLP's activation from the fused gate/up GEMM's output.
+
+Each computes in fp32 and rounds once (torch's bf16 path rounds between its kernels: results agree to bf16
+rounding, not bit for bit; the PPO ratio's log-probs come from the training forward either way). They run only
+where nothing needs a gradient. Off CUDA they run under Triton's interpreter (`TRITON_INTERPRET=1`, set before
+this module is imported), which is how the CPU tests check them against the torch path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # optional: the CUDA wheels of torch bring Triton; the CPU machines install it for the interpreter tests
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+
+KV_SPLIT_CHUNK = 256        # KV slots per program when attention splits the span (`attention_splits`)
+TARGET_PROGRAMS = 128       # about one program per SM of an H100 (132): fewer leaves the device idle
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the kernels cannot run on `device` (None: they can)."""
+    if triton is None:
+        return "Triton is not installed (pip install triton; CUDA builds of torch bring it)"
+    if torch.device(device).type != "cuda" and not interpreted():
+        return f"the Triton kernels run on CUDA (or under TRITON_INTERPRET=1 for tests), not on {device}"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_and_store_kernel(Q, K, V, Cos, Sin, Slots, KCache, VCache,
+                               q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
+                               c_sb, c_st, s_sb, s_st, slot_sb, slot_st,
+                               kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss,
+                               T, HEADS, KV_HEADS, CAPACITY,
+                               HALF: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per (row, new token) x head of q, k or v
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        b = token // T
+        t = token % T
+        i = tl.arange(0, BLOCK)
+        inside = i < HALF
+        slot = tl.load(Slots + b * slot_sb + t * slot_st)
+        writable = inside & (i * 0 + slot < CAPACITY)  # a slot past the cache is dropped, never written past it
+        if head < HEADS + KV_HEADS:
+            if head < HEADS:
+                x_ptr = Q + b * q_sb + t * q_st + head * q_sh
+            else:
+                x_ptr = K + b * k_sb + t * k_st + (head - HEADS) * k_sh
+            x1 = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + HALF + i, mask=inside, other=0.0).to(tl.float32)
+            cos = Cos + b * c_sb + t * c_st
+            sin = Sin + b * s_sb + t * s_st  # signed: rotate_half(x) * sin == swap_halves(x) * signed sin
+            y1 = x1 * tl.load(cos + i, mask=inside, other=0.0).to(tl.float32) \
+                + x2 * tl.load(sin + i, mask=inside, other=0.0).to(tl.float32)
+            y2 = x2 * tl.load(cos + HALF + i, mask=inside, other=0.0).to(tl.float32) \
+                + x1 * tl.load(sin + HALF + i, mask=inside, other=0.0).to(tl.float32)
+            if head < HEADS:  # q in place: attention reads it from the projection's output
+                tl.store(x_ptr + i, y1.to(Q.dtype.element_ty), mask=inside)
+                tl.store(x_ptr + HALF + i, y2.to(Q.dtype.element_ty), mask=inside)
+            else:
+                out = KCache + b * kc_sb + (head - HEADS) * kc_sh + slot * kc_ss
+                tl.store(out + i, y1.to(KCache.dtype.element_ty), mask=writable)
+                tl.store(out + HALF + i, y2.to(KCache.dtype.element_ty), mask=writable)
+        else:
+            kv_head = head - HEADS - KV_HEADS
+            x_ptr = V + b * v_sb + t * v_st + kv_head * v_sh
+            out = VCache + b * vc_sb + kv_head * vc_sh + slot * vc_ss
+            tl.store(out + i, tl.load(x_ptr + i, mask=inside, other=0.0).to(VCache.dtype.element_ty), mask=writable)
+            tl.store(out + HALF + i, tl.load(x_ptr + HALF + i, mask=inside, other=0.0).to(VCache.dtype.element_ty),
+                     mask=writable)
+
+    @triton.jit
+    def _attention_kernel(Q, K, V, Bias, Out, PartAcc, PartMax, PartSum,
+                          q_sb, q_sh, q_st, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
+                          bias_sb, bias_sg, bias_st, o_sb, o_st, o_sh,
+                          T, GROUPS, KV_HEADS, KV_LEN, CHUNK, SPLITS, scale,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        # program (row b, KV head), a block of its G x T query rows (query head kv * G + g, new token t), a split
+        row_head = tl.program_id(0)
+        b = row_head // KV_HEADS
+        kv_head = row_head % KV_HEADS
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        split = tl.program_id(2)
+        g = m // T
+        t = m % T
+        rows_ok = m < GROUPS * T
+        head = kv_head * GROUPS + g
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(Q + b * q_sb + head[:, None] * q_sh + t[:, None] * q_st + d[None, :],
+                    mask=rows_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        q = q * scale
+        bias_rows = Bias + b * bias_sb + g[:, None] * bias_sg + t[:, None] * bias_st
+        keys = K + b * k_sb + kv_head * k_sh
+        values = V + b * v_sb + kv_head * v_sh
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        start = split * CHUNK
+        end = tl.minimum(start + CHUNK, KV_LEN)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            k_t = tl.load(keys + n[None, :] * k_ss + d[:, None], mask=d_ok[:, None] & n_ok[None, :],
+                          other=0.0).to(tl.float32)                                         # [D, N]
+            if IEEE:
+                scores = tl.dot(q, k_t, input_precision="ieee")
+            else:
+                scores = tl.dot(q, k_t)
+            scores += tl.load(bias_rows + n[None, :], mask=rows_ok[:, None] & n_ok[None, :],
+                              other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(scores, 1))
+            base = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing visible yet: no NaN
+            rescale = tl.exp(running_max - base)
+            p = tl.exp(scores - base[:, None])
+            running_sum = running_sum * rescale + tl.sum(p, 1)
+            v = tl.load(values + n[:, None] * v_ss + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                        other=0.0).to(tl.float32)                                           # [N, D]
+            if IEEE:
+                acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * rescale[:, None] + tl.dot(p, v)
+            running_max = new_max
+        if SPLIT:  # partial results of this split: `_combine_kernel` merges them
+            part = (b * KV_HEADS * GROUPS + head) * T + t                                   # [M] (row, head, token)
+            tl.store(PartMax + part * SPLITS + split, running_max, mask=rows_ok)
+            tl.store(PartSum + part * SPLITS + split, running_sum, mask=rows_ok)
+            tl.store(PartAcc + (part[:, None] * SPLITS + split) * BLOCK_D + d[None, :], acc,
+                     mask=rows_ok[:, None])
+        else:
+            out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
+            tl.store(Out + b * o_sb + t[:, None] * o_st + head[:, None] * o_sh + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _combine_kernel(PartAcc, PartMax, PartSum, Out, o_sb, o_st, o_sh, T, HEADS, SPLITS,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        part = tl.program_id(0)                       # (row, head, token), as `_attention_kernel` numbered them
+        b = part // (HEADS * T)
+        head = (part // T) % HEADS
+        t = part % T
+        s = tl.arange(0, BLOCK_S)
+        s_ok = s < SPLITS
+        d = tl.arange(0, BLOCK_D)
+        maxes = tl.load(PartMax + part * SPLITS + s, mask=s_ok, other=float("-inf"))
+        top = tl.max(maxes, 0)
+        weights = tl.where(s_ok & (maxes > float("-inf")), tl.exp(maxes - top), 0.0)
+        total = tl.sum(weights * tl.load(PartSum + part * SPLITS + s, mask=s_ok, other=0.0), 0)
+        acc = tl.load(PartAcc + (part * SPLITS + s[:, None]) * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+        out = tl.sum(acc * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(Out + b * o_sb + t * o_st + head * o_sh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+
+    @triton.jit
+    def _silu_and_mul_kernel(GateUp, Out, INTERMEDIATE, gu_s, o_s, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = j < INTERMEDIATE
+        gate = tl.load(GateUp + row * gu_s + j, mask=inside, other=0.0).to(tl.float32)
+        up = tl.load(GateUp + row * gu_s + INTERMEDIATE + j, mask=inside, other=0.0).to(tl.float32)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(Out + row * o_s + j, out.to(Out.dtype.element_ty), mask=inside)
+
+
+def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, tensor in tensors.items():
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name}: the kernels read the last dimension contiguously, got strides {tensor.stride()}")
+
+
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                   slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """RoPE on q in place and on k, then k and v into the cache: one kernel.
+
+    q [B, T, H, D], k and v [B, T, Hkv, D] (views of the q/k/v projection's output); cos and signed sin
+    [B, 1, T, D] (`LeanForward.rope`); slots [B, T] on the device; key_cache / value_cache [B, Hkv, S, D] views
+    of one layer's cache rows. A slot past S is not written (torch's index_put would fault the device)."""
+    _check_last_dim_contiguous(q=q, k=k, v=v, cos=cos, sin=sin_signed, key_cache=key_cache, value_cache=value_cache)
+    batch, num_new, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    half = dim // 2
+    grid = (batch * num_new, heads + 2 * kv_heads)
+    _rope_and_store_kernel[grid](
+        q, k, v, cos, sin_signed, slots, key_cache, value_cache,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        cos.stride(0), cos.stride(2), sin_signed.stride(0), sin_signed.stride(2), slots.stride(0), slots.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        num_new, heads, kv_heads, key_cache.shape[2],
+        HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+
+
+def attention_splits(programs: int, kv_len: int) -> int:
+    """How many parts the KV span is split into: enough programs to fill the device, chunks of >= 256 slots.
+    Static for a given shape, so a CUDA graph captures one launch configuration."""
+    if programs >= TARGET_PROGRAMS or kv_len <= KV_SPLIT_CHUNK:
+        return 1
+    return max(1, min(-(-kv_len // KV_SPLIT_CHUNK), -(-TARGET_PROGRAMS // programs)))
+
+
+def attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, bias: torch.Tensor,
+              scale: float, *, splits: int | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v for T new tokens of each row over its cache rows, grouped KV heads.
+
+    q [B, T, H, D] (any strides but the last); key_cache / value_cache [B, Hkv, S, D]; bias the additive
+    [B, 1, R, S] of `grouped_attention_bias` (R = T, or G * T expanded over the G query heads of a KV head,
+    or 1 for T = 1). Returns [B, T, H * D], the layout o_proj reads. splits: parts of the KV span run by
+    separate programs (default `attention_splits`)."""
+    _check_last_dim_contiguous(q=q, key_cache=key_cache, value_cache=value_cache, bias=bias)
+    batch, num_new, heads, dim = q.shape
+    kv_heads, kv_len = key_cache.shape[1], key_cache.shape[2]
+    groups = heads // kv_heads
+    if bias.shape[-1] != kv_len:
+        raise ValueError(f"attention: bias spans {bias.shape[-1]} slots, the cache view {kv_len}")
+    rows = bias.shape[2]
+    if rows == groups * num_new and groups > 1 and num_new > 1:   # expanded: row g * T + t
+        bias_sg, bias_st = num_new * bias.stride(2), bias.stride(2)
+    elif rows == num_new:
+        bias_sg, bias_st = 0, bias.stride(2)
+    elif rows == 1:
+        bias_sg, bias_st = 0, 0
+    else:
+        raise ValueError(f"attention: bias has {rows} query rows for {num_new} tokens and {groups} groups")
+    out = torch.empty(batch, num_new, heads, dim, dtype=q.dtype, device=q.device)
+    block_m = 16  # tl.dot's smallest tile
+    m_blocks = -(-(groups * num_new) // block_m)
+    splits = attention_splits(batch * kv_heads * m_blocks, kv_len) if splits is None else splits
+    chunk = -(-kv_len // splits)
+    block_n = 64 if dim <= 64 else 32
+    chunk = -(-chunk // block_n) * block_n
+    splits = -(-kv_len // chunk)
+    block_d = max(16, triton.next_power_of_2(dim))
+    if splits > 1:
+        parts = batch * heads * num_new * splits
+        part_acc = torch.empty(parts, block_d, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty(parts, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_max = part_sum = out  # unused
+    _attention_kernel[(batch * kv_heads, m_blocks, splits)](
+        q, key_cache, value_cache, bias, out, part_acc, part_max, part_sum,
+        q.stride(0), q.stride(2), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        bias.stride(0), bias_sg, bias_st, out.stride(0), out.stride(1), out.stride(2),
+        num_new, groups, kv_heads, kv_len, chunk, splits, scale,
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1,
+        IEEE=q.dtype == torch.float32, num_warps=4)
+    if splits > 1:
+        _combine_kernel[(batch * heads * num_new,)](
+            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), out.stride(2), num_new, heads, splits,
+            HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
+    return out.view(batch, num_new, heads * dim)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from the fused [..., 2I] gate/up projection output, in one kernel: [..., I]."""
+    _check_last_dim_contiguous(gate_up=gate_up)
+    intermediate = gate_up.shape[-1] // 2
+    flat = gate_up.reshape(-1, gate_up.shape[-1])
+    out = torch.empty(flat.shape[0], intermediate, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(intermediate))
+    _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(intermediate, block))](
+        flat, out, intermediate, flat.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], intermediate)

@@ -1,0 +1,234 @@
+"""The fused Triton kernels (models/kernels.py) against the torch path they replace.
+
+On CUDA they run compiled; on the CPU under Triton's interpreter (conftest sets TRITON_INTERPRET=1 there), so
+CI checks their indexing, masking and layouts. fp32 comparisons are to float rounding (the kernels compute in
+fp32 and round once, torch rounds between its kernels); engine runs must then sample the very same tokens as
+the torch path from the same seeds, which the lossless tests prove exact.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
+
+from tlt.errors import RequestError
+from tlt.models import KVCache, LeanForward
+from tlt.models import kernels
+from tlt.models.eagle import EagleDrafter
+from tlt.models.lean_forward import (apply_rope, attention_mask, grouped_attention_bias, grouped_query_attention,
+                                     signed_sin)
+from tlt.models.rollout_copy import RolloutCopy
+from tlt.rl.config import load_config
+from tlt.rl.config_text import ConfigError
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.request import Request
+from tlt.sampling import SamplingParams
+from tlt.speculative.strategy import SpecStrategy
+
+pytestmark = pytest.mark.skipif(kernels.unavailable_reason(torch.device("cuda" if torch.cuda.is_available()
+                                                                         else "cpu")) is not None,
+                                reason="needs Triton (CUDA, or its interpreter)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 2e-5
+
+
+def reference_attention(q, key_cache, value_cache, bias, scale):
+    """The torch path: grouped SDPA over [B, H, T, D], back to [B, T, H * D]."""
+    batch, num_new, heads, dim = q.shape
+    out = grouped_query_attention(q.transpose(1, 2), key_cache, value_cache, bias, scale)
+    return out.transpose(1, 2).reshape(batch, num_new, heads * dim)
+
+
+def attention_case(num_new, tree, *, kv_len=48, heads=4, kv_heads=2, dim=16, seed=0):
+    """Rows of lengths 10, 0 (a padding row) and kv_len - num_new (the span's end); a random tree mask."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = 3
+    key_cache = torch.randn(batch, kv_heads, kv_len + 16, dim, generator=generator).to(DEVICE)
+    value_cache = torch.randn(batch, kv_heads, kv_len + 16, dim, generator=generator).to(DEVICE)
+    lengths = torch.tensor([10, 0, kv_len - num_new])
+    new_token_mask = None
+    if tree:
+        new_token_mask = torch.rand(batch, num_new, num_new, generator=generator) < 0.4
+        new_token_mask |= torch.eye(num_new, dtype=torch.bool)
+    mask = attention_mask(lengths, num_new, new_token_mask, DEVICE, kv_len=kv_len)
+    bias = grouped_attention_bias(mask, heads // kv_heads, torch.float32)
+    q = torch.randn(batch, num_new, heads, dim, generator=generator).to(DEVICE)
+    return q, key_cache[:, :, :kv_len], value_cache[:, :, :kv_len], bias
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("num_new,tree", [(1, False), (4, False), (5, True), (17, True)])
+def test_attention_equals_grouped_sdpa(num_new, tree, splits):
+    q, keys, values, bias = attention_case(num_new, tree)
+    out = kernels.attention(q, keys, values, bias, 0.25, splits=splits)
+    assert out.shape == (3, num_new, 4 * 16)
+    assert (out - reference_attention(q, keys, values, bias, 0.25)).abs().max() < TOL
+
+
+def test_attention_reads_strided_queries_and_a_bias_sliced_from_wider_tables():
+    """q as a view of a fused q/k/v output; bias one pass's rows out of a [B, 1, P, S] table (a drafter chain)."""
+    q, keys, values, _ = attention_case(1, False)
+    qkv = torch.randn(3, 1, 4 + 2 * 2, 16, device=DEVICE)
+    qkv[:, :, :4] = q
+    table = grouped_attention_bias(torch.rand(3, 1, 5, 64, device=DEVICE) < 0.7, 1, torch.float32)
+    table[..., 0] = 0.0  # every row sees slot 0
+    bias = table[:, :, 2:3, :48]
+    out = kernels.attention(qkv[:, :, :4], keys, values, bias, 0.3)
+    assert (out - reference_attention(q, keys, values, bias, 0.3)).abs().max() < TOL
+
+
+def test_the_attention_comparison_can_fail():
+    """Negative control: the kernel given a causal bias where the reference has the tree's is caught."""
+    q, keys, values, tree_bias = attention_case(5, True)
+    causal = attention_mask(torch.tensor([10, 0, 43]), 5, None, DEVICE, kv_len=48)
+    out = kernels.attention(q, keys, values, grouped_attention_bias(causal, 2, torch.float32), 0.25)
+    assert (out - reference_attention(q, keys, values, tree_bias, 0.25)).abs().max() > 100 * TOL
+
+
+def test_attention_refuses_a_bias_of_another_span():
+    q, keys, values, bias = attention_case(1, False)
+    with pytest.raises(ValueError, match="bias spans"):
+        kernels.attention(q, keys[:, :, :32], values[:, :, :32], bias, 0.25)
+
+
+def test_rope_and_store_equals_apply_rope_and_the_cache_write():
+    generator = torch.Generator().manual_seed(1)
+    batch, num_new, heads, kv_heads, dim, capacity = 2, 3, 4, 2, 16, 20
+    qkv = torch.randn(batch, num_new, heads + 2 * kv_heads, dim, generator=generator).to(DEVICE)
+    cos = torch.randn(batch, 1, num_new, dim, generator=generator).to(DEVICE)
+    sin = signed_sin(torch.randn(batch, 1, num_new, dim, generator=generator).to(DEVICE))
+    slots = torch.tensor([[3, 4, 5], [18, 19, 20]], device=DEVICE)   # row 1's last slot is past the cache
+    key_cache = torch.zeros(batch, kv_heads, capacity, dim, device=DEVICE)
+    value_cache = torch.zeros_like(key_cache)
+    q, k, v = qkv.clone().split([heads, kv_heads, kv_heads], dim=2)
+    expected_q = apply_rope(q.transpose(1, 2), cos, sin).transpose(1, 2)
+    expected_k = apply_rope(k.transpose(1, 2), cos, sin)             # [B, Hkv, T, D]
+    work = qkv.clone()
+    kernels.rope_and_store(*work.split([heads, kv_heads, kv_heads], dim=2), cos, sin, slots, key_cache, value_cache)
+    assert (work[:, :, :heads] - expected_q).abs().max() < TOL                      # q rotated in place
+    assert torch.equal(work[:, :, heads:], qkv[:, :, heads:])                       # k and v left as they were
+    assert (key_cache[0, :, 3:6] - expected_k[0]).abs().max() < TOL
+    assert (key_cache[1, :, 18:20] - expected_k[1, :, :2]).abs().max() < TOL
+    assert torch.equal(value_cache[0, :, 3:6], v[0].transpose(0, 1))
+    assert torch.equal(value_cache[1, :, 18:20], v[1, :2].transpose(0, 1))
+    written = torch.zeros(batch, capacity, dtype=torch.bool)
+    written[0, 3:6] = written[1, 18:20] = True
+    assert key_cache.abs().sum(dim=(1, 3))[~written.to(DEVICE)].sum() == 0         # nothing else, nothing past
+
+
+def test_silu_and_mul_equals_torch():
+    gate_up = torch.randn(2, 3, 2 * 40, device=DEVICE)
+    expected = F.silu(gate_up[..., :40]) * gate_up[..., 40:]
+    assert (kernels.silu_and_mul(gate_up) - expected).abs().max() < TOL
+
+
+def forwards(arch, *, fused):
+    """The same model's lean forward with torch's kernels and with the Triton kernels (over a fused fp32 copy,
+    the layout of a bf16 rollout copy, when fused)."""
+    model = tiny_model(arch).to(DEVICE)
+    pair = []
+    for choice in ("torch", "triton"):
+        if fused:
+            copy = RolloutCopy(model, torch.float32)
+            copy.model.lm_head.weight.data.copy_(model.lm_head.weight)
+            forward = LeanForward(copy.model, copy.fused)
+        else:
+            forward = LeanForward(model)
+        forward.use_kernels(choice)
+        pair.append(forward)
+    return pair
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_the_forward_with_triton_kernels_equals_the_torch_forward(arch, fused):
+    """Prefill (a 70-token prompt keeps SDPA, the others take the kernels), decode steps on a ragged batch, and a
+    tree verify with a tree mask and tree positions: logits and hidden states agree, and so do the caches."""
+    outputs = []
+    for forward in forwards(arch, fused=fused):
+        cache = KVCache(forward.spec, 3, 128, device=DEVICE)
+        rows = cache.rows(0, 3)
+        seen = []
+        for lengths in ([5, 9, 2], [70, 3, 1]):
+            prompts = random_prompts(lengths, seed=len(seen))
+            rows.truncate(torch.zeros(3, dtype=torch.long))
+            ids = torch.zeros(3, max(lengths), dtype=torch.long)
+            for b, prompt in enumerate(prompts):
+                ids[b, :len(prompt)] = torch.tensor(prompt)
+            seen.append(forward(ids.to(DEVICE), rows).logits)
+        rows.truncate(torch.zeros(3, dtype=torch.long))
+        rows.advance(torch.tensor([5, 9, 2]))
+        for step in range(4):
+            seen.append(forward(torch.tensor([[7 + step], [8], [9]], device=DEVICE), rows).logits)
+            rows.advance(1)
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+        positions = rows.lengths[:, None] + torch.tensor([0, 1, 1, 2])
+        out = forward(torch.tensor([[4, 5, 6, 7]] * 3, device=DEVICE), rows, positions=positions.to(DEVICE),
+                      new_token_mask=tree.expand(3, -1, -1).to(DEVICE))
+        seen += [out.logits, out.hidden, cache.kv[:, :, :, :, :20]]
+        outputs.append(seen)
+    for torch_out, triton_out in zip(*outputs):
+        assert (torch_out - triton_out).abs().max() < 1e-4
+
+
+def test_use_kernels_refuses_what_it_cannot_run(monkeypatch):
+    forward = LeanForward(tiny_model("llama"))
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        forward.use_kernels("cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="run on CUDA"):
+        forward.use_kernels("triton")
+    with pytest.raises(RequestError, match="run on CUDA"):
+        RolloutEngine(tiny_model("llama"), kernels="triton")
+
+
+def test_config_checks_the_kernels_choice(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.kernels"):
+        load_config(None, ["rollout.kernels=cutlass"])
+    with pytest.raises(ConfigError, match="alternatives"):
+        load_config(None, ["rollout.kernels=triton", "rollout.compile=inductor"])
+    assert load_config(None, ["rollout.kernels=triton"]).rollout.kernels == "triton"
+
+
+MIXED = [SamplingParams(temperature=0, max_new_tokens=14), SamplingParams(temperature=1.0, max_new_tokens=12, seed=1),
+         SamplingParams(temperature=0.7, top_k=5, max_new_tokens=9, seed=2),
+         SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=11, seed=3)]
+
+
+@pytest.mark.parametrize("strategy", [None, SpecStrategy.chain(3), SpecStrategy(3, 2, 6),
+                                      SpecStrategy.chain(3, "q"), SpecStrategy(2, 2, rule="q")], ids=str)
+def test_an_engine_on_triton_kernels_samples_what_the_torch_engine_samples(strategy, monkeypatch):
+    """Same seeds, same tokens: greedy and sampled rows with filters, rows admitted as others finish (batch 3 of
+    10 samples), plain decoding and SD with chains and trees under both acceptance rules (the drafter's own
+    passes run on the kernels too). The torch path's distribution is proven exact by the lossless tests."""
+    model, _ = markov_model(16, sharpness=2.0, context=0.05)
+    model = model.to(DEVICE)
+    requests = [Request(p, n=2, params=MIXED[i % len(MIXED)])
+                for i, p in enumerate(random_prompts([3, 9, 5, 1, 6], vocab_size=16))]
+    calls = []
+    for name in ("attention", "rope_and_store"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    results = []
+    for choice in ("torch", "triton"):
+        drafter = oracle_drafter(model) if strategy is not None else None
+        engine = RolloutEngine(model, max_batch_size=3, drafter=drafter, speculation=strategy, max_tree_size=16,
+                               dtype="float32", kernels=choice)
+        results.append(engine.generate(requests).samples)
+        assert bool(calls) == (choice == "triton")  # the torch engine never calls them, the other one does
+    assert [s.token_ids for s in results[1]] == [s.token_ids for s in results[0]]
+
+
+def test_the_engine_comparison_can_fail(monkeypatch):
+    """Negative control: a kernel that drops the tree mask (every node sees every other) changes the samples."""
+    model, _ = markov_model(16, sharpness=2.0, context=0.3)
+    model = model.to(DEVICE)
+    requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=14))
+                for p in random_prompts([3, 9, 5], vocab_size=16)]
+    plain = RolloutEngine(model, max_batch_size=3, dtype="float32").generate(requests).samples
+    attention = kernels.attention
+    monkeypatch.setattr(kernels, "attention",
+                        lambda q, k, v, bias, scale, **kw: attention(q, k, v, bias.clamp(min=0) * 0 + 0, scale, **kw))
+    engine = RolloutEngine(model, max_batch_size=3, drafter=EagleDrafter(model.config),
+                           speculation=SpecStrategy(3, 2, 6), max_tree_size=16, dtype="float32", kernels="triton")
+    broken = engine.generate(requests).samples
+    assert [s.token_ids for s in broken] != [s.token_ids for s in plain]
