@@ -1,8 +1,9 @@
 """One decode step of the default model on CUDA, taken apart: eager vs graph replay, kernels per step, and
-(optionally) Inductor-fused kernels under the same graph. Tells where a batch-1 step's time goes.
+(optionally) Inductor-fused kernels under the same graph, and the step on the fused Triton kernels
+(rollout.kernels=triton, models/kernels.py) beside torch's. Tells where a batch-1 step's time goes.
 
     python benchmarks/decode_step.py --json out.json [--compile [--compile-mode max-autotune]] [--batches 1,16,64]
-        [--kv 512]
+        [--kv 512] [--no-triton]
 
 `kernels_by_name` lists the most frequent kernels of a step (what is left to fuse).
 """
@@ -64,6 +65,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--kv", type=int, default=512, help="attended KV length (a graph's block)")
     parser.add_argument("--compile", action="store_true", help="also Inductor-compile the step before capture")
+    parser.add_argument("--no-triton", action="store_true", help="skip the step on the Triton kernels")
     parser.add_argument("--compile-mode", default="inductor", choices=sorted(COMPILE_MODES),
                         help="as rollout.compile (max-autotune: Inductor's max-autotune-no-cudagraphs)")
     args = parser.parse_args(argv)
@@ -95,6 +97,8 @@ def measure_batch(args, lean: LeanForward, copy: RolloutCopy, batch: int, result
     graph = capture(step)
     row["graph_ms"] = timed_ms(graph.replay)
     results["by_batch"][str(batch)] = row
+    if not args.no_triton:
+        measure_triton(lean, copy, step, row)
     write_json(args.json, results, echo=False)  # before the compile's minutes
     if args.compile:
         started = time.perf_counter()
@@ -108,6 +112,22 @@ def measure_batch(args, lean: LeanForward, copy: RolloutCopy, batch: int, result
         row["compiled_graph_ms"] = timed_ms(capture(lambda: step(compiled)).replay)
     write_json(args.json, results, echo=False)
     print(batch, row, file=sys.stderr, flush=True)
+
+
+def measure_triton(lean: LeanForward, copy: RolloutCopy, step, row: dict) -> None:
+    """The same step on the fused Triton kernels: eager, kernels, graph replay, and its largest logit difference
+    from torch's step (both bf16: rounding, not a defect, below ~0.1 at SmolLM2's logit scale)."""
+    fused = LeanForward(copy.model, copy.fused)
+    fused.use_kernels("triton")
+    reference = step().float()
+    try:
+        row["triton_eager_ms"] = timed_ms(lambda: step(fused.run))
+    except Exception as error:  # a kernel that does not compile here: recorded, the torch rows stand
+        row["triton_error"] = f"{type(error).__name__}: {error}"[:500]
+        return
+    row["triton_max_logit_diff"] = float((step(fused.run).float() - reference).abs().max())
+    row["triton_kernels"], row["triton_kernels_by_name"] = kernels_per_call(lambda: step(fused.run))
+    row["triton_graph_ms"] = timed_ms(capture(lambda: step(fused.run)).replay)
 
 
 if __name__ == "__main__":

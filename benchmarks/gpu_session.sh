@@ -11,8 +11,11 @@
 #   spec        benchmarks/speculative.py at T=1 on SPEC_BATCHES x SPEC_ARMS (batch 32: the largest gate a cost
 #               curve gives; SD must not lose where it turns on)               -> speculative_h100.json (#13, #14)
 #   spec-greedy the same greedy on SPEC_GREEDY_BATCHES, its results added to speculative_h100.json (#13)
-#   throughput  benchmarks/rollout_throughput.py on THROUGHPUT_BATCHES (1,64), also with rollout.compile=inductor
-#               (no eager engine: measured before)                               -> rollout_throughput_h100.json (#13)
+#   throughput  benchmarks/rollout_throughput.py on THROUGHPUT_BATCHES (1,64), also on the Triton kernels and with
+#               rollout.compile=inductor (no eager engine: measured before)     -> rollout_throughput_h100.json (#13)
+#   triton      the fused Triton kernels (rollout.kernels=triton, first on a GPU): their tests compiled for CUDA,
+#               decode_step.py torch vs Triton (kernels per step, graph ms), speculative.py --kernels triton at T=1
+#               and T=0, batches 1 and 4  -> tests_triton.log, decode_step_h100_triton.json, speculative_h100_triton{,_greedy}.json
 #   kernels     decode_step.py: kernels per captured forward and their names, uncompiled / inductor / max-autotune
 #                                                      -> decode_step_h100.json, decode_step_h100_autotune.json (#13)
 #   spec-compiled  speculative.py with rollout.compile=inductor, T=0 and T=1, batches 1,4
@@ -195,11 +198,11 @@ ensure_model() {  # the default model's cached copy, converted from its GGUF onc
 
 for phase in "$@"; do
   case $phase in
-    drafter|spec|spec-greedy|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl|update)
+    drafter|spec|spec-greedy|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl|update|triton)
       if ! ensure_model; then echo "== $phase skipped: the default model did not convert"; continue; fi ;;
   esac
   case $phase in
-    spec|spec-greedy|spec-compiled|tail|tail-tau|e2e|e2e-natural)
+    spec|spec-greedy|spec-compiled|tail|tail-tau|e2e|e2e-natural|triton)
       if ! ensure_drafter; then echo "== $phase skipped: no drafter"; continue; fi ;;
   esac
   case $phase in
@@ -229,7 +232,18 @@ for phase in "$@"; do
     throughput)
       # the batch-1 step and the batch-64 ratio are #13's targets (add 16 when a call has time for it)
       run throughput 170 python3 benchmarks/rollout_throughput.py --device cuda --batches "$THROUGHPUT_BATCHES" \
-        --max-new-tokens 128 --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
+        --max-new-tokens 128 --triton --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
+    triton)  # each step bounded: a kernel that fails to build on the device fails its own step only
+      run tests_triton 90 python3 -m pytest tests/test_triton_kernels.py tests/test_gpu.py -v -rfE \
+        -o faulthandler_timeout=80 -k "triton" --junitxml="$OUT/tests_triton.xml"
+      run triton_step 90 python3 benchmarks/decode_step.py --batches 1,64 --json "$OUT/decode_step_h100_triton.json"
+      run triton_spec_greedy 100 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --kernels triton \
+        --temperature 0 --batches 1,4 --strategies S5K1N5,S6K2N12 --min-prompts "$SPEC_MIN_PROMPTS" \
+        --json "$OUT/speculative_h100_triton_greedy.json" --png /tmp/speculative_h100_triton_greedy.png
+      run triton_spec 130 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --kernels triton \
+        --temperature 1 --batches 1,4 --strategies S5K1q,S6K2q,S4K2N8 --min-prompts "$SPEC_MIN_PROMPTS" \
+        --greedy-json "$OUT/speculative_h100_triton_greedy.json" --json "$OUT/speculative_h100_triton.json" \
+        --png /tmp/speculative_h100_triton.png ;;
     kernels)
       run kernels 240 python3 benchmarks/decode_step.py --compile --batches 1,64 --json "$OUT/decode_step_h100.json"
       run kernels_autotune 280 python3 benchmarks/decode_step.py --compile --compile-mode max-autotune --batches 1 \
@@ -267,6 +281,6 @@ for phase in "$@"; do
       run trl 540 python3 benchmarks/e2e.py --device cuda --drafter none --trl-only --max-new-tokens 1024 \
         --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_h100.json" ;;
     *) echo "unknown phase $phase (tests drafter spec spec-greedy spec-compiled kernels throughput head tail" \
-         "tail-tau e2e e2e-natural trl update tests-fixed)"; exit 2 ;;
+         "tail-tau e2e e2e-natural trl update tests-fixed triton)"; exit 2 ;;
   esac
 done

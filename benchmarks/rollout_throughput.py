@@ -93,6 +93,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--compile", default="off", choices=["off", "inductor", "max-autotune"],
                         help="CUDA: also time an engine whose captured forward is Inductor-compiled (rollout.compile)")
+    parser.add_argument("--triton", action="store_true",
+                        help="CUDA: also time the graphed engine on the fused Triton kernels (rollout.kernels=triton)")
     parser.add_argument("--skip-eager", action="store_true", help="CUDA: do not time the eager (uncaptured) engine")
     args = parser.parse_args(argv)
     max_new = args.max_new_tokens or (96 if args.quick else 256)
@@ -156,7 +158,26 @@ def time_compiled(results: dict, key: str, engine, prompts, max_new, temperature
 
 def batch1_steps(results: dict) -> dict:
     return {"batch1_step_ms": results["step_ms"].get("1"),
-            "batch1_step_ms_compiled": results.get("step_ms_compiled", {}).get("1")}
+            "batch1_step_ms_compiled": results.get("step_ms_compiled", {}).get("1"),
+            "batch1_step_ms_triton": results.get("step_ms_triton", {}).get("1")}
+
+
+def time_triton(results: dict, key: str, loaded, batch: int, prompts, max_new: int, temperature: float) -> str:
+    """The graphed engine on the Triton kernels, beside the torch one (same prompts, same run)."""
+    for name in ("engine_triton_tok_s", "step_ms_triton", "speedup_triton_vs_hf_static", "tokens_triton"):
+        results.setdefault(name, {})
+    try:
+        engine = RolloutEngine(loaded, max_batch_size=batch, kernels="triton")
+        run_engine(engine, prompts, max_new, temperature)  # warm-up: Triton's compiles and the captures
+        seconds, tokens, decode_ms = run_engine(engine, prompts, max_new, temperature)
+    except Exception as error:  # a kernel that does not build on this device: the torch rows stand
+        results["triton_error"] = f"{type(error).__name__}: {error}"[:2000]
+        return f"  triton failed: {results['triton_error'][:200]}"
+    results["engine_triton_tok_s"][key] = tokens / seconds
+    results["step_ms_triton"][key] = statistics.median(decode_ms)
+    results["tokens_triton"][key] = tokens
+    results["speedup_triton_vs_hf_static"][key] = results["engine_triton_tok_s"][key] / results["hf_static_tok_s"][key]
+    return f"  triton {results['engine_triton_tok_s'][key]:9.1f} tok/s step {results['step_ms_triton'][key]:.3f} ms"
 
 
 def main_cuda(args, max_new: int) -> dict:
@@ -201,6 +222,10 @@ def main_cuda(args, max_new: int) -> dict:
                 f"{results['step_ms'][key]:.3f} ms")
         results.update(batch1_steps(results))  # now: a run its time limit cuts keeps #13's key
         write_json(args.json, results, echo=False)
+        if args.triton:
+            line += time_triton(results, key, loaded, batch, prompts, max_new, args.temperature)
+            results.update(batch1_steps(results))
+            write_json(args.json, results, echo=False)
         if not args.skip_eager:
             eager = RolloutEngine(loaded, max_batch_size=batch, cuda_graphs=False)
             run_engine(eager, prompts[:1], 8, args.temperature)

@@ -43,10 +43,11 @@ COMPILED_ENGINES: dict[int, RolloutEngine] = {}  # --compile: one engine per bat
 ENGINE_SETUP: dict = {}  # the rollout dtype and whether CUDA graphs ran, as the engines had them (into the JSON)
 
 
-def engine_for(loaded, drafter, batch, strategy, compile_mode):
+def engine_for(loaded, drafter, batch, strategy, compile_mode, kernels="torch"):
     tree = max([s.cache_slots for s in STRATEGIES] + [strategy.cache_slots if strategy else 0])
     if compile_mode == "off":
-        return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy, max_tree_size=tree)
+        return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy, max_tree_size=tree,
+                             kernels=kernels)
     # Compiling costs ~25 s per engine: reuse one, with the drafter attached (plain runs then also keep the
     # features a drafter reads, as an RL engine with a drafter does above its gate).
     engine = COMPILED_ENGINES.get(batch)
@@ -57,11 +58,12 @@ def engine_for(loaded, drafter, batch, strategy, compile_mode):
     return engine
 
 
-def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, temperature=1.0, compile_mode="off"):
+def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, temperature=1.0, compile_mode="off",
+        kernels="torch"):
     # An engine's graph runner holds itself through its captured bodies: only the cyclic collector frees the
     # last engine's KV cache, graph pools and rollout copy (on CUDA up to ~1 GB each, ~10 engines per batch)
     gc.collect()
-    engine = engine_for(loaded, drafter, batch, strategy, compile_mode)
+    engine = engine_for(loaded, drafter, batch, strategy, compile_mode, kernels)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(), seed=seed)
     requests = [Request(p, params=params) for p in prompts]
     if engine.runner is not None:  # CUDA: capture this run's graphs before timing it
@@ -86,6 +88,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 and CUDA graphs there)")
     parser.add_argument("--compile", default="off", choices=["off", "inductor", "max-autotune"],
                         help="CUDA: Inductor-compile the captured forward (rollout.compile), plain and SD alike")
+    parser.add_argument("--kernels", default="torch", choices=["torch", "triton"],
+                        help="CUDA: the fused Triton kernels (rollout.kernels=triton), plain and SD alike")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of every arm, each followed "
                         "by a plain run; medians over rounds (the machines are noisy)")
     parser.add_argument("--greedy-json", help="a --temperature 0 run's file: its results go beside these")
@@ -120,6 +124,7 @@ def main(argv=None) -> dict:
                "temperature": args.temperature, "rounds": args.rounds, "min_prompts": args.min_prompts,
                "repeats": args.repeats,
                "compile": args.compile,
+               "kernels": args.kernels,
                # with --compile one engine, built with the drafter, runs plain and SD alike (a compile per
                # engine costs minutes): its plain runs also store the drafter's features (slightly slower)
                "plain_engine_has_drafter": args.compile != "off",
@@ -138,7 +143,7 @@ def main(argv=None) -> dict:
         # tok/s and τ the medians over rounds.
         # Plain runs get no drafter, except with --compile, where one engine (built with the drafter) runs all.
         measure = lambda arm: run(loaded, drafter if arm or args.compile != "off" else None, prompts, batch, arm,
-                                  max_new, batch, args.temperature, args.compile)
+                                  max_new, batch, args.temperature, args.compile, args.kernels)
         plain_runs = results.setdefault("plain_runs_tok_s", {}).setdefault(key, [])  # kept as they come
         plain_runs.append(measure(None)[0])
         runs = {strategy: [] for strategy in strategies}

@@ -6,26 +6,33 @@ compute operations (views excluded) of one `LeanForward.run` over the rollout co
 random weights in the default model's shape; and those of one whole speculative step (`SpeculativeDecoder.run`:
 catch-up, drafting, tree, verify forward, acceptance) per strategy, as the graph runner runs it (sync-free, a
 random drafter). CPU dispatch is a proxy, not the GPU's count: there F.rms_norm is one kernel (six operations
-here) and a GEMM may be two (split-K).
+here) and a GEMM may be two (split-K). Allocations (`empty`) launch nothing and are not counted.
 
-    python benchmarks/step_ops.py --json benchmarks/results/step_ops.json
+With --kernels triton the forwards run on the fused Triton kernels (models/kernels.py, under Triton's interpreter
+here): each launch counts as one operation (`triton:<kernel>`), the torch work the interpreter does to run it not.
+
+    python benchmarks/step_ops.py --json benchmarks/results/step_ops.json [--kernels triton]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+if not torch.cuda.is_available():  # --kernels triton: the kernels run under Triton's interpreter (set before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
 
-from tlt.models import load_model  # noqa: E402
+from tlt.models import kernels, load_model  # noqa: E402
 from tlt.models.kv_cache import KVCache  # noqa: E402
 from tlt.models.lean_forward import LeanForward  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
@@ -40,7 +47,9 @@ from tlt.speculative.strategy import SpecStrategy  # noqa: E402
 SD_STRATEGIES = ("S5K1q", "S3K1N3", "S4K2N8", "S4K2q", "S6K2q")  # S6K2q: the best T=1 arm at batch 1 on the H100
 
 VIEWS = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "permute", "expand",
-         "alias", "split", "split_with_sizes", "chunk", "as_strided", "reshape", "detach", "lift_fresh"}
+         "alias", "split", "split_with_sizes", "chunk", "as_strided", "reshape", "detach", "lift_fresh",
+         "empty"}  # empty: an allocation, no kernel
+COUNTERS: list = []  # the OperationCounters entered, innermost last (Triton launches count into it)
 
 
 class OperationCounter(TorchDispatchMode):
@@ -48,11 +57,41 @@ class OperationCounter(TorchDispatchMode):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
 
+    def __enter__(self):
+        COUNTERS.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        COUNTERS.pop()
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name not in VIEWS:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+class CountedLaunches:
+    """A Triton kernel whose launches count as one operation each, the interpreter's own torch work uncounted."""
+
+    def __init__(self, name: str, kernel):
+        self.name, self.kernel = name, kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            if COUNTERS:
+                COUNTERS[-1].counts[f"triton:{self.name}"] += 1
+            with _disable_current_modes():
+                return launch(*args, **kwargs)
+        return run
+
+
+def count_triton_launches() -> None:
+    for name in ("_rope_and_store_kernel", "_attention_kernel", "_combine_kernel", "_silu_and_mul_kernel"):
+        setattr(kernels, name, CountedLaunches(name.strip("_").removesuffix("_kernel"), getattr(kernels, name)))
 
 
 def count_step(lean: LeanForward, batch: int, num_new: int, kv_len: int) -> collections.Counter:
@@ -64,14 +103,14 @@ def count_step(lean: LeanForward, batch: int, num_new: int, kv_len: int) -> coll
     return counter.counts
 
 
-def count_speculative_step(model, strategy: SpecStrategy) -> int:
+def count_speculative_step(model, strategy: SpecStrategy, kernel_choice: str = "torch") -> int:
     """Operations of one speculative step at batch 1 through the non-capturing graph runner (the body a CUDA graph
     captures). The master is bf16 and the rollout copy fp32, so the engine decodes from the fused layout it
     uses on a GPU (fp32: CPU bf16 ops decompose differently)."""
     # the drafter in the master's dtype: the engine serves a copy of it in the rollout's, as a GPU engine with
     # graphs does (the fused serving copy, EagleDrafter.inference_copy)
     engine = RolloutEngine(model, max_batch_size=1, dtype="float32", drafter=EagleDrafter(model.config).attach(model),
-                           speculation=strategy, max_tree_size=32)
+                           speculation=strategy, max_tree_size=32, kernels=kernel_choice)
     assert engine.spec_decoder.drafter._fused_projections is not None
     engine.runner = GraphRunner(engine.forward, capture=False)
     engine.forward.linear = torch.nn.functional.linear
@@ -97,14 +136,19 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
     parser.add_argument("--kv", type=int, default=256)
+    parser.add_argument("--kernels", default="torch", choices=["torch", "triton"],
+                        help="triton: the forwards on the fused Triton kernels (rollout.kernels=triton)")
     args = parser.parse_args(argv)
+    if args.kernels == "triton":
+        count_triton_launches()
     config = AutoConfig.from_pretrained(load_model().source)  # the default model's shape; weights random below
     model = AutoModelForCausalLM.from_config(config).eval()
     copy = RolloutCopy(model, torch.float32)  # the fused layout the GPU rollout decodes from (its dtype aside)
     lean = LeanForward(copy.model, copy.fused)
     lean.linear = torch.nn.functional.linear  # one GEMM per projection, as on CUDA (not oneDNN's packed linear)
     lean.residual_gemm = True  # as on CUDA: o_proj and down_proj add into the residual inside their GEMM
-    results = {"model_layers": config.num_hidden_layers, "kv_len": args.kv, "by_step": {},
+    lean.use_kernels(args.kernels)
+    results = {"model_layers": config.num_hidden_layers, "kv_len": args.kv, "kernels": args.kernels, "by_step": {},
                "environment": environment()}
     for name, num_new in (("decode", 1), ("verify_6", 6)):
         counts = count_step(lean, 1, num_new, args.kv)
@@ -116,7 +160,7 @@ def main(argv=None) -> dict:
     results["speculative_step"] = {}
     for name in SD_STRATEGIES:
         strategy = SpecStrategy.parse(name)
-        results["speculative_step"][strategy.name] = count_speculative_step(master, strategy)
+        results["speculative_step"][strategy.name] = count_speculative_step(master, strategy, args.kernels)
         print(f"speculative step {strategy.name}: {results['speculative_step'][strategy.name]} operations",
               file=sys.stderr)
     write_json(args.json, results)

@@ -154,6 +154,22 @@ def test_compiled_graphs_decode_and_speculate_as_the_uncompiled_engine():
         assert_parted_only_at_near_ties(model, requests, plain.samples, compiled.samples)
 
 
+def test_triton_kernels_in_bf16_graphs_decode_as_torch_kernels_up_to_near_ties():
+    """rollout.kernels=triton: the fused kernels inside the captured plain and SD steps (chain, tree, q rule) of
+    a bf16 rollout copy; greedy rows may part from torch's kernels only at near-ties (fp32 math, rounded once,
+    vs torch's rounding between kernels); sampled rows with filters, admitted mid-rollout, only have to run."""
+    model = tiny_model("llama", layers=4).to(CUDA)
+    requests = [Request(p, n=1, params=SamplingParams(temperature=0, max_new_tokens=40))
+                for p in random_prompts([5, 8, 13, 2], seed=6)]
+    plain = generate(model, requests, max_batch_size=4)
+    for speculation in (None, SpecStrategy(3, 2, 6), SpecStrategy.chain(3, "q")):
+        engine = RolloutEngine(model, max_batch_size=4, drafter=EagleDrafter(model.config), speculation=speculation,
+                               max_tree_size=16, kernels="triton")
+        fused = engine.generate(requests + mixed_requests())
+        assert engine.runner.captures > 0
+        assert_parted_only_at_near_ties(model, requests, plain.samples, fused.samples)
+
+
 def test_rollout_copy_follows_the_policy_after_an_update():
     model = tiny_model("qwen2").to(CUDA)
     engine = RolloutEngine(model, max_batch_size=2)
@@ -225,9 +241,10 @@ def test_speculative_graph_equals_eager_fp32(strategy, batch):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, 6), SpecStrategy(3, 2, rule="q")], ids=str)
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "over-accepting"])
-def test_sampled_distribution_through_speculative_graphs(strategy, exact):
+def test_sampled_distribution_through_speculative_graphs(strategy, exact, kernels):
     """The statistical lossless test with the step replayed as a graph (256 rows: a bucket), and its negative
     control (the biased rule is read when the graph is captured). The q rule needs a drafter with q != p: the
     oracle's q = p accepts every first child with min(1, p/q) = 1, where over-accepting changes nothing (the
@@ -237,7 +254,7 @@ def test_sampled_distribution_through_speculative_graphs(strategy, exact):
     model, drafter = model.to(CUDA), drafter.to(CUDA)
     params = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(), seed=23)
     engine = RolloutEngine(model, max_batch_size=256, drafter=drafter, speculation=strategy,
-                           max_tree_size=16, dtype="float32")
+                           max_tree_size=16, dtype="float32", kernels=kernels)
     if not exact:
         if strategy.rule == "q":
             engine.spec_decoder.q_accept_rule = lambda u, r_c, q_c: u * q_c <= 1.3 * r_c

@@ -122,52 +122,92 @@ def test_silu_and_mul_equals_torch():
     assert (kernels.silu_and_mul(gate_up) - expected).abs().max() < TOL
 
 
-def forwards(arch, *, fused):
-    """The same model's lean forward with torch's kernels and with the Triton kernels (over a fused fp32 copy,
-    the layout of a bf16 rollout copy, when fused)."""
-    model = tiny_model(arch).to(DEVICE)
-    pair = []
-    for choice in ("torch", "triton"):
-        if fused:
-            copy = RolloutCopy(model, torch.float32)
-            copy.model.lm_head.weight.data.copy_(model.lm_head.weight)
-            forward = LeanForward(copy.model, copy.fused)
-        else:
-            forward = LeanForward(model)
-        forward.use_kernels(choice)
-        pair.append(forward)
-    return pair
+def lean_forward(model, layout: str, kernel_choice: str) -> LeanForward:
+    """model's lean forward in a layout: its own separate projections, a fused fp32 copy (the layout of a bf16
+    rollout copy), or a fused copy with the norms folded into the projections (what kernels="triton" decodes)."""
+    if layout == "separate":
+        forward = LeanForward(model)
+    else:
+        copy = RolloutCopy(model, torch.float32, fold_norms=layout == "folded")
+        forward = LeanForward(copy.model, copy.fused)
+    forward.use_kernels(kernel_choice)
+    return forward
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
-def test_the_forward_with_triton_kernels_equals_the_torch_forward(arch, fused):
+def run_forward(forward: LeanForward) -> list[torch.Tensor]:
     """Prefill (a 70-token prompt keeps SDPA, the others take the kernels), decode steps on a ragged batch, and a
-    tree verify with a tree mask and tree positions: logits and hidden states agree, and so do the caches."""
-    outputs = []
-    for forward in forwards(arch, fused=fused):
-        cache = KVCache(forward.spec, 3, 128, device=DEVICE)
-        rows = cache.rows(0, 3)
-        seen = []
-        for lengths in ([5, 9, 2], [70, 3, 1]):
-            prompts = random_prompts(lengths, seed=len(seen))
-            rows.truncate(torch.zeros(3, dtype=torch.long))
-            ids = torch.zeros(3, max(lengths), dtype=torch.long)
-            for b, prompt in enumerate(prompts):
-                ids[b, :len(prompt)] = torch.tensor(prompt)
-            seen.append(forward(ids.to(DEVICE), rows).logits)
+    tree verify with a tree mask and tree positions: every logit, the tree's hidden states, the cache."""
+    cache = KVCache(forward.spec, 3, 128, device=DEVICE)
+    rows = cache.rows(0, 3)
+    seen = []
+    for lengths in ([5, 9, 2], [70, 3, 1]):
+        prompts = random_prompts(lengths, seed=len(seen))
         rows.truncate(torch.zeros(3, dtype=torch.long))
-        rows.advance(torch.tensor([5, 9, 2]))
-        for step in range(4):
-            seen.append(forward(torch.tensor([[7 + step], [8], [9]], device=DEVICE), rows).logits)
-            rows.advance(1)
-        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-        positions = rows.lengths[:, None] + torch.tensor([0, 1, 1, 2])
-        out = forward(torch.tensor([[4, 5, 6, 7]] * 3, device=DEVICE), rows, positions=positions.to(DEVICE),
-                      new_token_mask=tree.expand(3, -1, -1).to(DEVICE))
-        seen += [out.logits, out.hidden, cache.kv[:, :, :, :, :20]]
-        outputs.append(seen)
-    for torch_out, triton_out in zip(*outputs):
-        assert (torch_out - triton_out).abs().max() < 1e-4
+        ids = torch.zeros(3, max(lengths), dtype=torch.long)
+        for b, prompt in enumerate(prompts):
+            ids[b, :len(prompt)] = torch.tensor(prompt)
+        seen.append(forward(ids.to(DEVICE), rows).logits)
+    rows.truncate(torch.zeros(3, dtype=torch.long))
+    rows.advance(torch.tensor([5, 9, 2]))
+    for step in range(4):
+        seen.append(forward(torch.tensor([[7 + step], [8], [9]], device=DEVICE), rows).logits)
+        rows.advance(1)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    positions = rows.lengths[:, None] + torch.tensor([0, 1, 1, 2])
+    out = forward(torch.tensor([[4, 5, 6, 7]] * 3, device=DEVICE), rows, positions=positions.to(DEVICE),
+                  new_token_mask=tree.expand(3, -1, -1).to(DEVICE))
+    return seen + [out.logits, out.hidden, cache.kv[:, :, :, :, :20]]
+
+
+def assert_same_outputs(expected: list[torch.Tensor], got: list[torch.Tensor], tol: float = 1e-4) -> None:
+    for a, b in zip(expected, got):
+        assert (a - b).abs().max() < tol
+
+
+@pytest.mark.parametrize("layout,kernel_choice", [("separate", "triton"), ("fused", "triton"), ("folded", "triton"),
+                                                  ("folded", "torch")])
+def test_the_forward_on_every_layout_and_kernel_equals_the_torch_forward(arch, layout, kernel_choice):
+    """Logits, hidden states and the cache of every step kind agree with the plain torch forward; folded norms
+    too (through the kernels, and through torch's weightless norm where a prefill keeps SDPA)."""
+    model = tiny_model(arch).to(DEVICE)
+    with torch.no_grad():  # norm weights away from 1, so a fold that forgot them shows
+        for module in model.modules():
+            if module.__class__.__name__.endswith("RMSNorm"):
+                module.weight.uniform_(0.5, 1.5)
+    expected = run_forward(lean_forward(model, "separate", "torch"))
+    assert_same_outputs(expected, run_forward(lean_forward(model, layout, kernel_choice)))
+
+
+def test_the_forward_comparison_catches_a_norm_applied_twice():
+    """Negative control: folded weights read as if unfolded (the norm's weight applied again) are caught."""
+    model = tiny_model("llama").to(DEVICE)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+    expected = run_forward(lean_forward(model, "separate", "torch"))
+    forward = lean_forward(model, "folded", "triton")
+    for fused in forward._fused.values():
+        fused.qkv_norm_folded = False
+    with pytest.raises(AssertionError):
+        assert_same_outputs(expected, run_forward(forward))
+
+
+def test_a_folded_copy_follows_the_master_and_keeps_biased_and_qk_normed_projections_unfolded():
+    for arch, qkv_folded in (("llama", True), ("qwen2", False), ("qwen3", False)):  # q/k/v bias; q/k norms
+        model = tiny_model(arch)
+        copy = RolloutCopy(model, torch.float32, fold_norms=True)
+        with torch.no_grad():  # an optimizer step: weights and norms move in place
+            for parameter in model.parameters():
+                parameter.add_(0.01 * torch.randn_like(parameter))
+        copy.refresh()
+        for layer, copied, fused in zip(model.model.layers, copy.model.model.layers, copy.fused):
+            assert fused.qkv_norm_folded == qkv_folded and fused.gate_up_norm_folded
+            g_in, g_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            q_expected = layer.self_attn.q_proj.weight * (g_in if qkv_folded else 1)
+            assert torch.allclose(copied.self_attn.q_proj.weight, q_expected)
+            assert torch.allclose(copied.mlp.up_proj.weight, layer.mlp.up_proj.weight * g_post)
+            assert torch.equal(fused.gate_up_weight[:layer.mlp.gate_proj.weight.shape[0]],
+                               copied.mlp.gate_proj.weight)  # still views of the fused GEMM's weight
 
 
 def test_use_kernels_refuses_what_it_cannot_run(monkeypatch):

@@ -49,28 +49,40 @@ def unavailable_reason(device: torch.device) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _rope_and_store_kernel(Q, K, V, Cos, Sin, Slots, KCache, VCache,
+    def _inverse_rms(X, HIDDEN, eps, BLOCK_HIDDEN: tl.constexpr):
+        """1 / rms(x) of one token's hidden state, as RMSNorm computes it (fp32 mean of squares, + eps)."""
+        cols = tl.arange(0, BLOCK_HIDDEN)
+        x = tl.load(X + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+        return tl.rsqrt(tl.sum(x * x, 0) / HIDDEN + eps)
+
+    @triton.jit
+    def _rope_and_store_kernel(Q, K, V, Cos, Sin, Slots, KCache, VCache, X,
                                q_sb, q_st, q_sh, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
                                c_sb, c_st, s_sb, s_st, slot_sb, slot_st,
-                               kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss,
-                               T, HEADS, KV_HEADS, CAPACITY,
-                               HALF: tl.constexpr, BLOCK: tl.constexpr):
+                               kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss, x_sb, x_st,
+                               T, HEADS, KV_HEADS, CAPACITY, HIDDEN, eps,
+                               HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                               BLOCK_HIDDEN: tl.constexpr):
         # one program per (row, new token) x head of q, k or v
         token = tl.program_id(0)
         head = tl.program_id(1)
-        b = token // T
+        b = (token // T).to(tl.int64)  # int64 row offsets: a large cache's row stride times B passes 2^31
         t = token % T
         i = tl.arange(0, BLOCK)
         inside = i < HALF
         slot = tl.load(Slots + b * slot_sb + t * slot_st)
         writable = inside & (i * 0 + slot < CAPACITY)  # a slot past the cache is dropped, never written past it
+        if NORM:  # the input norm's weight is folded into the projection: scale its output by 1 / rms(x) here
+            scale = _inverse_rms(X + b * x_sb + t * x_st, HIDDEN, eps, BLOCK_HIDDEN)
+        else:
+            scale = 1.0
         if head < HEADS + KV_HEADS:
             if head < HEADS:
                 x_ptr = Q + b * q_sb + t * q_st + head * q_sh
             else:
                 x_ptr = K + b * k_sb + t * k_st + (head - HEADS) * k_sh
-            x1 = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
-            x2 = tl.load(x_ptr + HALF + i, mask=inside, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32) * scale
+            x2 = tl.load(x_ptr + HALF + i, mask=inside, other=0.0).to(tl.float32) * scale
             cos = Cos + b * c_sb + t * c_st
             sin = Sin + b * s_sb + t * s_st  # signed: rotate_half(x) * sin == swap_halves(x) * signed sin
             y1 = x1 * tl.load(cos + i, mask=inside, other=0.0).to(tl.float32) \
@@ -88,9 +100,10 @@ if triton is not None:
             kv_head = head - HEADS - KV_HEADS
             x_ptr = V + b * v_sb + t * v_st + kv_head * v_sh
             out = VCache + b * vc_sb + kv_head * vc_sh + slot * vc_ss
-            tl.store(out + i, tl.load(x_ptr + i, mask=inside, other=0.0).to(VCache.dtype.element_ty), mask=writable)
-            tl.store(out + HALF + i, tl.load(x_ptr + HALF + i, mask=inside, other=0.0).to(VCache.dtype.element_ty),
-                     mask=writable)
+            v1 = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32) * scale
+            v2 = tl.load(x_ptr + HALF + i, mask=inside, other=0.0).to(tl.float32) * scale
+            tl.store(out + i, v1.to(VCache.dtype.element_ty), mask=writable)
+            tl.store(out + HALF + i, v2.to(VCache.dtype.element_ty), mask=writable)
 
     @triton.jit
     def _attention_kernel(Q, K, V, Bias, Out, PartAcc, PartMax, PartSum,
@@ -101,7 +114,7 @@ if triton is not None:
                           BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
         # program (row b, KV head), a block of its G x T query rows (query head kv * G + g, new token t), a split
         row_head = tl.program_id(0)
-        b = row_head // KV_HEADS
+        b = (row_head // KV_HEADS).to(tl.int64)
         kv_head = row_head % KV_HEADS
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -159,7 +172,7 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(PartAcc, PartMax, PartSum, Out, o_sb, o_st, o_sh, T, HEADS, SPLITS,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-        part = tl.program_id(0)                       # (row, head, token), as `_attention_kernel` numbered them
+        part = tl.program_id(0).to(tl.int64)          # (row, head, token), as `_attention_kernel` numbered them
         b = part // (HEADS * T)
         head = (part // T) % HEADS
         t = part % T
@@ -175,12 +188,17 @@ if triton is not None:
         tl.store(Out + b * o_sb + t * o_st + head * o_sh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
     @triton.jit
-    def _silu_and_mul_kernel(GateUp, Out, INTERMEDIATE, gu_s, o_s, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def _silu_and_mul_kernel(GateUp, Out, X, INTERMEDIATE, gu_s, o_s, x_s, HIDDEN, eps, BLOCK: tl.constexpr,
+                             NORM: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = j < INTERMEDIATE
         gate = tl.load(GateUp + row * gu_s + j, mask=inside, other=0.0).to(tl.float32)
         up = tl.load(GateUp + row * gu_s + INTERMEDIATE + j, mask=inside, other=0.0).to(tl.float32)
+        if NORM:  # the post-attention norm's weight is folded into gate/up: 1 / rms(x) scales both here
+            scale = _inverse_rms(X + row * x_s, HIDDEN, eps, BLOCK_HIDDEN)
+            gate = gate * scale
+            up = up * scale
         out = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(Out + row * o_s + j, out.to(Out.dtype.element_ty), mask=inside)
 
@@ -192,26 +210,34 @@ def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                   slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+                   slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
+                   norm_input: torch.Tensor | None = None, eps: float = 0.0) -> None:
     """RoPE on q in place and on k, then k and v into the cache: one kernel.
 
     q [B, T, H, D], k and v [B, T, Hkv, D] (views of the q/k/v projection's output); cos and signed sin
     [B, 1, T, D] (`LeanForward.rope`); slots [B, T] on the device; key_cache / value_cache [B, Hkv, S, D] views
-    of one layer's cache rows. A slot past S is not written (torch's index_put would fault the device)."""
+    of one layer's cache rows. A slot past S is not written (torch's index_put would fault the device).
+    norm_input [B, T, hidden]: the projection read this un-normalized (its norm weight folded into it,
+    `RolloutCopy(fold_norms=True)`): q, k and v are first scaled by 1 / rms(norm_input) (RMSNorm's eps)."""
     _check_last_dim_contiguous(q=q, k=k, v=v, cos=cos, sin=sin_signed, key_cache=key_cache, value_cache=value_cache)
     batch, num_new, heads, dim = q.shape
     kv_heads = k.shape[2]
     half = dim // 2
     grid = (batch * num_new, heads + 2 * kv_heads)
+    norm = norm_input is not None
+    if norm:
+        _check_last_dim_contiguous(norm_input=norm_input)
+    x = norm_input if norm else q
     _rope_and_store_kernel[grid](
-        q, k, v, cos, sin_signed, slots, key_cache, value_cache,
+        q, k, v, cos, sin_signed, slots, key_cache, value_cache, x,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         cos.stride(0), cos.stride(2), sin_signed.stride(0), sin_signed.stride(2), slots.stride(0), slots.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        num_new, heads, kv_heads, key_cache.shape[2],
-        HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), x.stride(0), x.stride(1),
+        num_new, heads, kv_heads, key_cache.shape[2], x.shape[-1], eps,
+        HALF=half, BLOCK=triton.next_power_of_2(half), NORM=norm, BLOCK_HIDDEN=triton.next_power_of_2(x.shape[-1]),
+        num_warps=1)
 
 
 def attention_splits(programs: int, kv_len: int) -> int:
@@ -276,13 +302,18 @@ def attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
     return out.view(batch, num_new, heads * dim)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up from the fused [..., 2I] gate/up projection output, in one kernel: [..., I]."""
+def silu_and_mul(gate_up: torch.Tensor, *, norm_input: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """silu(gate) * up from the fused [..., 2I] gate/up projection output, in one kernel: [..., I]. norm_input
+    [..., hidden]: gate/up read it un-normalized (the norm's weight folded in): both are first scaled by
+    1 / rms(norm_input)."""
     _check_last_dim_contiguous(gate_up=gate_up)
     intermediate = gate_up.shape[-1] // 2
     flat = gate_up.reshape(-1, gate_up.shape[-1])
+    norm = norm_input is not None
+    x = norm_input.reshape(-1, norm_input.shape[-1]) if norm else flat
     out = torch.empty(flat.shape[0], intermediate, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(intermediate))
     _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(intermediate, block))](
-        flat, out, intermediate, flat.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        flat, out, x, intermediate, flat.stride(0), out.stride(0), x.stride(0), x.shape[-1], eps, BLOCK=block,
+        NORM=norm, BLOCK_HIDDEN=triton.next_power_of_2(x.shape[-1]), num_warps=4)
     return out.view(*gate_up.shape[:-1], intermediate)

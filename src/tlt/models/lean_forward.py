@@ -329,8 +329,9 @@ class LeanForward:
         cos, sin = self.rope(x, positions.to(device))
         rows = torch.arange(input_ids.shape[0], device=device)[:, None]  # the KV writes' row index, once
         for index, layer in enumerate(self.decoder.layers):
-            x = self.layer(layer, index, x, rms_norm(x, layer.input_layernorm), cos, sin, cache, slots, bias,
-                           rows=rows)
+            fused = self._fused.get(id(layer))
+            normed = self._norm_input(x, layer.input_layernorm, fused is not None and fused.qkv_norm_folded)
+            x = self.layer(layer, index, x, normed, cos, sin, cache, slots, bias, rows=rows)
         hidden = rms_norm(x, self.decoder.norm)
         return ForwardOutput(self._logits_at(hidden, logits_at), hidden)
 
@@ -344,19 +345,32 @@ class LeanForward:
         cos, sin = self.decoder.rotary_emb(x, positions.clamp(max=self.spec.max_positions - 1))
         return cos[:, None], signed_sin(sin[:, None])
 
-    def layer(self, layer, index: int, residual: torch.Tensor, normed: torch.Tensor, cos, sin,
+    def layer(self, layer, index: int, residual: torch.Tensor, normed: torch.Tensor | None, cos, sin,
               cache: CacheRows, slots: torch.Tensor, bias: torch.Tensor, *, rows: torch.Tensor | None = None,
               fused=None) -> torch.Tensor:
         """One decoder layer: residual + attention(normed), then + MLP. The EAGLE drafter reuses it with an
         identity input norm (normed = residual), its own cache and its own `FusedLayer` (fused; default: this
         model's, if it has one); bias comes from `grouped_attention_bias`; cos, sin from `rope`;
-        rows: arange(B)[:, None] on the device (see `CacheRows.write`)."""
+        rows: arange(B)[:, None] on the device (see `CacheRows.write`). normed None: `_norm_input`'s, the
+        projection reads the residual and the fused kernel after it normalizes."""
         fused = self._fused.get(id(layer)) if fused is None else fused
         attn, mlp = layer.self_attn, layer.mlp
         x = self.add_projection(residual, self._attention(layer, index, normed, cos, sin, cache, slots, bias, rows,
-                                                          fused), attn.o_proj.weight, attn.o_proj.bias)
-        return self.add_projection(x, self._mlp(mlp, rms_norm(x, layer.post_attention_layernorm), fused),
-                                   mlp.down_proj.weight, mlp.down_proj.bias)
+                                                          fused, residual), attn.o_proj.weight, attn.o_proj.bias)
+        norm = layer.post_attention_layernorm
+        mlp_in = self._norm_input(x, norm, fused is not None and fused.gate_up_norm_folded)
+        return self.add_projection(x, self._mlp(mlp, mlp_in, fused, x, norm), mlp.down_proj.weight,
+                                   mlp.down_proj.bias)
+
+    def _norm_input(self, x: torch.Tensor, norm, folded: bool) -> torch.Tensor | None:
+        """What the projection behind RMSNorm `norm` reads: rms_norm(x) with its weight, or, the weight folded into
+        the projection (`FusedLayer.*_norm_folded`), without it; None where a fused Triton kernel after the
+        projection scales by 1 / rms(x) itself (the projection then reads x: no norm kernel at all)."""
+        if not folded:
+            return rms_norm(x, norm)
+        if self._fused_kernels(x.shape[1]):
+            return None
+        return F.rms_norm(x, (x.shape[-1],), None, norm.variance_epsilon)
 
     def add_projection(self, residual: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
@@ -370,9 +384,11 @@ class LeanForward:
             return residual
         return residual + self.linear(hidden, weight, bias)
 
-    def _attention(self, layer, index: int, h: torch.Tensor, cos, sin, cache: CacheRows, slots, bias, rows,
-                   fused=None):
+    def _attention(self, layer, index: int, h: torch.Tensor | None, cos, sin, cache: CacheRows, slots, bias, rows,
+                   fused=None, residual: torch.Tensor | None = None):
         attn, spec = layer.self_attn, self.spec
+        norm_input = residual if h is None else None  # the norm is folded: the kernel below scales by 1 / rms
+        h = residual if h is None else h
         batch, num_new, _ = h.shape
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         if fused is not None:
@@ -386,7 +402,9 @@ class LeanForward:
             q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
         kv_len = bias.shape[-1]
         if self._fused_kernels(num_new):  # two kernels for what follows: RoPE + KV write, attention
-            kernels.rope_and_store(q, k, v, cos, sin, slots, cache.keys(index), cache.values(index))
+            eps = 0.0 if norm_input is None else layer.input_layernorm.variance_epsilon  # (a drafter's: Identity)
+            kernels.rope_and_store(q, k, v, cos, sin, slots, cache.keys(index), cache.values(index),
+                                   norm_input=norm_input, eps=eps)
             return kernels.attention(q, cache.keys(index)[:, :, :kv_len], cache.values(index)[:, :, :kv_len], bias,
                                      attn.scaling)
         if fused is not None and not spec.qk_norm:
@@ -401,11 +419,14 @@ class LeanForward:
                                       bias, attn.scaling)
         return out.transpose(1, 2).reshape(batch, num_new, spec.num_heads * spec.head_dim)  # o_proj: the caller
 
-    def _mlp(self, mlp, h: torch.Tensor, fused=None) -> torch.Tensor:
+    def _mlp(self, mlp, h: torch.Tensor | None, fused=None, residual: torch.Tensor | None = None,
+             norm=None) -> torch.Tensor:
+        """h None: the post-attention norm is folded into gate/up (`_norm_input`), the fused kernel normalizes."""
         if fused is not None and fused.gate_up_weight is not None:
-            gate_up = self.linear(h, fused.gate_up_weight, None)
-            if self._fused_kernels(h.shape[1]):
-                return kernels.silu_and_mul(gate_up)
+            gate_up = self.linear(residual if h is None else h, fused.gate_up_weight, None)
+            if self._fused_kernels(gate_up.shape[1]):
+                return kernels.silu_and_mul(gate_up, norm_input=residual if h is None else None,
+                                            eps=norm.variance_epsilon if h is None else 0.0)
             gate, up = gate_up.chunk(2, dim=-1)
             return F.silu(gate) * up  # down_proj: the caller's `add_projection`
         gate = F.silu(self.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))

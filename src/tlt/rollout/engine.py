@@ -18,7 +18,8 @@ import time
 import torch
 
 from tlt.errors import RequestError
-from tlt.models.lean_forward import LeanForward, keep_cudnn_attention_out
+from tlt.models.kernels import unavailable_reason
+from tlt.models.lean_forward import KERNEL_CHOICES, LeanForward, keep_cudnn_attention_out
 from tlt.models.loading import LoadedModel
 from tlt.models.loading import eos_token_ids as eos_token_ids_of
 from tlt.models.rollout_copy import RolloutCopy
@@ -32,6 +33,18 @@ from tlt.sampling import is_integer
 from tlt.speculative.decoder import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
+
+
+def check_kernels(kernels: str, compile: str, device: torch.device) -> None:
+    """RolloutEngine's kernels argument, refused before anything is built for it."""
+    if kernels not in KERNEL_CHOICES:
+        raise RequestError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    reason = unavailable_reason(device) if kernels == "triton" else None
+    if reason is not None:
+        raise RequestError(f"kernels='triton': {reason}")
+    if compile != "off" and kernels != "torch":
+        raise RequestError(f"compile={compile!r} and kernels={kernels!r} are alternatives: Inductor fuses its own "
+                           "kernels")
 
 
 class RolloutEngine:
@@ -65,16 +78,14 @@ class RolloutEngine:
         self.policy_forward = LeanForward(model)  # the master weights: training features, drafter training
         keep_cudnn_attention_out(self.policy_forward.device)
         dtype = resolve_rollout_dtype(dtype, self.policy_forward.device, self.policy_forward.dtype)
-        self.rollout_copy = RolloutCopy(model, dtype) if dtype != self.policy_forward.dtype else None
+        check_kernels(kernels, compile, self.policy_forward.device)
+        # kernels="triton" decodes from a copy in any dtype: fused projections with the norms folded in, so a layer
+        # launches no norm kernel (models/rollout_copy.py)
+        self.rollout_copy = RolloutCopy(model, dtype, fold_norms=kernels == "triton") \
+            if dtype != self.policy_forward.dtype or kernels == "triton" else None
         forward = self.policy_forward if self.rollout_copy is None else \
             LeanForward(self.rollout_copy.model, self.rollout_copy.fused)
-        try:
-            forward.use_kernels(kernels)
-            if compile != "off" and kernels != "torch":
-                raise ValueError(f"compile={compile!r} and kernels={kernels!r} are alternatives: Inductor fuses "
-                                 "its own kernels")
-        except ValueError as error:
-            raise RequestError(str(error)) from None
+        forward.use_kernels(kernels)
         self.model_runner = ModelRunner(forward, cuda_graphs=cuda_graphs, max_tree_size=max_tree_size)
         if compile != "off":
             if self.model_runner.graphs is None:
