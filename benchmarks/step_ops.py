@@ -143,7 +143,8 @@ def main(argv=None) -> dict:
         count_triton_launches()
     config = AutoConfig.from_pretrained(load_model().source)  # the default model's shape; weights random below
     model = AutoModelForCausalLM.from_config(config).eval()
-    copy = RolloutCopy(model, torch.float32)  # the fused layout the GPU rollout decodes from (its dtype aside)
+    # the fused layout the GPU rollout decodes from (its dtype aside); norms folded in as kernels="triton" has them
+    copy = RolloutCopy(model, torch.float32, fold_norms=args.kernels == "triton")
     lean = LeanForward(copy.model, copy.fused)
     lean.linear = torch.nn.functional.linear  # one GEMM per projection, as on CUDA (not oneDNN's packed linear)
     lean.residual_gemm = True  # as on CUDA: o_proj and down_proj add into the residual inside their GEMM

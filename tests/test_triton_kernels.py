@@ -56,13 +56,27 @@ def attention_case(num_new, tree, *, kv_len=48, heads=4, kv_heads=2, dim=16, see
     return q, key_cache[:, :, :kv_len], value_cache[:, :, :kv_len], bias
 
 
-@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("kv_len,splits", [(48, None), (48, 1), (192, 3), (300, None), (300, 5)])
 @pytest.mark.parametrize("num_new,tree", [(1, False), (4, False), (5, True), (17, True)])
-def test_attention_equals_grouped_sdpa(num_new, tree, splits):
-    q, keys, values, bias = attention_case(num_new, tree)
+def test_attention_equals_grouped_sdpa(num_new, tree, kv_len, splits):
+    """Spans of one block and of several split over programs (3 and 5 parts: the combine kernel; a split whose
+    slots are all masked for the padding row)."""
+    q, keys, values, bias = attention_case(num_new, tree, kv_len=kv_len)
     out = kernels.attention(q, keys, values, bias, 0.25, splits=splits)
     assert out.shape == (3, num_new, 4 * 16)
     assert (out - reference_attention(q, keys, values, bias, 0.25)).abs().max() < TOL
+
+
+def test_a_short_span_is_split_when_the_batch_leaves_programs_idle(monkeypatch):
+    """attention_splits: batch 1 of 2 KV heads on 300 slots runs in parts; the combine kernel really ran."""
+    assert kernels.attention_splits(2, 300) == 3 and kernels.attention_splits(256, 300) == 1
+    launches = []
+    combine = kernels._combine_kernel
+    monkeypatch.setattr(kernels, "_combine_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or combine[grid]})())
+    q, keys, values, bias = attention_case(1, False, kv_len=300)
+    out = kernels.attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)
+    assert launches and (out - reference_attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)).abs().max() < TOL
 
 
 def test_attention_reads_strided_queries_and_a_bias_sliced_from_wider_tables():

@@ -12,13 +12,16 @@ memset plus a copy of its strided output, and SiLU-and-multiply as two. Here eac
 - `silu_and_mul`: the MLP's activation from the fused gate/up GEMM's output.
 
 Each computes in fp32 and rounds once (torch's bf16 path rounds between its kernels: results agree to bf16
-rounding, not bit for bit; the PPO ratio's log-probs come from the training forward either way). They run only
+rounding, not bit for bit; the PPO ratio's log-probs come from the training forward either way). Attention's two
+products run on tensor cores in TF32 for bf16/fp16 caches (bf16 inputs are exact in TF32; only the softmax
+weights lose bits, below bf16's rounding) and in IEEE fp32 for an fp32 cache. They run only
 where nothing needs a gradient. Off CUDA they run under Triton's interpreter (`TRITON_INTERPRET=1`, set before
 this module is imported), which is how the CPU tests check them against the torch path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -29,7 +32,8 @@ try:  # optional: the CUDA wheels of torch bring Triton; the CPU machines instal
 except ImportError:  # pragma: no cover - exercised where Triton is absent
     triton = None
 
-KV_SPLIT_CHUNK = 256        # KV slots per program when attention splits the span (`attention_splits`)
+KV_SPLIT_CHUNK = 128        # KV slots per program when attention splits the span (`attention_splits`; a guess
+                            # until the H100 measures it: batch 1 of SmolLM2 has 3 KV heads, so 3 programs unsplit)
 TARGET_PROGRAMS = 128       # about one program per SM of an H100 (132): fewer leaves the device idle
 
 
@@ -203,6 +207,11 @@ if triton is not None:
         tl.store(Out + row * o_s + j, out.to(Out.dtype.element_ty), mask=inside)
 
 
+def _on_device_of(tensor: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' (an eager step of a worker on another GPU)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
 def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
     for name, tensor in tensors.items():
         if tensor.stride(-1) != 1:
@@ -220,14 +229,17 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     norm_input [B, T, hidden]: the projection read this un-normalized (its norm weight folded into it,
     `RolloutCopy(fold_norms=True)`): q, k and v are first scaled by 1 / rms(norm_input) (RMSNorm's eps)."""
     _check_last_dim_contiguous(q=q, k=k, v=v, cos=cos, sin=sin_signed, key_cache=key_cache, value_cache=value_cache)
-    batch, num_new, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    half = dim // 2
-    grid = (batch * num_new, heads + 2 * kv_heads)
-    norm = norm_input is not None
-    if norm:
+    if norm_input is not None:
         _check_last_dim_contiguous(norm_input=norm_input)
-    x = norm_input if norm else q
+    x = q if norm_input is None else norm_input  # (q: a placeholder the kernel never reads)
+    grid = (q.shape[0] * q.shape[1], q.shape[2] + 2 * k.shape[2])  # (row, token) x the heads of q, k and v
+    with _on_device_of(q):
+        _launch_rope_and_store(grid, q, k, v, cos, sin_signed, slots, key_cache, value_cache, x, eps)
+
+
+def _launch_rope_and_store(grid, q, k, v, cos, sin_signed, slots, key_cache, value_cache, x, eps) -> None:
+    batch, num_new, heads, dim = q.shape
+    kv_heads, half = k.shape[2], dim // 2
     _rope_and_store_kernel[grid](
         q, k, v, cos, sin_signed, slots, key_cache, value_cache, x,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -236,12 +248,12 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), x.stride(0), x.stride(1),
         num_new, heads, kv_heads, key_cache.shape[2], x.shape[-1], eps,
-        HALF=half, BLOCK=triton.next_power_of_2(half), NORM=norm, BLOCK_HIDDEN=triton.next_power_of_2(x.shape[-1]),
-        num_warps=1)
+        HALF=half, BLOCK=triton.next_power_of_2(half), NORM=x is not q,
+        BLOCK_HIDDEN=triton.next_power_of_2(x.shape[-1]), num_warps=1)
 
 
 def attention_splits(programs: int, kv_len: int) -> int:
-    """How many parts the KV span is split into: enough programs to fill the device, chunks of >= 256 slots.
+    """How many parts the KV span is split into: enough programs to fill the device, chunks of >= KV_SPLIT_CHUNK.
     Static for a given shape, so a CUDA graph captures one launch configuration."""
     if programs >= TARGET_PROGRAMS or kv_len <= KV_SPLIT_CHUNK:
         return 1
@@ -287,7 +299,18 @@ def attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
         part_sum = torch.empty(parts, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_max = part_sum = out  # unused
-    _attention_kernel[(batch * kv_heads, m_blocks, splits)](
+    with _on_device_of(q):
+        _launch_attention((batch * kv_heads, m_blocks, splits), q, key_cache, value_cache, bias, out, part_acc,
+                          part_max, part_sum, bias_sg, bias_st, groups, chunk, splits, scale, block_d, block_m,
+                          block_n)
+    return out.view(batch, num_new, heads * dim)
+
+
+def _launch_attention(grid, q, key_cache, value_cache, bias, out, part_acc, part_max, part_sum, bias_sg, bias_st,
+                      groups, chunk, splits, scale, block_d, block_m, block_n) -> None:
+    batch, num_new, heads, dim = q.shape
+    kv_heads, kv_len = key_cache.shape[1], key_cache.shape[2]
+    _attention_kernel[grid](
         q, key_cache, value_cache, bias, out, part_acc, part_max, part_sum,
         q.stride(0), q.stride(2), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -299,7 +322,6 @@ def attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
         _combine_kernel[(batch * heads * num_new,)](
             part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), out.stride(2), num_new, heads, splits,
             HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
-    return out.view(batch, num_new, heads * dim)
 
 
 def silu_and_mul(gate_up: torch.Tensor, *, norm_input: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
@@ -313,7 +335,8 @@ def silu_and_mul(gate_up: torch.Tensor, *, norm_input: torch.Tensor | None = Non
     x = norm_input.reshape(-1, norm_input.shape[-1]) if norm else flat
     out = torch.empty(flat.shape[0], intermediate, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(intermediate))
-    _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(intermediate, block))](
-        flat, out, x, intermediate, flat.stride(0), out.stride(0), x.stride(0), x.shape[-1], eps, BLOCK=block,
-        NORM=norm, BLOCK_HIDDEN=triton.next_power_of_2(x.shape[-1]), num_warps=4)
+    with _on_device_of(gate_up):
+        _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(intermediate, block))](
+            flat, out, x, intermediate, flat.stride(0), out.stride(0), x.stride(0), x.shape[-1], eps, BLOCK=block,
+            NORM=norm, BLOCK_HIDDEN=triton.next_power_of_2(x.shape[-1]), num_warps=4)
     return out.view(*gate_up.shape[:-1], intermediate)
