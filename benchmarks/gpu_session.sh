@@ -13,9 +13,10 @@
 #   spec-greedy the same greedy on SPEC_GREEDY_BATCHES, its results added to speculative_h100.json (#13)
 #   throughput  benchmarks/rollout_throughput.py on THROUGHPUT_BATCHES (1,64), also on the Triton kernels and with
 #               rollout.compile=inductor (no eager engine: measured before)     -> rollout_throughput_h100.json (#13)
-#   triton      the fused Triton kernels (rollout.kernels=triton, first on a GPU): their tests compiled for CUDA,
-#               decode_step.py torch vs Triton (kernels per step, graph ms), speculative.py --kernels triton at T=1
-#               and T=0, batches 1 and 4  -> tests_triton.log, decode_step_h100_triton.json, speculative_h100_triton{,_greedy}.json
+#   triton-tests  the fused Triton kernels' tests (rollout.kernels=triton) compiled for CUDA: test_triton_kernels.py
+#               and test_gpu.py's (the statistical lossless test through graphs, bf16 tie-aware) -> tests_triton.log
+#   triton      decode_step.py torch vs Triton (kernels per step, graph ms), speculative.py --kernels triton at T=0
+#               and T=1, batches 1 and 4    -> decode_step_h100_triton.json, speculative_h100_triton{,_greedy}.json
 #   kernels     decode_step.py: kernels per captured forward and their names, uncompiled / inductor / max-autotune
 #                                                      -> decode_step_h100.json, decode_step_h100_autotune.json (#13)
 #   spec-compiled  speculative.py with rollout.compile=inductor, T=0 and T=1, batches 1,4
@@ -47,14 +48,17 @@
 #   plus what its line names. The warmed drafter travels in the working tree (benchmarks/drafters/, 8.4 MB). After
 #   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
-# Where it stands (2026-11-27): plan A ran (all its files are in benchmarks/results/, docs/benchmarks.md §9 "Second H100
-# session"); plan B and C never have. Next session: plan B, with its call 1 running the q-rule control fixed since
-# instead of `echo ok` (timeout_s 80: cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=50 bash
-# benchmarks/gpu_session.sh tests-fixed), then e2e, then `update tail` in call 3 (update: what the cuDNN-attention
-# and garbage-collector fixes of 2026-11-27 did to the ~1.05 s update of 1,450 tokens). After that, plan A again to
-# measure the 2026-11-27 operation cuts (sampler, tree walk and tables, residual GEMM: S6K2N22q's step 2,133 ->
-# 1,636 operations, the plain forward 812 -> 752; spec with --min-prompts; `kernels` for the captured forward's
-# count) and `throughput` on its own call (its compile took 157 s a shape).
+# Where it stands (2026-11-27, fifth session, no GPU): plan A ran (its files are in benchmarks/results/,
+# docs/benchmarks.md §9 "Second H100 session"); plan B and C never have. Since then the fused Triton kernels
+# (rollout.kernels=triton: the decode forward 752 -> 272 operations in step_ops.py, the norm folded into the GEMMs,
+# checked on the CPU under Triton's interpreter) have never run on a GPU. Next session: plan T, then plan B.
+# Plan T, the Triton kernels (#13, #14): tests, the captured step's kernels and ms, SD on them.
+#   1. carry .gpu/a, timeout_s 200 (no model needed: tiny models):
+#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=160 bash benchmarks/gpu_session.sh tests-fixed triton-tests
+#   2. carry .gpu/b, at once, timeout_s = lease.budget_left_s - 60, BUDGET = that - 40 (about 460):
+#        . .gpu/env.sh && BUDGET=460 bash benchmarks/gpu_session.sh triton throughput
+#   then give_back. If the Triton step wins (decode_step_h100_triton.json: triton_graph_ms < graph_ms, and
+#   the tests pass), make kernels="triton" the CUDA default (rollout.kernels=auto) before plan B measures e2e.
 # Plan A, the engine (#13, #14): speculative_h100.json, rollout_throughput_h100.json, the GPU tests.
 #   1. carry .gpu/a, timeout_s 220 (env.sh says the model is MISSING here: expected, its second half is call 2's):
 #        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=180 bash benchmarks/gpu_session.sh tests
@@ -231,11 +235,12 @@ for phase in "$@"; do
         --add-greedy-to "$OUT/speculative_h100.json" --greedy-json "$OUT/speculative_h100_greedy.json" ;;
     throughput)
       # the batch-1 step and the batch-64 ratio are #13's targets (add 16 when a call has time for it)
-      run throughput 170 python3 benchmarks/rollout_throughput.py --device cuda --batches "$THROUGHPUT_BATCHES" \
+      run throughput 230 python3 benchmarks/rollout_throughput.py --device cuda --batches "$THROUGHPUT_BATCHES" \
         --max-new-tokens 128 --triton --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
+    triton-tests)  # tiny models only: runs before the default model is on the machine
+      run tests_triton 100 python3 -m pytest tests/test_triton_kernels.py tests/test_gpu.py -v -rfE \
+        -o faulthandler_timeout=90 -k "triton" --junitxml="$OUT/tests_triton.xml" ;;
     triton)  # each step bounded: a kernel that fails to build on the device fails its own step only
-      run tests_triton 90 python3 -m pytest tests/test_triton_kernels.py tests/test_gpu.py -v -rfE \
-        -o faulthandler_timeout=80 -k "triton" --junitxml="$OUT/tests_triton.xml"
       run triton_step 90 python3 benchmarks/decode_step.py --batches 1,64 --json "$OUT/decode_step_h100_triton.json"
       run triton_spec_greedy 100 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --kernels triton \
         --temperature 0 --batches 1,4 --strategies S5K1N5,S6K2N12 --min-prompts "$SPEC_MIN_PROMPTS" \
@@ -281,6 +286,6 @@ for phase in "$@"; do
       run trl 540 python3 benchmarks/e2e.py --device cuda --drafter none --trl-only --max-new-tokens 1024 \
         --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_h100.json" ;;
     *) echo "unknown phase $phase (tests drafter spec spec-greedy spec-compiled kernels throughput head tail" \
-         "tail-tau e2e e2e-natural trl update tests-fixed triton)"; exit 2 ;;
+         "tail-tau e2e e2e-natural trl update tests-fixed triton-tests triton)"; exit 2 ;;
   esac
 done

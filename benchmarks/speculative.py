@@ -102,6 +102,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--add-greedy-to", metavar="FILE", help="only put --greedy-json's results into FILE, a "
                         "T=1 run's (a GPU session runs T=1 first, so that a short call still gets the T=1 file)")
     args = parser.parse_args(argv)
+    if args.compile != "off" and args.kernels != "torch":
+        parser.error("--compile and --kernels triton are alternatives (as rollout.compile and rollout.kernels)")
     if args.add_greedy_to:
         results = json.loads(Path(args.add_greedy_to).read_text())
         add_greedy(results, args.greedy_json)

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-if not torch.cuda.is_available():  # --kernels triton: the kernels run under Triton's interpreter (set before import)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# --kernels triton: the kernels run under Triton's interpreter, on the CPU tensors this counts over (even where a
+# GPU exists); set before tlt imports them
+os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -202,13 +202,14 @@ def test_generate_with_a_drafter_speculates_while_the_batch_is_within_the_gate(t
                                            (["--drafter", "/nonexistent/drafter"], "is not a tlt drafter"),
                                            (["--no-drafter", "--strategy", "S3K1q"], "needs --drafter"),
                                            (["--compile", "inductor"], "needs a CUDA device"),
+                                           (["--kernels", "triton"], "run on CUDA"),
                                            (["--threads", "-1"], "--threads must be >= 0"),
                                            (["--max-batch-size", "0"], "--max-batch-size must be >= 1")])
 def test_generate_refuses_bad_speculation_settings(tmp_path, capsys, monkeypatch, flags, message):
     import tlt.models
 
-    if "--compile" in flags and torch.cuda.is_available():
-        pytest.skip("compiling is allowed on CUDA")
+    if ("--compile" in flags or "--kernels" in flags) and torch.cuda.is_available():
+        pytest.skip("compiling and the Triton kernels are allowed on CUDA")
     model, drafter = _model_dir_and_drafter(tmp_path)
     monkeypatch.setattr(tlt.models, "load_model", lambda *a, **k: pytest.fail("loaded the model before checking"))
     if "--no-drafter" in flags:

@@ -20,6 +20,7 @@ from tlt.models.lean_forward import (apply_rope, attention_mask, grouped_attenti
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rl.config import load_config
 from tlt.rl.config_text import ConfigError
+from tlt.rollout.cost_curve import curve_key
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
 from tlt.sampling import SamplingParams
@@ -228,7 +229,7 @@ def test_use_kernels_refuses_what_it_cannot_run(monkeypatch):
     forward = LeanForward(tiny_model("llama"))
     with pytest.raises(ValueError, match="kernels must be one of"):
         forward.use_kernels("cuda")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(kernels, "INTERPRETED", False)  # as a process that imported tlt without the interpreter
     with pytest.raises(ValueError, match="run on CUDA"):
         forward.use_kernels("triton")
     with pytest.raises(RequestError, match="run on CUDA"):
@@ -246,43 +247,114 @@ def test_config_checks_the_kernels_choice(tmp_path):
 MIXED = [SamplingParams(temperature=0, max_new_tokens=14), SamplingParams(temperature=1.0, max_new_tokens=12, seed=1),
          SamplingParams(temperature=0.7, top_k=5, max_new_tokens=9, seed=2),
          SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=11, seed=3)]
+STRATEGIES = [None, SpecStrategy(3, 2, 6), SpecStrategy.chain(3, "q"), SpecStrategy(2, 2, rule="q")]
 
 
-@pytest.mark.parametrize("strategy", [None, SpecStrategy.chain(3), SpecStrategy(3, 2, 6),
-                                      SpecStrategy.chain(3, "q"), SpecStrategy(2, 2, rule="q")], ids=str)
+def engine_case(seed: int = 0):
+    """A tiny Llama whose norms, attention and MLP all matter (norm weights away from 1), a random drafter
+    (T>0 rows then emit tokens that depend on what it drafts: a wrong drafter pass shows), mixed requests."""
+    model = tiny_model("llama", seed=seed).to(DEVICE)
+    with torch.no_grad():
+        for module in model.modules():
+            if module.__class__.__name__.endswith("RMSNorm"):
+                module.weight.uniform_(0.5, 1.5)
+    torch.manual_seed(seed)
+    drafter = EagleDrafter(model.config)
+    requests = [Request(p, params=MIXED[i % len(MIXED)]) for i, p in enumerate(random_prompts([3, 9, 5, 1]))]
+    return model, drafter, requests
+
+
+def generate_tokens(model, drafter, requests, strategy, kernel_choice, dtype="float32"):
+    engine = RolloutEngine(model, max_batch_size=3, drafter=drafter if strategy is not None else None,
+                           speculation=strategy, max_tree_size=16, dtype=dtype, kernels=kernel_choice)
+    return [s.token_ids for s in engine.generate(requests).samples]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
 def test_an_engine_on_triton_kernels_samples_what_the_torch_engine_samples(strategy, monkeypatch):
-    """Same seeds, same tokens: greedy and sampled rows with filters, rows admitted as others finish (batch 3 of
-    10 samples), plain decoding and SD with chains and trees under both acceptance rules (the drafter's own
-    passes run on the kernels too). The torch path's distribution is proven exact by the lossless tests."""
-    model, _ = markov_model(16, sharpness=2.0, context=0.05)
-    model = model.to(DEVICE)
-    requests = [Request(p, n=2, params=MIXED[i % len(MIXED)])
-                for i, p in enumerate(random_prompts([3, 9, 5, 1, 6], vocab_size=16))]
+    """Same seeds, same tokens (fp32): greedy and sampled rows with filters, a row admitted as another finishes
+    (batch 3 of 4 samples), plain decoding and SD with a target-only tree and q-sampling chain and tree, the
+    drafter's passes on the kernels too. The torch path's distribution is proven exact by the lossless tests."""
+    model, drafter, requests = engine_case()
     calls = []
     for name in ("attention", "rope_and_store"):
         original = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    results = []
-    for choice in ("torch", "triton"):
-        drafter = oracle_drafter(model) if strategy is not None else None
-        engine = RolloutEngine(model, max_batch_size=3, drafter=drafter, speculation=strategy, max_tree_size=16,
-                               dtype="float32", kernels=choice)
-        results.append(engine.generate(requests).samples)
-        assert bool(calls) == (choice == "triton")  # the torch engine never calls them, the other one does
-    assert [s.token_ids for s in results[1]] == [s.token_ids for s in results[0]]
+    expected = generate_tokens(model, drafter, requests, strategy, "torch")
+    assert not calls
+    assert generate_tokens(model, drafter, requests, strategy, "triton") == expected
+    assert calls
 
 
-def test_the_engine_comparison_can_fail(monkeypatch):
-    """Negative control: a kernel that drops the tree mask (every node sees every other) changes the samples."""
-    model, _ = markov_model(16, sharpness=2.0, context=0.3)
-    model = model.to(DEVICE)
-    requests = [Request(p, n=2, params=SamplingParams(temperature=0, max_new_tokens=14))
-                for p in random_prompts([3, 9, 5], vocab_size=16)]
-    plain = RolloutEngine(model, max_batch_size=3, dtype="float32").generate(requests).samples
+def test_the_engine_comparison_catches_a_five_percent_error(monkeypatch):
+    """Negative control: the same comparison with attention's output 5% off inside the kernels path fails."""
+    model, drafter, requests = engine_case()
+    expected = generate_tokens(model, drafter, requests, SpecStrategy.chain(3, "q"), "torch")
     attention = kernels.attention
-    monkeypatch.setattr(kernels, "attention",
-                        lambda q, k, v, bias, scale, **kw: attention(q, k, v, bias.clamp(min=0) * 0 + 0, scale, **kw))
-    engine = RolloutEngine(model, max_batch_size=3, drafter=EagleDrafter(model.config),
-                           speculation=SpecStrategy(3, 2, 6), max_tree_size=16, dtype="float32", kernels="triton")
-    broken = engine.generate(requests).samples
-    assert [s.token_ids for s in broken] != [s.token_ids for s in plain]
+    monkeypatch.setattr(kernels, "attention", lambda *a, **k: attention(*a, **k) * 1.05)
+    assert generate_tokens(model, drafter, requests, SpecStrategy.chain(3, "q"), "triton") != expected
+
+
+@pytest.mark.parametrize("kernel_choice", ["torch", "triton"])
+def test_a_drafter_step_on_the_kernels_equals_the_torch_step(kernel_choice):
+    """The drafter's own layer (identity input norm, its own cache and fused projections) through the kernels:
+    a chain of single-token passes and a multi-token pass give the torch path's ĥ."""
+    model = tiny_model("qwen3").to(DEVICE)
+    outputs = []
+    for choice in ("torch", kernel_choice):
+        forward = LeanForward(model)
+        forward.use_kernels(choice)
+        torch.manual_seed(3)
+        drafter = EagleDrafter(model.config).to(DEVICE).inference_copy(forward)
+        cache = drafter.new_cache(2, 64)
+        rows = cache.rows(0, 2)
+        generator = torch.Generator().manual_seed(4)
+        seen = []
+        for num_new in (5, 1, 1, 3):
+            tokens = torch.randint(4, 97, (2, num_new), generator=generator).to(DEVICE)
+            features = torch.randn(2, num_new, 64, generator=generator).to(DEVICE)
+            positions = rows.lengths[:, None] + torch.arange(num_new)
+            seen.append(drafter.step(tokens, features, rows, positions.to(DEVICE)))
+            rows.advance(num_new)
+        outputs.append(seen)
+    assert_same_outputs(*outputs, tol=1e-5)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def test_a_bf16_engine_on_folded_norms_decodes_as_torch_up_to_near_ties():
+    """The folded copy through a whole engine (bf16: the copy a CUDA run decodes from, here on the CPU): greedy
+    rows part from torch's kernels only where the fp32 model's top two logits are within bf16 rounding."""
+    model, drafter, _ = engine_case(seed=1)
+    requests = [Request(p, params=SamplingParams(temperature=0, max_new_tokens=16))
+                for p in random_prompts([5, 8, 13, 2], seed=6)]
+    engine = RolloutEngine(model, max_batch_size=4, dtype="bfloat16", kernels="triton")
+    assert all(f.qkv_norm_folded and f.gate_up_norm_folded for f in engine.rollout_copy.fused)
+    folded = [s.token_ids for s in engine.generate(requests).samples]
+    plain = generate_tokens(model, drafter, requests, None, "torch", dtype="bfloat16")
+    parted = 0
+    for request, a, b in zip(requests, plain, folded):
+        index = first_divergence(a, b)
+        if index is None:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([list(request.prompt_ids) + a[:index]], device=DEVICE)).logits[0, -1]
+        top = logits.max()
+        for token in (a[index], b[index]):
+            assert top - logits[token] <= 2 ** -7 * top.abs() + 1e-2
+        parted += 1
+    assert parted <= len(requests) // 2
+
+
+def test_the_cost_curve_of_an_engine_on_triton_kernels_is_its_own():
+    """A curve cached for torch's kernels must not set the gate of an engine on the Triton kernels."""
+    model = tiny_model("llama").to(DEVICE)
+    arms = [SpecStrategy.chain(3)]
+    keys = {curve_key(RolloutEngine(model, drafter=EagleDrafter(model.config), kernels=choice), arms, (1, 2))
+            for choice in ("torch", "triton")}
+    assert len(keys) == 2

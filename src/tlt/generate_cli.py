@@ -47,6 +47,10 @@ def run_generate(args, *, demo: bool) -> int:
         raise TltError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if args.compile != "off" and not torch.cuda.is_available():
         raise TltError(f"--compile {args.compile} compiles the steps CUDA graphs replay: it needs a CUDA device")
+    if args.kernels != "torch" and not torch.cuda.is_available():
+        raise TltError(f"--kernels {args.kernels}: the Triton kernels run on CUDA, and this machine has none")
+    if args.kernels != "torch" and args.compile != "off":
+        raise TltError("--kernels triton and --compile are alternatives (Inductor fuses its own kernels): pick one")
     pick_threads(args.threads)  # a negative count is refused here, before the model loads
     with console.status("loading model (first run: fetches and converts SmolLM2-135M-Instruct, ~1 min)"):
         loaded = load_model(args.model)
@@ -55,11 +59,13 @@ def run_generate(args, *, demo: bool) -> int:
     requests = [Request(_chat_ids(loaded.tokenizer, p), n=args.n, params=params, label=f"prompt {i + 1}")
                 for i, p in enumerate(prompts)]
     if speculation is None:
-        engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size, compile=args.compile)
+        engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size, compile=args.compile,
+                               kernels=args.kernels)
     else:
         drafter = EagleDrafter.load(args.drafter, loaded.model)
         engine = RolloutEngine(loaded, max_batch_size=args.max_batch_size, drafter=drafter, speculation=speculation,
-                               max_tree_size=speculation.strategy.cache_slots, compile=args.compile)
+                               max_tree_size=speculation.strategy.cache_slots, compile=args.compile,
+                               kernels=args.kernels)
     result = engine.generate(requests, progress=True)
     _print_samples(console, loaded.tokenizer, prompts, result)
     _print_trace(console, result)

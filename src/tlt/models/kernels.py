@@ -29,24 +29,28 @@ import torch
 try:  # optional: the CUDA wheels of torch bring Triton; the CPU machines install it for the interpreter tests
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where Triton is absent
+    MISSING = None
+except (ImportError, OSError, RuntimeError) as error:  # absent, or an install that cannot load here
     triton = None
+    MISSING = f"Triton cannot be imported ({type(error).__name__}: {error}); pip install triton (CUDA builds of torch " \
+              "bring it)"
 
 KV_SPLIT_CHUNK = 128        # KV slots per program when attention splits the span (`attention_splits`; a guess
                             # until the H100 measures it: batch 1 of SmolLM2 has 3 KV heads, so 3 programs unsplit)
 TARGET_PROGRAMS = 128       # about one program per SM of an H100 (132): fewer leaves the device idle
 
 
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Triton fixes interpreter mode when a kernel is defined (below, at import): what counts is the variable then
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the kernels cannot run on `device` (None: they can)."""
     if triton is None:
-        return "Triton is not installed (pip install triton; CUDA builds of torch bring it)"
-    if torch.device(device).type != "cuda" and not interpreted():
-        return f"the Triton kernels run on CUDA (or under TRITON_INTERPRET=1 for tests), not on {device}"
+        return MISSING
+    if torch.device(device).type != "cuda" and not INTERPRETED:
+        return (f"the Triton kernels run on CUDA (or, for tests, under TRITON_INTERPRET=1 set before tlt is "
+                f"imported), not on {device}")
     return None
 
 

@@ -36,10 +36,12 @@ LOCK_FILE = ".tlt-lock"  # held by the run writing here (hold_run_dir); not part
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
 # In a meaning section, but only how the run is measured, or how fast (or in how much memory) it computes the same
-# thing (rollout.compile: fused kernels may round differently in bf16; every sample is still the policy's own).
+# thing (rollout.compile, rollout.kernels: fused kernels may round differently in bf16; every sample is still the
+# policy's own).
 # The device, and how many rows decode or backpropagate at once, change memory and speed, not what is sampled or
 # the gradient (up to float summation order).
-OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs", "rollout.compile", "optim.grad_checkpointing",
+OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs", "rollout.compile", "rollout.kernels",
+                    "optim.grad_checkpointing",
                     "model.device", "rollout.max_batch_size", "optim.micro_batch_size")
 
 

@@ -104,8 +104,8 @@ def device_name(device: torch.device) -> str:
 def curve_for(engine, strategies: list[SpecStrategy], *, cache_dir: str | Path | None = None,
               batches=BATCHES) -> CostCurve:
     """The engine's curve from the cache, or measured now and cached. The key covers what changes the costs:
-    the device, the model's shape and rollout dtype, the runner (graphs or eager; compiled), the arms and the
-    batches."""
+    the device, the model's shape and rollout dtype, the runner (graphs or eager; compiled; its kernels), the arms
+    and the batches."""
     path = Path(cache_dir or default_cache_dir()) / f"{curve_key(engine, strategies, batches)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(path.with_suffix(".lock")):  # workers starting together: one measures, the others read it
@@ -153,6 +153,9 @@ def curve_key(engine, strategies: list[SpecStrategy], batches) -> str:
     compile_mode = getattr(engine.forward, "compile_mode", None)
     if compile_mode is not None:  # only then: the keys of uncompiled engines stay what they were
         parts.append(compile_mode)
+    kernels = getattr(engine.forward, "kernels", "torch")
+    if kernels != "torch":  # likewise: the Triton kernels' costs are their own
+        parts.append(f"kernels={kernels}")
     digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
     slug = "".join(c if c.isalnum() else "-" for c in device_name(engine.device)).strip("-").lower()
     return f"{slug}-{digest}"

@@ -79,10 +79,12 @@ class RolloutEngine:
         keep_cudnn_attention_out(self.policy_forward.device)
         dtype = resolve_rollout_dtype(dtype, self.policy_forward.device, self.policy_forward.dtype)
         check_kernels(kernels, compile, self.policy_forward.device)
-        # kernels="triton" decodes from a copy in any dtype: fused projections with the norms folded in, so a layer
-        # launches no norm kernel (models/rollout_copy.py)
-        self.rollout_copy = RolloutCopy(model, dtype, fold_norms=kernels == "triton") \
-            if dtype != self.policy_forward.dtype or kernels == "triton" else None
+        # With kernels="triton" the copy folds its norms into the fused projections (no norm kernel in a layer;
+        # models/rollout_copy.py); not in fp16, whose range the un-normalized residual could leave. An engine that
+        # decodes in the weights' own dtype makes no copy for it (memory, rollout_is): the kernels run over the
+        # master's separate projections.
+        fold = kernels == "triton" and dtype != torch.float16
+        self.rollout_copy = RolloutCopy(model, dtype, fold_norms=fold) if dtype != self.policy_forward.dtype else None
         forward = self.policy_forward if self.rollout_copy is None else \
             LeanForward(self.rollout_copy.model, self.rollout_copy.fused)
         forward.use_kernels(kernels)
