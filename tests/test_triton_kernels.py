@@ -9,7 +9,7 @@ the torch path from the same seeds, which the lossless tests prove exact.
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
+from conftest import random_prompts, tiny_model
 
 from tlt.errors import RequestError
 from tlt.models import KVCache, LeanForward
