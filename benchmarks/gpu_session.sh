@@ -50,8 +50,9 @@
 #
 # Where it stands (2026-11-27, fifth session, no GPU): plan A ran (its files are in benchmarks/results/,
 # docs/benchmarks.md §9 "Second H100 session"); plan B and C never have. Since then the fused Triton kernels
-# (rollout.kernels=triton: the decode forward 752 -> 272 operations in step_ops.py, the norm folded into the GEMMs,
-# checked on the CPU under Triton's interpreter) have never run on a GPU. Next session: plan T, then plan B.
+# (rollout.kernels=triton: the decode forward 752 -> 272 operations in step_ops.py, the norms folded into the
+# GEMMs, a fused sampler; checked on the CPU under Triton's interpreter) have never run on a GPU. Next session:
+# plan T, then plan B.
 # Plan T, the Triton kernels (#13, #14): tests, the captured step's kernels and ms, SD on them.
 #   1. carry .gpu/a, timeout_s 200 (no model needed: tiny models):
 #        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=160 bash benchmarks/gpu_session.sh tests-fixed triton-tests

@@ -91,7 +91,8 @@ class CountedLaunches:
 
 
 def count_triton_launches() -> None:
-    for name in ("_rope_and_store_kernel", "_attention_kernel", "_combine_kernel", "_silu_and_mul_kernel"):
+    for name in ("_rope_and_store_kernel", "_attention_kernel", "_combine_kernel", "_silu_and_mul_kernel",
+                 "_sample_kernel"):
         setattr(kernels, name, CountedLaunches(name.strip("_").removesuffix("_kernel"), getattr(kernels, name)))
 
 

@@ -23,7 +23,8 @@ from tlt.rl.config_text import ConfigError
 from tlt.rollout.cost_curve import curve_key
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
-from tlt.sampling import SamplingParams
+from tlt import sampling
+from tlt.sampling import SamplingParams, drawing_with
 from tlt.speculative.strategy import SpecStrategy
 
 pytestmark = pytest.mark.skipif(kernels.unavailable_reason(torch.device("cuda" if torch.cuda.is_available()
@@ -349,6 +350,63 @@ def test_a_bf16_engine_on_folded_norms_decodes_as_torch_up_to_near_ties():
             assert top - logits[token] <= 2 ** -7 * top.abs() + 1e-2
         parted += 1
     assert parted <= len(requests) // 2
+
+
+def sampler_case(vocab: int, seed: int = 0):
+    """Rows of log-probabilities: peaked and flat, a filtered tail (-inf past a third), one-token rows; uniforms
+    with 0 and 1 - 2^-40 among them."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(48, vocab, generator=generator) * torch.linspace(0.1, 6, 48)[:, None]
+    logits[1::4, vocab // 3:] = float("-inf")
+    logits[2::9] = float("-inf")
+    logits[2::9, vocab // 2] = 0.0
+    uniforms = torch.rand(48, generator=generator, dtype=torch.float64)
+    uniforms[0], uniforms[1] = 0.0, 1 - 2 ** -40
+    return torch.log_softmax(logits, -1).to(DEVICE), uniforms.to(DEVICE)
+
+
+@pytest.mark.parametrize("vocab", [97, 256, 1000, 4099])
+def test_the_fused_sampler_draws_the_torch_samplers_tokens(vocab):
+    """Same log-probabilities, same uniforms, same tokens (the float64 CDF summed in another order could part
+    only within rounding of a boundary); never a token of probability 0."""
+    logprobs, uniforms = sampler_case(vocab)
+    fused = kernels.sample_from_logprobs(logprobs, uniforms)
+    assert torch.equal(fused, sampling.sample_from_logprobs(logprobs, uniforms))
+    assert torch.isfinite(logprobs.gather(1, fused[:, None])).all()
+
+
+def test_the_sampler_comparison_can_fail():
+    """Negative control: uniforms shifted by 0.01 draw other tokens in many rows."""
+    logprobs, uniforms = sampler_case(1000)
+    shifted = kernels.sample_from_logprobs(logprobs, (uniforms + 0.01).clamp(max=0.999))
+    assert (shifted != sampling.sample_from_logprobs(logprobs, uniforms)).sum() >= 10
+
+
+def test_drawing_with_routes_draws_in_its_block_and_thread_only():
+    import threading
+
+    logprobs, uniforms = sampler_case(300)
+    calls = []
+    fake = lambda lp, u: calls.append(threading.get_ident()) or kernels.sample_from_logprobs(lp, u)
+    other = []
+    with drawing_with(fake):
+        sampling.sample_from_logprobs(logprobs, uniforms)
+        worker = threading.Thread(target=lambda: other.append(sampling.sample_from_logprobs(logprobs, uniforms)))
+        worker.start()
+        worker.join()
+    sampling.sample_from_logprobs(logprobs, uniforms)
+    assert calls == [threading.get_ident()] and len(other) == 1  # not the other thread's draw, not after the block
+
+
+def test_an_engine_on_triton_kernels_draws_with_the_fused_sampler(monkeypatch):
+    model, drafter, requests = engine_case()
+    draws = []
+    fused = kernels.sample_from_logprobs
+    monkeypatch.setattr(kernels, "sample_from_logprobs", lambda lp, u: draws.append(lp.shape) or fused(lp, u))
+    generate_tokens(model, drafter, requests, SpecStrategy.chain(3, "q"), "torch")
+    assert not draws
+    generate_tokens(model, drafter, requests, SpecStrategy.chain(3, "q"), "triton")
+    assert draws
 
 
 def test_the_cost_curve_of_an_engine_on_triton_kernels_is_its_own():

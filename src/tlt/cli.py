@@ -432,8 +432,8 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
                         help="on CUDA: Inductor-compile the steps the CUDA graphs replay (fewer, fused kernels; "
                         "the first steps pay the compile)")
     parser.add_argument("--kernels", default="torch", choices=["torch", "triton"],
-                        help="on CUDA: triton = fused Triton kernels (RoPE + KV write, attention, SiLU; norms folded "
-                        "into the projections); an alternative to --compile")
+                        help="on CUDA: triton = fused Triton kernels (RoPE + KV write, attention, SiLU, sampling; "
+                        "norms folded into the projections); an alternative to --compile")
     _add_threads(parser)
 
 

@@ -12,6 +12,8 @@ their GEMMs differently, so the two agree up to that rounding (docs/architecture
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 from dataclasses import dataclass
@@ -221,6 +223,21 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
 
 CDF_BLOCK = 256
+# A fused sampler that `sample_from_logprobs` hands its draws to (models/kernels.py's, for an engine on the Triton
+# kernels), set with `drawing_with` around a runner's steps. A context variable: each thread (an in-process worker)
+# and each engine's steps keep their own, and every caller deep in the SD step (drafting, both acceptance rules,
+# residuals) draws the same way without a sampler threaded through a dozen signatures.
+_FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", default=None)
+
+
+@contextlib.contextmanager
+def drawing_with(draw):
+    """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms) (None: torch's)."""
+    token = _FUSED_DRAW.set(draw)
+    try:
+        yield
+    finally:
+        _FUSED_DRAW.reset(token)
 
 
 def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -231,6 +248,9 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
     an empty interval and is never drawn. Every drafter pass of q-sampling draws with this, and a GPU step pays
     per kernel (~3 us replayed): each line is one operation, the float64 casts inside the reductions.
     """
+    fused = _FUSED_DRAW.get()
+    if fused is not None:
+        return fused(logprobs, uniforms)
     batch, vocab = logprobs.shape
     blocks = -(-vocab // CDF_BLOCK)
     probs = logprobs.exp()

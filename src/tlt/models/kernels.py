@@ -211,6 +211,61 @@ if triton is not None:
         tl.store(Out + row * o_s + j, out.to(Out.dtype.element_ty), mask=inside)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _block_mass(Base, b, VOCAB, BLOCK: tl.constexpr):
+        """The probabilities of one block of a row's log-probabilities, and their float64 sum."""
+        cols = b * BLOCK + tl.arange(0, BLOCK)
+        p = tl.exp(tl.load(Base + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32))
+        return p, tl.sum(p.to(tl.float64), 0)
+
+    @triton.jit
+    def _sample_kernel(LogProbs, Uniforms, Out, lp_s, VOCAB, BLOCKS, BLOCK: tl.constexpr):
+        # one program per row: inverse-CDF sampling at two levels (blocks of BLOCK tokens, then inside the block),
+        # the CDF in float64 as `sampling.sample_from_logprobs` builds it
+        row = tl.program_id(0).to(tl.int64)
+        base = LogProbs + row * lp_s
+        total = tl.zeros([], tl.float64)
+        for b in range(0, BLOCKS):
+            _, mass = _block_mass(base, b, VOCAB, BLOCK)
+            total += mass
+        shrink = 2.220446049250313e-16  # total * (1 - 2^-52) < total: the torch path's nextafter(total, 0)
+        target = tl.minimum(tl.load(Uniforms + row).to(tl.float64) * total, total - total * shrink)
+        cumulative = tl.zeros([], tl.float64)
+        before = tl.zeros([], tl.float64)
+        block = tl.zeros([], tl.int32)
+        for b in range(0, BLOCKS):  # the block holding the target: the number of blocks whose CDF is <= target
+            _, mass = _block_mass(base, b, VOCAB, BLOCK)
+            cumulative += mass
+            passed = cumulative <= target
+            block += passed.to(tl.int32)
+            before = tl.where(passed, cumulative, before)
+        block = tl.minimum(block, BLOCKS - 1)
+        p, _ = _block_mass(base, block, VOCAB, BLOCK)
+        inner = tl.cumsum(p.to(tl.float64), 0)
+        last = tl.max(inner, 0)
+        offset = tl.minimum(tl.maximum(target - before, 0.0), last - last * shrink)
+        within = tl.minimum(tl.sum((inner <= offset).to(tl.int32), 0), BLOCK - 1)
+        tl.store(Out + row, tl.minimum(block * BLOCK + within, VOCAB - 1).to(tl.int64))
+
+
+def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """`sampling.sample_from_logprobs` in one kernel: a token per row of logprobs [B, V] from uniforms [B] in
+    [0, 1), by the same two-level float64 inverse CDF (256-token blocks). Its sums run in another order, so a draw
+    may differ from torch's only where a uniform falls within float64 rounding of a token's boundary; a token of
+    probability 0 is never drawn."""
+    logprobs = logprobs if logprobs.stride(-1) == 1 else logprobs.contiguous()
+    batch, vocab = logprobs.shape
+    out = torch.empty(batch, dtype=torch.long, device=logprobs.device)
+    uniforms = uniforms.to(logprobs.device, torch.float64).contiguous()
+    block = 256  # sampling.CDF_BLOCK (not imported: models/ sits below sampling)
+    with _on_device_of(logprobs):
+        _sample_kernel[(batch,)](logprobs, uniforms, out, logprobs.stride(0), vocab, triton.cdiv(vocab, block),
+                                 BLOCK=block, num_warps=4)
+    return out
+
+
 def _on_device_of(tensor: torch.Tensor):
     """Triton launches on the current CUDA device: make it the tensors' (an eager step of a worker on another GPU)."""
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()

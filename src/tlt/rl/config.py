@@ -62,8 +62,9 @@ class RolloutConfig:
     cuda_graphs: bool = True       # on CUDA, replay plain decode steps and whole speculative steps as CUDA graphs
     compile: str = "off"           # on CUDA: "inductor" / "max-autotune" compile what the graphs capture (fused
                                    # kernels: the decode forward and the speculative step's device part)
-    kernels: str = "torch"         # on CUDA: "triton" fuses RoPE + KV write, attention, SiLU-and-multiply into
-                                   # one Triton kernel each (models/kernels.py); an alternative to compile
+    kernels: str = "torch"         # on CUDA: "triton" fuses RoPE + KV write, attention, SiLU-and-multiply and the
+                                   # sampler into one Triton kernel each, norms folded into the projections
+                                   # (models/kernels.py); an alternative to compile
 
 
 @dataclass(frozen=True)

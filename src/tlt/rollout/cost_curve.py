@@ -30,6 +30,7 @@ import torch
 
 from tlt.models.kv_cache import KVCache
 from tlt.rollout.graph_runner import batch_bucket, cache_capacity
+from tlt.rollout.model_runner import sampler_of
 from tlt.sampling import RowSampling, SamplingParams, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
@@ -176,6 +177,11 @@ def measure(engine, strategies: list[SpecStrategy], batches=BATCHES, repeats: in
     timed past the batch where it stops paying, measuring ends when none pays, or when `budget_s` of timed steps has
     passed (warm-ups, i.e. graph captures and compiles, are not charged: with rollout.compile they take tens of
     seconds per arm on the first batch, which would otherwise end the measurement there)."""
+    with sampler_of(engine.forward):  # the draws the engine's own steps make (the fused sampler on Triton kernels)
+        return _measure(engine, strategies, batches, repeats, tau, budget_s)
+
+
+def _measure(engine, strategies: list[SpecStrategy], batches, repeats: int, tau: float, budget_s: float) -> CostCurve:
     if engine.spec_decoder is None:
         raise ValueError("measuring SD costs needs an engine with a drafter")
     started = time.perf_counter()

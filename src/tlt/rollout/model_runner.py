@@ -14,12 +14,13 @@ import logging
 import torch
 
 from tlt.errors import RequestError
+from tlt.models import kernels
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
 from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity, pack_tokens
 from tlt.rollout.request import StepTrace
 from tlt.rollout.sequence import Sequence
-from tlt.sampling import RowSampling, draw_uniforms, is_integer, sample_next
+from tlt.sampling import RowSampling, draw_uniforms, drawing_with, is_integer, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
 
@@ -133,6 +134,10 @@ class ModelRunner:
         """Prefill each group's prompt once and sample every sequence's first token; returns the sequences in
         the order they occupy rows first_row, first_row + 1, ...: the group leaders (prefilled), then each
         group's siblings in turn, whose rows receive a copy of their leader's prompt KV."""
+        with sampler_of(self.forward):
+            return self._prefill_and_sample(groups, first_row)
+
+    def _prefill_and_sample(self, groups: list[list[Sequence]], first_row: int) -> list[Sequence]:
         logits = self._prefill([group[0].request.prompt_ids for group in groups], first_row)
         leaders, siblings = [group[0] for group in groups], []
         source = list(range(len(groups)))  # the logits row of each sequence, in row order
@@ -164,6 +169,10 @@ class ModelRunner:
 
     def decode(self, running: list[Sequence]) -> None:
         """One plain decode step: every running sequence gets one token."""
+        with sampler_of(self.forward):
+            self._decode(running)
+
+    def _decode(self, running: list[Sequence]) -> None:
         rows = self.cache.rows(0, len(running))
         ids = torch.tensor([[s.tokens[-1]] for s in running])  # host: the forward or the graph's buffer copies it
         if self.graphs is None:
@@ -191,11 +200,13 @@ class ModelRunner:
         settings = RowSampling.from_params([s.request.params for s in running], "cpu")
         uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row)
         outcome = None
-        if self.graphs is not None:  # the whole step as one graph (host inputs are copied into its buffers)
-            outcome = self.graphs.speculative_step(self.spec_decoder, rows, pending, settings, uniforms, strategy)
-        if outcome is None:  # no graph for it (e.g. top-k/top-p rows): the eager step
-            outcome = self.spec_decoder.step(rows, pending.to(self.device), settings.to(self.device),
-                                            uniforms.to(self.device), strategy)
+        with sampler_of(self.forward):
+            if self.graphs is not None:  # the whole step as one graph (host inputs are copied into its buffers)
+                outcome = self.graphs.speculative_step(self.spec_decoder, rows, pending, settings, uniforms,
+                                                       strategy)
+            if outcome is None:  # no graph for it (e.g. top-k/top-p rows): the eager step
+                outcome = self.spec_decoder.step(rows, pending.to(self.device), settings.to(self.device),
+                                                uniforms.to(self.device), strategy)
         result = outcome.acceptance
         emitted = 0
         for seq, tokens, logprobs, count in zip(running, result.tokens.tolist(), result.logprobs.tolist(),
@@ -256,6 +267,12 @@ class ModelRunner:
         if end > committed:
             raise AssertionError(f"row {row} holds {committed} committed tokens, expected >= {end}")
         return self.cache.slot_data["tokens"][row, start:end], self.cache.slot_data["features"][row, start:end]
+
+
+def sampler_of(forward: LeanForward):
+    """The draws of `forward`'s steps: the fused Triton sampler with its Triton kernels, torch's otherwise
+    (`sampling.drawing_with`: set around a step, captured into its graph)."""
+    return drawing_with(kernels.sample_from_logprobs if forward.kernels == "triton" else None)
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
