@@ -248,7 +248,8 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
     an empty interval and is never drawn. Every drafter pass of q-sampling draws with this, and a GPU step pays
     per kernel (~3 us replayed): each line is one operation, the float64 casts inside the reductions.
     """
-    fused = _FUSED_DRAW.get()
+    # (never under torch.compile, which the Triton kernels exclude: Dynamo cannot trace a context variable)
+    fused = None if torch.compiler.is_compiling() else _FUSED_DRAW.get()
     if fused is not None:
         return fused(logprobs, uniforms)
     batch, vocab = logprobs.shape
