@@ -229,8 +229,9 @@ class LeanForward:
 
     def use_kernels(self, choice: str) -> None:
         """"triton": RoPE with the KV write, attention and SiLU-and-multiply as one fused Triton kernel each
-        (models/kernels.py) in forwards of up to KERNEL_MAX_NEW_TOKENS new tokens a row without gradients;
-        "torch": torch's kernels. Triton needs CUDA (or its interpreter, for tests)."""
+        (models/kernels.py) in forwards of up to KERNEL_MAX_NEW_TOKENS new tokens a row without gradients, and
+        no norm kernel where the layer's `FusedLayer` has its norms folded in; "torch": torch's kernels. Triton
+        needs CUDA (or its interpreter, for tests). The model runner draws with the fused sampler too."""
         if choice not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
         if choice == "triton":

@@ -10,8 +10,10 @@ With fold_norms, the RMSNorm weight g in front of each fused GEMM is folded into
 == r(x) * (x @ (W diag g)^T), r(x) = 1 / rms(x) a scalar per token, so the forward can apply r after the GEMM
 (inside the fused Triton kernel that consumes the GEMM's output) and a layer launches no norm kernel. Folded
 weights are computed from the fp32 master at every refresh and rounded once. Not for a q/k/v bias (it must not
-scale by r) nor Qwen3's q/k norms (which would see r x q): those layers keep their input norm. The lm_head stays fp32: bf16 logits are quantized to 1/8 at magnitudes 16-32, which would move
-sampling probabilities by several percent against the fp32 log-probs the PPO ratio is computed from.
+scale by r) nor Qwen3's q/k norms (which would see r x q): those layers keep their input norm.
+
+The lm_head stays fp32: bf16 logits are quantized to 1/8 at magnitudes 16-32, which would move sampling
+probabilities by several percent against the fp32 log-probs the PPO ratio is computed from.
 """
 
 from __future__ import annotations

@@ -63,8 +63,9 @@ class RolloutEngine:
     compile: "off" (default), "inductor" or "max-autotune": Inductor-compile the forward the CUDA graphs capture
         (fused kernels, fewer launches; `LeanForward.compile`). Needs CUDA graphs.
     kernels: "torch" (default) or "triton": the fused Triton kernels of models/kernels.py for RoPE with the KV
-        write, attention and SiLU-and-multiply in decode, verify and drafter forwards (`LeanForward.use_kernels`).
-        Needs CUDA; an alternative to compile.
+        write, attention and SiLU-and-multiply in decode, verify and drafter forwards (`LeanForward.use_kernels`),
+        norms folded into a rollout copy's projections, and the fused sampler for every draw. Needs CUDA; an
+        alternative to compile.
     """
 
     def __init__(self, model, *, max_batch_size: int = 64, eos_token_ids=None, drafter=None, speculation=None,
