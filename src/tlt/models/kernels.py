@@ -9,13 +9,17 @@ memset plus a copy of its strided output, and SiLU-and-multiply as two. Here eac
 - `attention`: masked attention of T new tokens over the cache with grouped KV heads, written straight into
   the [B, T, H * D] layout o_proj reads (a split over the KV span plus one combine kernel when the batch gives
   too few programs to fill the device);
-- `silu_and_mul`: the MLP's activation from the fused gate/up GEMM's output.
+- `silu_and_mul`: the MLP's activation from the fused gate/up GEMM's output;
+- `sample_from_logprobs`: a draw by inverse CDF, one program per row (22 torch operations a draw).
+
+The first two and SiLU also take the un-normalized residual when a rollout copy folds the norms into its
+projections (`RolloutCopy(fold_norms=True)`) and scale by 1 / rms(x) themselves: a layer launches no norm kernel.
 
 Each computes in fp32 and rounds once (torch's bf16 path rounds between its kernels: results agree to bf16
 rounding, not bit for bit; the PPO ratio's log-probs come from the training forward either way). Attention's two
 products run on tensor cores in TF32 for bf16/fp16 caches (bf16 inputs are exact in TF32; only the softmax
-weights lose bits, below bf16's rounding) and in IEEE fp32 for an fp32 cache. They run only
-where nothing needs a gradient. Off CUDA they run under Triton's interpreter (`TRITON_INTERPRET=1`, set before
+weights lose bits, below bf16's rounding) and in IEEE fp32 for an fp32 cache. They run only where nothing needs
+a gradient. Off CUDA they run under Triton's interpreter (`TRITON_INTERPRET=1`, set before
 this module is imported), which is how the CPU tests check them against the torch path.
 """
 
@@ -32,8 +36,8 @@ try:  # optional: the CUDA wheels of torch bring Triton; the CPU machines instal
     MISSING = None
 except (ImportError, OSError, RuntimeError) as error:  # absent, or an install that cannot load here
     triton = None
-    MISSING = f"Triton cannot be imported ({type(error).__name__}: {error}); pip install triton (CUDA builds of torch " \
-              "bring it)"
+    MISSING = (f"Triton cannot be imported ({type(error).__name__}: {error}); pip install triton (CUDA builds of "
+               "torch bring it)")
 
 KV_SPLIT_CHUNK = 128        # KV slots per program when attention splits the span (`attention_splits`; a guess
                             # until the H100 measures it: batch 1 of SmolLM2 has 3 KV heads, so 3 programs unsplit)
