@@ -469,8 +469,8 @@ def test_a_budget_leaving_no_room_for_the_generated_prompts_is_refused_before_th
 
 
 def test_settings_a_run_cannot_use_here_are_named_not_dropped_silently(tmp_path, caplog):
-    """rollout.compile on the CPU and run.drafter with run.speculative=off were ignored without a word; both
-    stay accepted (one config serves the GPU and CPU machines, and A/B configs differ in run.speculative only)."""
+    """rollout.compile (and rollout.kernels) on the CPU and run.drafter with run.speculative=off were ignored
+    without a word; both stay accepted (one config serves the GPU and CPU machines, and A/B configs differ in run.speculative only)."""
     from tlt.models import load_model
     from tlt.rl.config import load_config
     from tlt.rl.replica import build_engine
@@ -482,6 +482,11 @@ def test_settings_a_run_cannot_use_here_are_named_not_dropped_silently(tmp_path,
     assert engine.spec_decoder is None
     assert "rollout.compile=inductor is ignored on cpu" in caplog.text
     assert f"run.drafter={tmp_path} is not used: run.speculative=off" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tlt.rl.replica"):  # the same for the Triton kernels
+        engine = build_engine(loaded, load_config(None, ["run.speculative=off", "rollout.kernels=triton"]))
+    assert engine.forward.kernels == "torch"
+    assert "rollout.kernels=triton is ignored on cpu" in caplog.text
 
 
 def test_resume_refuses_a_dataset_changed_since_the_run_started(tmp_path, capfd):
