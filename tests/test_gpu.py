@@ -13,7 +13,8 @@ import warnings
 import pytest
 import torch
 
-from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
+from conftest import (assert_parted_only_at_near_ties, markov_model, oracle_drafter, random_prompts,
+                      tiny_model)
 from test_q_sampling import noisy_drafter
 from test_speculative_lossless import exact_joint, tv_and_bound
 from tlt.models.eagle import EagleDrafter
@@ -36,6 +37,10 @@ MIXED = [SamplingParams(temperature=0, max_new_tokens=20), SamplingParams(temper
 def mixed_requests(vocab=97):
     prompts = random_prompts([3, 9, 5, 1, 12, 7], vocab_size=vocab, seed=4)
     return [Request(p, n=2, params=MIXED[i % len(MIXED)]) for i, p in enumerate(prompts)]
+
+
+def token_ids(samples) -> list[list[int]]:
+    return [s.token_ids for s in samples]
 
 
 def generate(model, requests, **kwargs):
@@ -101,13 +106,6 @@ def test_negative_control_fails_on_cuda():
     assert tv > bound, (tv, bound)
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for index, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return index
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def test_bf16_speculative_greedy_is_identical_up_to_near_ties():
     """Tie-aware identity: where bf16 SD and bf16 plain decoding part, both tokens' logits (fp32 reference
     forward on the shared prefix) must be within bf16 rounding (2^-7 relative) of the top logit."""
@@ -117,25 +115,7 @@ def test_bf16_speculative_greedy_is_identical_up_to_near_ties():
     plain = generate(model, requests, max_batch_size=4)
     spec = generate(model, requests, max_batch_size=4, drafter=EagleDrafter(model.config),
                     speculation=SpecStrategy(3, 2, 6), max_tree_size=16)
-    assert_parted_only_at_near_ties(model, requests, plain.samples, spec.samples)
-
-
-def assert_parted_only_at_near_ties(model, requests, samples, others) -> None:
-    """Where two greedy decodings of the same request part, both tokens' logits (fp32 reference forward on the
-    shared prefix) are within bf16 rounding (2^-7 relative) of the top logit; and most rows do not part."""
-    parted = 0
-    for request, a, b in zip(requests, samples, others):
-        index = first_divergence(a.token_ids, b.token_ids)
-        if index is None:
-            continue
-        prefix = torch.tensor([list(request.prompt_ids) + a.token_ids[:index]], device=CUDA)
-        with torch.no_grad():
-            logits = model(prefix).logits[0, -1].float()
-        top = logits.max()
-        for token in (a.token_ids[index], b.token_ids[index]):
-            assert top - logits[token] <= 2 ** -7 * top.abs() + 1e-2, (index, float(top - logits[token]))
-        parted += 1
-    assert parted <= len(requests) // 2  # ties are rare: most rows must match exactly
+    assert_parted_only_at_near_ties(model, requests, token_ids(plain.samples), token_ids(spec.samples))
 
 
 def test_compiled_graphs_decode_and_speculate_as_the_uncompiled_engine():
@@ -151,7 +131,7 @@ def test_compiled_graphs_decode_and_speculate_as_the_uncompiled_engine():
                                max_tree_size=16, compile="inductor")
         compiled = engine.generate(requests + mixed_requests())
         assert engine.runner.captures > 0
-        assert_parted_only_at_near_ties(model, requests, plain.samples, compiled.samples)
+        assert_parted_only_at_near_ties(model, requests, token_ids(plain.samples), token_ids(compiled.samples))
 
 
 def test_triton_kernels_in_bf16_graphs_decode_as_torch_kernels_up_to_near_ties():
@@ -167,7 +147,7 @@ def test_triton_kernels_in_bf16_graphs_decode_as_torch_kernels_up_to_near_ties()
                                max_tree_size=16, kernels="triton")
         fused = engine.generate(requests + mixed_requests())
         assert engine.runner.captures > 0
-        assert_parted_only_at_near_ties(model, requests, plain.samples, fused.samples)
+        assert_parted_only_at_near_ties(model, requests, token_ids(plain.samples), token_ids(fused.samples))
 
 
 def test_rollout_copy_follows_the_policy_after_an_update():

@@ -9,7 +9,7 @@ the torch path from the same seeds, which the lossless tests prove exact.
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_prompts, tiny_model
+from conftest import assert_parted_only_at_near_ties, random_prompts, tiny_model
 
 from tlt.errors import RequestError
 from tlt.models import KVCache, LeanForward
@@ -321,13 +321,6 @@ def test_a_drafter_step_on_the_kernels_equals_the_torch_step(kernel_choice):
     assert_same_outputs(*outputs, tol=1e-5)
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for index, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return index
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def test_a_bf16_engine_on_folded_norms_decodes_as_torch_up_to_near_ties():
     """The folded copy through a whole engine (bf16: the copy a CUDA run decodes from, here on the CPU): greedy
     rows part from torch's kernels only where the fp32 model's top two logits are within bf16 rounding."""
@@ -338,18 +331,7 @@ def test_a_bf16_engine_on_folded_norms_decodes_as_torch_up_to_near_ties():
     assert all(f.qkv_norm_folded and f.gate_up_norm_folded for f in engine.rollout_copy.fused)
     folded = [s.token_ids for s in engine.generate(requests).samples]
     plain = generate_tokens(model, drafter, requests, None, "torch", dtype="bfloat16")
-    parted = 0
-    for request, a, b in zip(requests, plain, folded):
-        index = first_divergence(a, b)
-        if index is None:
-            continue
-        with torch.no_grad():
-            logits = model(torch.tensor([list(request.prompt_ids) + a[:index]], device=DEVICE)).logits[0, -1]
-        top = logits.max()
-        for token in (a[index], b[index]):
-            assert top - logits[token] <= 2 ** -7 * top.abs() + 1e-2
-        parted += 1
-    assert parted <= len(requests) // 2
+    assert_parted_only_at_near_ties(model, requests, plain, folded)
 
 
 def sampler_case(vocab: int, seed: int = 0):
