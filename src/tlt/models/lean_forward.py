@@ -199,6 +199,21 @@ def keep_cudnn_attention_out(device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def kernels_problem(choice: str, device: torch.device, *, compiled: bool) -> str | None:
+    """Why a forward on `device` cannot use kernels=`choice` (None: it can); compiled: it is, or will be,
+    Inductor-compiled (`LeanForward.compile`), the alternative to the Triton kernels."""
+    if choice not in KERNEL_CHOICES:
+        return f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}"
+    if choice == "torch":
+        return None
+    reason = kernels.unavailable_reason(device)
+    if reason is not None:
+        return f"kernels='triton': {reason}"
+    if compiled:
+        return "kernels='triton' and compile are alternatives: Inductor fuses its own kernels"
+    return None
+
+
 def _raise_dynamo_limit(names: tuple[str, ...], floor: int) -> None:
     """Raise a Dynamo limit to at least `floor`, under the first of its names this torch has."""
     config = torch._dynamo.config
@@ -232,14 +247,9 @@ class LeanForward:
         (models/kernels.py) in forwards of up to KERNEL_MAX_NEW_TOKENS new tokens a row without gradients, and
         no norm kernel where the layer's `FusedLayer` has its norms folded in; "torch": torch's kernels. Triton
         needs CUDA (or its interpreter, for tests). The model runner draws with the fused sampler too."""
-        if choice not in KERNEL_CHOICES:
-            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
-        if choice == "triton":
-            reason = kernels.unavailable_reason(self.device)
-            if reason is not None:
-                raise ValueError(f"kernels='triton': {reason}")
-            if self._compiled_run is not None:
-                raise ValueError("kernels='triton' and compile are alternatives: Inductor fuses its own kernels")
+        problem = kernels_problem(choice, self.device, compiled=self._compiled_run is not None)
+        if problem is not None:
+            raise ValueError(problem)
         self.kernels = choice
 
     def _fused_kernels(self, num_new: int) -> bool:
@@ -332,7 +342,7 @@ class LeanForward:
         for index, layer in enumerate(self.decoder.layers):
             fused = self._fused.get(id(layer))
             normed = self._norm_input(x, layer.input_layernorm, fused is not None and fused.qkv_norm_folded)
-            x = self.layer(layer, index, x, normed, cos, sin, cache, slots, bias, rows=rows)
+            x = self.layer(layer, index, x, normed, cos, sin, cache, slots, bias, rows=rows, fused=fused)
         hidden = rms_norm(x, self.decoder.norm)
         return ForwardOutput(self._logits_at(hidden, logits_at), hidden)
 

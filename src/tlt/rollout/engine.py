@@ -18,8 +18,7 @@ import time
 import torch
 
 from tlt.errors import RequestError
-from tlt.models.kernels import unavailable_reason
-from tlt.models.lean_forward import KERNEL_CHOICES, LeanForward, keep_cudnn_attention_out
+from tlt.models.lean_forward import LeanForward, keep_cudnn_attention_out, kernels_problem
 from tlt.models.loading import LoadedModel
 from tlt.models.loading import eos_token_ids as eos_token_ids_of
 from tlt.models.rollout_copy import RolloutCopy
@@ -33,18 +32,6 @@ from tlt.sampling import is_integer
 from tlt.speculative.decoder import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
-
-
-def check_kernels(kernels: str, compile: str, device: torch.device) -> None:
-    """RolloutEngine's kernels argument, refused before anything is built for it."""
-    if kernels not in KERNEL_CHOICES:
-        raise RequestError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
-    reason = unavailable_reason(device) if kernels == "triton" else None
-    if reason is not None:
-        raise RequestError(f"kernels='triton': {reason}")
-    if compile != "off" and kernels != "torch":
-        raise RequestError(f"compile={compile!r} and kernels={kernels!r} are alternatives: Inductor fuses its own "
-                           "kernels")
 
 
 class RolloutEngine:
@@ -79,7 +66,9 @@ class RolloutEngine:
         self.policy_forward = LeanForward(model)  # the master weights: training features, drafter training
         keep_cudnn_attention_out(self.policy_forward.device)
         dtype = resolve_rollout_dtype(dtype, self.policy_forward.device, self.policy_forward.dtype)
-        check_kernels(kernels, compile, self.policy_forward.device)
+        problem = kernels_problem(kernels, self.policy_forward.device, compiled=compile != "off")
+        if problem is not None:  # refused before anything is built for it
+            raise RequestError(problem)
         # With kernels="triton" the copy folds its norms into the fused projections (no norm kernel in a layer;
         # models/rollout_copy.py); not in fp16, whose range the un-normalized residual could leave. An engine that
         # decodes in the weights' own dtype makes no copy for it (memory, rollout_is): the kernels run over the
