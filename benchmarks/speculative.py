@@ -58,13 +58,15 @@ def engine_for(loaded, drafter, batch, strategy, compile_mode, kernels="torch"):
     return engine
 
 
-def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, temperature=1.0, compile_mode="off",
+def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, sampling: dict, compile_mode="off",
         kernels="torch"):
+    """tok/s and the speculation summary of one timed generate(); sampling: SamplingParams' temperature, top_k,
+    top_p."""
     # An engine's graph runner holds itself through its captured bodies: only the cyclic collector frees the
     # last engine's KV cache, graph pools and rollout copy (on CUDA up to ~1 GB each, ~10 engines per batch)
     gc.collect()
     engine = engine_for(loaded, drafter, batch, strategy, compile_mode, kernels)
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(), seed=seed)
+    params = SamplingParams(**sampling, max_new_tokens=max_new_tokens, stop_token_ids=(), seed=seed)
     requests = [Request(p, params=params) for p in prompts]
     if engine.runner is not None:  # CUDA: capture this run's graphs before timing it
         engine.generate(requests)
@@ -85,6 +87,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--strategies", help="comma-separated strategies, e.g. S4K2N8,S4K2q (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="every row's top-k (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every row's top-p (1 = off); on CUDA filtered "
+                        "rows sort the vocabulary inside the graphs")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 and CUDA graphs there)")
     parser.add_argument("--compile", default="off", choices=["off", "inductor", "max-autotune"],
                         help="CUDA: Inductor-compile the captured forward (rollout.compile), plain and SD alike")
@@ -116,6 +121,8 @@ def main(argv=None) -> dict:
     if args.strategies:
         strategies = [SpecStrategy.parse(name) for name in args.strategies.split(",")]
     max_new = args.max_new_tokens or (48 if args.quick else 128)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    SamplingParams(**sampling)  # a bad value fails here, before the model loads
 
     loaded = load_model(device=args.device)
     drafter = EagleDrafter.load(args.drafter, loaded.model) if args.drafter else EagleDrafter(loaded.model.config)
@@ -123,7 +130,7 @@ def main(argv=None) -> dict:
     results = {"plain_tok_s": {}, "sd_tok_s": {}, "speedup": {}, "tau": {}, "strategy": {}, "by_strategy": {},
                "best_by_rule": {"target": {}, "q": {}},
                "drafter": args.drafter or "untrained (random init)", "max_new_tokens": max_new,
-               "temperature": args.temperature, "rounds": args.rounds, "min_prompts": args.min_prompts,
+               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "rounds": args.rounds, "min_prompts": args.min_prompts,
                "repeats": args.repeats,
                "compile": args.compile,
                "kernels": args.kernels,
@@ -145,7 +152,7 @@ def main(argv=None) -> dict:
         # tok/s and τ the medians over rounds.
         # Plain runs get no drafter, except with --compile, where one engine (built with the drafter) runs all.
         measure = lambda arm: run(loaded, drafter if arm or args.compile != "off" else None, prompts, batch, arm,
-                                  max_new, batch, args.temperature, args.compile, args.kernels)
+                                  max_new, batch, sampling, args.compile, args.kernels)
         plain_runs = results.setdefault("plain_runs_tok_s", {}).setdefault(key, [])  # kept as they come
         plain_runs.append(measure(None)[0])
         runs = {strategy: [] for strategy in strategies}

@@ -194,28 +194,36 @@ def test_graphs_survive_cache_reallocation_across_rollouts():
 # -- the speculative step as one CUDA graph ---------------------------------------------------------------
 
 UNFILTERED = MIXED[:3] + [SamplingParams(temperature=1.3, max_new_tokens=15, seed=5)]
+# top-k/top-p rows (one greedy): their graphs sort the vocabulary on the device instead of searching candidates
+FILTERED = [SamplingParams(temperature=0, top_k=2, max_new_tokens=20), MIXED[3],
+            SamplingParams(temperature=0.8, top_p=0.7, max_new_tokens=16, seed=7), MIXED[1]]
 
 
-def speculative_graphs(engine) -> int:
-    return sum(1 for key in engine.runner._graphs if isinstance(key[2], tuple) and key[2][0] == "speculative")
+def speculative_graphs(engine, filtered: bool | None = None) -> int:
+    """Captured speculative graphs (of filtered batches only, or unfiltered only, when `filtered` says)."""
+    return sum(1 for key in engine.runner._graphs if isinstance(key[2], tuple) and key[2][0] == "speculative"
+               and (filtered is None or key[2][-1] == filtered))
 
 
 @pytest.mark.parametrize("strategy", [SpecStrategy.chain(3), SpecStrategy(3, 2, 6), SpecStrategy(3, 2, rule="q")],
                          ids=str)
 @pytest.mark.parametrize("batch", [3, 8])
-def test_speculative_graph_equals_eager_fp32(strategy, batch):
+@pytest.mark.parametrize("filtered", [False, True], ids=["unfiltered", "top_k_top_p"])
+def test_speculative_graph_equals_eager_fp32(strategy, batch, filtered):
     """Greedy, T=1, 0.7, 1.3 rows in one batch, admission mid-rollout, a padded bucket: the replayed step emits
-    the eager step's tokens (fp32: same kernels, same draws)."""
+    the eager step's tokens (fp32: same kernels, same draws). With top-k/top-p rows the graphs sort the
+    vocabulary where the eager step searches candidates (16 tokens: the same sorted values)."""
     model, _ = markov_model(16, sharpness=3.0, context=0.05)
     model = model.to(CUDA)
     prompts = random_prompts([3, 9, 5, 1, 12], vocab_size=16, seed=7)
-    requests = [Request(p, n=2, params=UNFILTERED[i % 4]) for i, p in enumerate(prompts)]
+    settings_ = FILTERED if filtered else UNFILTERED
+    requests = [Request(p, n=2, params=settings_[i % 4]) for i, p in enumerate(prompts)]
     settings = dict(max_batch_size=batch, dtype="float32", drafter=oracle_drafter(model), speculation=strategy,
                     max_tree_size=16)
     eager = RolloutEngine(model, cuda_graphs=False, **settings).generate(requests)
     engine = RolloutEngine(model, cuda_graphs=True, **settings)
     graphed = engine.generate(requests)
-    assert speculative_graphs(engine) > 0
+    assert speculative_graphs(engine, filtered) > 0
     assert [s.token_ids for s in graphed.samples] == [s.token_ids for s in eager.samples]
     for a, b in zip(graphed.samples, eager.samples):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
@@ -244,6 +252,22 @@ def test_sampled_distribution_through_speculative_graphs(strategy, exact, kernel
     assert speculative_graphs(engine) > 0
     tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, params))
     assert (tv < bound) == exact, (tv, bound)
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, 6), SpecStrategy(3, 2, rule="q")], ids=str)
+def test_sampled_distribution_with_top_k_top_p_through_speculative_graphs(strategy):
+    """The statistical lossless test of top-k + top-p rows at T=0.8 replayed as graphs: the sorted-vocabulary
+    filter on the device keeps each row's exact processed distribution."""
+    model, transition = markov_model(8, sharpness=1.5, seed=1)
+    drafter = noisy_drafter(model, 0.6) if strategy.rule == "q" else oracle_drafter(model)
+    model, drafter = model.to(CUDA), drafter.to(CUDA)
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=3, stop_token_ids=(), seed=29)
+    engine = RolloutEngine(model, max_batch_size=256, drafter=drafter, speculation=strategy,
+                           max_tree_size=16, dtype="float32")
+    result = engine.generate([Request([2, 5], n=12_000, params=params)])
+    assert speculative_graphs(engine, filtered=True) > 0
+    tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, params))
+    assert tv < bound, (tv, bound)
 
 
 def test_a_replayed_speculative_step_synchronizes_once():

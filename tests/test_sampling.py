@@ -1,5 +1,6 @@
 """The processed distribution matches transformers' warpers; draws follow it and never pick removed tokens."""
 
+import dataclasses
 import math
 
 import pytest
@@ -141,7 +142,46 @@ def test_mixed_batch_draws_follow_each_rows_distribution():
     assert not set(tokens[:, 0].tolist()) <= top2
 
 
-def test_tied_tokens_are_kept_by_lowest_id_whatever_the_other_rows_ask():
+FILTERED_SETTINGS = MIXED_SETTINGS + [SamplingParams(top_k=2**70, top_p=0.8), SamplingParams(top_k=4000, top_p=0.999),
+                                      SamplingParams(temperature=3.0, top_p=0.97)]
+
+
+@pytest.mark.parametrize("vocab,scale", [(10, 2.0), (600, 2.0), (5000, 0.1), (5000, 8.0), (49152, 1.0)])
+def test_the_sync_free_filter_keeps_the_candidate_searchs_sets(vocab, scale):
+    """A CUDA graph sorts the whole vocabulary (no host read) where the eager path widens a candidate set until
+    it holds the nucleus: the same kept set and log-probs for every row of mixed batches, peaked and flat (the
+    search widening to a full sort), with a k past the vocabulary."""
+    generator = torch.Generator().manual_seed(vocab)
+    for trial in range(6):
+        picks = torch.randint(0, len(FILTERED_SETTINGS), (6,), generator=generator).tolist()
+        rows = RowSampling.from_params([FILTERED_SETTINGS[i] for i in picks], "cpu")
+        logits = torch.randn(6, vocab, generator=generator) * scale
+        searched = processed_logprobs(logits, rows)
+        sorted_ = processed_logprobs(logits, dataclasses.replace(rows, sync_free=True))
+        assert torch.equal(searched.isinf(), sorted_.isinf()), (trial, picks)
+        torch.testing.assert_close(sorted_, searched, rtol=0, atol=1e-5)
+
+
+def test_the_sync_free_filter_comparison_can_fail():
+    """Negative control: a nucleus that keeps its boundary token one step early (mass, not mass before the token,
+    compared with top_p) is caught by the comparison above."""
+    from tlt import sampling
+
+    logits = torch.randn(6, 600, generator=torch.Generator().manual_seed(600)) * 2.0
+    rows = RowSampling.from_params([SamplingParams(top_p=0.7)] * 6, "cpu")
+    searched = processed_logprobs(logits, rows)
+    original = sampling._outside_the_nucleus
+    try:
+        sampling._outside_the_nucleus = lambda probs, mass, rank, top_p, nucleus: original(
+            probs, mass + probs, rank, top_p, nucleus)
+        early = processed_logprobs(logits, dataclasses.replace(rows, sync_free=True))
+    finally:
+        sampling._outside_the_nucleus = original
+    assert not torch.equal(searched.isinf(), early.isinf())
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["searched", "sorted"])
+def test_tied_tokens_are_kept_by_lowest_id_whatever_the_other_rows_ask(sync_free):
     """torch.topk returns an arbitrary member of a tie, and how many candidates it fetches depends on the whole
     batch (the largest top-k, 256 for any top-p row): the kept set must not (a review found a greedy top_k=1 row
     changing tokens beside a top_p row, vocabularies over 256 only)."""
@@ -156,10 +196,12 @@ def test_tied_tokens_are_kept_by_lowest_id_whatever_the_other_rows_ask():
     for k, kept in expected.items():
         for other_k, other_p in ((0, 0.9), (300, 1.0), (0, 1.0), (599, 0.5)):
             scaled = torch.stack([row, torch.randn(vocab)])
-            out = filter_top_k_top_p(scaled, torch.tensor([k, other_k]), torch.tensor([1.0, other_p]))
+            out = filter_top_k_top_p(scaled, torch.tensor([k, other_k]), torch.tensor([1.0, other_p]),
+                                     sync_free=sync_free)
             assert torch.isfinite(out[0]).nonzero()[:, 0].tolist() == kept, (k, other_k, other_p)
     # a nucleus that ends inside a tie keeps its lowest ids too: the 4 tied tokens have 0.224 each
-    out = filter_top_k_top_p(torch.stack([row, row, row]), torch.tensor([0, 0, 300]), torch.tensor([0.4, 0.6, 1.0]))
+    out = filter_top_k_top_p(torch.stack([row, row, row]), torch.tensor([0, 0, 300]), torch.tensor([0.4, 0.6, 1.0]),
+                             sync_free=sync_free)
     assert torch.isfinite(out[0]).nonzero()[:, 0].tolist() == [59, 120]
     assert torch.isfinite(out[1]).nonzero()[:, 0].tolist() == [59, 120, 337]
 

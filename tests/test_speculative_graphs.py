@@ -14,6 +14,8 @@ import shutil
 import pytest
 import torch
 from conftest import markov_model, oracle_drafter, random_prompts, tiny_model
+from test_q_sampling import noisy_drafter
+from test_speculative_lossless import exact_joint, tv_and_bound
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -36,6 +38,14 @@ MIXED = [SamplingParams(temperature=0, max_new_tokens=14), SamplingParams(temper
                                                                                     seed=5)]
 
 
+# top-k/top-p rows beside unfiltered ones: graphs of filtered batches sort the vocabulary inside the step
+FILTERED = [SamplingParams(temperature=1.0, top_k=3, max_new_tokens=13, seed=6),
+            SamplingParams(temperature=0.8, top_p=0.7, max_new_tokens=16, seed=7),
+            SamplingParams(temperature=0, top_k=2, max_new_tokens=12),
+            SamplingParams(temperature=1.2, top_k=5, top_p=0.9, max_new_tokens=15, seed=8),
+            SamplingParams(temperature=1.0, max_new_tokens=14, seed=9)]
+
+
 def engine_pair(model, drafter, speculation, batch, tree=16):
     """An eager engine and one whose steps go through a non-capturing graph runner."""
     eager = RolloutEngine(model, max_batch_size=batch, drafter=drafter, speculation=speculation, max_tree_size=tree)
@@ -45,9 +55,9 @@ def engine_pair(model, drafter, speculation, batch, tree=16):
     return eager, graphed
 
 
-def mixed_requests(vocab_size=97):
+def mixed_requests(vocab_size=97, settings=MIXED):
     prompts = random_prompts([3, 9, 5, 1, 12], vocab_size=vocab_size, seed=7)
-    return [Request(p, n=2, params=MIXED[i % len(MIXED)]) for i, p in enumerate(prompts)]
+    return [Request(p, n=2, params=settings[i % len(settings)]) for i, p in enumerate(prompts)]
 
 
 def assert_same(a, b):
@@ -66,6 +76,31 @@ def test_graph_body_matches_the_eager_step_on_mixed_rows(strategy, batch):
     eager, graphed = engine_pair(model, oracle_drafter(model), strategy, batch)
     requests = mixed_requests(16)
     assert_same(eager.generate(requests), graphed.generate(requests))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+def test_graph_body_matches_the_eager_step_on_filtered_rows(strategy):
+    """top-k, top-p, both and neither in one batch, a greedy row with top-k among them: the graph bodies sort the
+    vocabulary (sync-free) where the eager step searches candidates; every token and log-prob the same."""
+    model, _ = markov_model(16, sharpness=3.0, context=0.05)
+    eager, graphed = engine_pair(model, oracle_drafter(model), strategy, 3)
+    requests = mixed_requests(16, FILTERED)
+    assert_same(eager.generate(requests), graphed.generate(requests))
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, 6), SpecStrategy(3, 2, rule="q")], ids=str)
+def test_filtered_graph_bodies_sample_the_exact_processed_distribution(strategy):
+    """The statistical lossless test (tests/test_speculative_lossless.py, whose negative controls show it can
+    fail) on the graph bodies with top-k + top-p at T=0.8: 12,000 samples in 256-row buckets, the vocabulary
+    sorted inside the step; tests/test_gpu.py replays the same as CUDA graphs."""
+    model, transition = markov_model(8, sharpness=1.5, seed=1)
+    drafter = noisy_drafter(model, 0.6) if strategy.rule == "q" else oracle_drafter(model)
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=3, stop_token_ids=(), seed=29)
+    _, engine = engine_pair(model, drafter, strategy, 256)
+    result = engine.generate([Request([2, 5], n=12_000, params=params)])
+    assert any(isinstance(key[2], tuple) and key[2][0] == "speculative" and key[2][-1] for key in engine.runner._graphs)
+    tv, bound = tv_and_bound(result.samples, exact_joint(transition, 5, params))
+    assert tv < bound, (tv, bound)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES[:3], ids=str)
@@ -272,10 +307,12 @@ class CheckedRunner(GraphRunner):
 
     def __init__(self, forward):
         super().__init__(forward, capture=False)
-        self.found, self.kinds = [], set()
+        self.found, self.kinds, self.filtered_kinds = [], set(), set()
 
     def _replay(self, slot, spans_, batch, inputs, body):
         self.kinds.add(slot[2][0] if isinstance(slot[2], tuple) else slot[2])
+        if isinstance(slot[2], tuple) and slot[2][-1]:  # _sampling_kind's any_filtered
+            self.filtered_kinds.add(slot[2][0])
         return super()._replay(slot, spans_, batch, inputs, body)
 
     def _capture(self, step):
@@ -313,6 +350,31 @@ def test_every_graph_body_of_a_rollout_reads_nothing_on_the_host():
     engine.generate(mixed_requests(16))
     assert engine.runner.kinds == {"decode", "speculative"}
     assert engine.runner.found == []
+
+
+def test_every_graph_body_of_a_filtered_rollout_reads_nothing_on_the_host():
+    """As above with top-k/top-p rows: plain and speculative graph bodies (both rules) sort instead of searching,
+    and the filtered kinds are really run (not sent eagerly around the graphs, as they once were)."""
+    model, _ = markov_model(16, sharpness=3.0, context=0.05)
+    engine = RolloutEngine(model, max_batch_size=6, speculation=Alternating([SpecStrategy(3, 2, 6),
+                                                                             SpecStrategy(3, 2, rule="q")], 3),
+                           max_tree_size=16)
+    engine.runner = CheckedRunner(engine.forward)
+    engine.set_drafter(oracle_drafter(model))
+    engine.generate(mixed_requests(16, FILTERED))
+    assert engine.runner.kinds == {"decode", "speculative"}
+    assert engine.runner.filtered_kinds == {"decode", "speculative"}
+    assert engine.runner.found == []
+
+
+def test_the_host_read_detector_catches_the_candidate_search():
+    """Negative control: the eager top-k/top-p filter reads how many candidates it needs on the host."""
+    from tlt.sampling import processed_logprobs
+
+    rows = RowSampling.from_params(FILTERED, "cpu")
+    with HostReads() as mode:
+        processed_logprobs(torch.randn(len(FILTERED), 16), rows)
+    assert "_local_scalar_dense" in mode.found
 
 
 HAS_CXX = any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++", "c++"))

@@ -103,7 +103,9 @@ class RowSampling:
 
     The flags say, from the host, which processing steps any row needs, so sampling never reads a device
     tensor to decide (no host sync inside a decode step). They may over-approximate (a subset of rows keeps
-    its parent's flags): an unneeded step is a no-op, never a different result."""
+    its parent's flags): an unneeded step is a no-op, never a different result. sync_free: top-k/top-p find
+    each row's kept set over the whole sorted vocabulary, reading nothing on the host (a CUDA graph's steps),
+    instead of widening a candidate set until it holds the nucleus (cheaper on a CPU; same kept set)."""
 
     temperature: torch.Tensor  # float; greedy rows hold 1.0 (their log-probs use the untempered distribution)
     top_k: torch.Tensor        # long; 0 = off
@@ -113,6 +115,7 @@ class RowSampling:
     any_filtered: bool | None = None   # some row uses top-k or top-p
     any_greedy: bool | None = None
     all_greedy: bool | None = None
+    sync_free: bool = False
 
     def __post_init__(self):  # built from tensors alone: derive the flags once (one sync, outside any step)
         if self.any_tempered is None:
@@ -141,12 +144,13 @@ class RowSampling:
         """The same settings on `device` (a graph runner takes host settings and copies them into its buffers)."""
         return RowSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
                            self.greedy.to(device), self.any_tempered, self.any_filtered, self.any_greedy,
-                           self.all_greedy)
+                           self.all_greedy, self.sync_free)
 
     def select(self, rows: torch.Tensor) -> "RowSampling":
         return RowSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy[rows],
                            self.any_tempered, self.any_filtered, self.any_greedy,
-                           self.all_greedy)  # False for a subset is safe: greedy rows are overridden
+                           self.all_greedy,  # False for a subset is safe: greedy rows are overridden
+                           self.sync_free)
 
 
 def processed_logprobs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
@@ -162,22 +166,27 @@ def processed_logprobs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     if rows.any_filtered:
         flat = scaled.reshape(-1, scaled.shape[-1])
         repeat = flat.shape[0] // batch
-        scaled = filter_top_k_top_p(flat, rows.top_k.repeat_interleave(repeat),
-                                    rows.top_p.repeat_interleave(repeat)).view(scaled.shape)
+        scaled = filter_top_k_top_p(flat, rows.top_k.repeat_interleave(repeat), rows.top_p.repeat_interleave(repeat),
+                                    sync_free=rows.sync_free).view(scaled.shape)
     return torch.log_softmax(scaled, dim=-1)
 
 
 TOP_P_FIRST_CANDIDATES = 256  # most of the mass sits in a few hundred tokens; more are fetched when not
 
 
-def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
+                       sync_free: bool = False) -> torch.Tensor:
     """Set to -inf every token outside the row's top-k, then outside its top-p nucleus; scaled [R, V].
 
     A full vocabulary sort costs ~120 ms at [64, 49152] on a CPU core, so the kept set is found among the
-    top candidates (torch.topk), widened until it provably contains the nucleus: exact, just cheaper.
+    top candidates (torch.topk), widened until it provably contains the nucleus: exact, just cheaper; how far
+    to widen is read on the host. sync_free: sort the whole vocabulary instead (a CUDA graph cannot read
+    anything on the host, and a GPU sorts a row in microseconds): the same kept sets.
     Top-p keeps a token when the mass of the strictly more probable tokens is below top_p (the top-1
     token always stays), as transformers' TopPLogitsWarper does; ties are broken by rank.
     """
+    if sync_free:
+        return _filter_over_the_sorted_vocabulary(scaled, top_k, top_p)
     vocab = scaled.shape[-1]
     k_rows = torch.where(top_k > 0, top_k, vocab)
     nucleus = top_p < 1                      # rows that apply top-p at all
@@ -204,22 +213,45 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
                 # A wide nucleus (a flat distribution): past 1/8 of the vocabulary a full sort is cheaper.
                 candidates = vocab if candidates * 8 > vocab // 8 else candidates * 8
                 continue
-            # Rows without top-p are left alone: rounding can push their cumulative mass to 1 before the end.
-            remove |= ((mass - probs) >= top_p[:, None]) & (rank > 0) & nucleus[:, None]
-        # Each row keeps its m most probable tokens, ties broken by the lowest token id. The count m depends only
-        # on the row's sorted values; which members of a tie torch.topk returns depends on how many candidates
-        # the batch asked for, so the kept set is drawn from the whole row, not from its indices: otherwise the
-        # other rows' settings would change a row's tokens (a review found greedy rows with top-k doing so).
-        m = (~remove).sum(-1, keepdim=True)
-        threshold = values.gather(1, m - 1)                                       # the m-th largest value
-        above = scaled > threshold
-        tied = scaled == threshold
-        keep = above | (tied & (tied.cumsum(-1) <= m - above.sum(-1, keepdim=True)))
+            remove |= _outside_the_nucleus(probs, mass, rank, top_p, nucleus)
+        keep = _keep_most_probable(scaled, values, remove)
         # Rows are truncated only when their kept set provably lies inside the candidates (top-k within, or a
         # nucleus that ended there); a row with neither filter keeps everything. Each row is decided on its own:
         # the batch's largest k or top-p must never truncate another row.
         keep |= ~(within | nucleus)[:, None]
         return scaled.masked_fill(~keep, -math.inf)
+
+
+def _filter_over_the_sorted_vocabulary(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """`filter_top_k_top_p` with every candidate: fixed shapes, no host read. A row without filters keeps all
+    (its k is the vocabulary, its nucleus off); a k past the vocabulary is the vocabulary."""
+    vocab = scaled.shape[-1]
+    values = torch.sort(scaled, dim=-1, descending=True).values
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    remove = rank >= torch.where(top_k > 0, top_k, vocab)[:, None]
+    lse = torch.logsumexp(values.masked_fill(remove, -math.inf), -1, keepdim=True)
+    probs = (values - lse).exp().masked_fill(remove, 0.0)
+    remove = remove | _outside_the_nucleus(probs, probs.cumsum(dim=-1), rank, top_p, top_p < 1)
+    return scaled.masked_fill(~_keep_most_probable(scaled, values, remove), -math.inf)
+
+
+def _outside_the_nucleus(probs, mass, rank, top_p, nucleus) -> torch.Tensor:
+    """Sorted positions whose strictly more probable tokens already reach top_p (never the top-1). Rows without
+    top-p are left alone: rounding can push their cumulative mass to 1 before the end."""
+    return ((mass - probs) >= top_p[:, None]) & (rank > 0) & nucleus[:, None]
+
+
+def _keep_most_probable(scaled, values, remove) -> torch.Tensor:
+    """Each row keeps its m most probable tokens (m: the sorted candidates not removed), ties broken by the lowest
+    token id. The count m depends only on the row's sorted values; which members of a tie torch.topk returns
+    depends on how many candidates the batch asked for, so the kept set is drawn from the whole row, not from
+    its indices: otherwise the other rows' settings would change a row's tokens (a review found greedy rows with
+    top-k doing so)."""
+    m = (~remove).sum(-1, keepdim=True)
+    threshold = values.gather(1, m - 1)                                       # the m-th largest value
+    above = scaled > threshold
+    tied = scaled == threshold
+    return above | (tied & (tied.cumsum(-1) <= m - above.sum(-1, keepdim=True)))
 
 
 CDF_BLOCK = 256

@@ -10,8 +10,9 @@ graph launches them all at once. A graph replays fixed shapes and fixed addresse
   with per-row lengths read from a device buffer (masking), so one graph serves every length inside its block;
 - copies inputs into static buffers and reads outputs from static buffers (valid until the next replay).
 
-Sampling runs inside the decode graph from pre-drawn uniforms whenever no row uses top-k/top-p (the RL default);
-with filters it runs eagerly after the graph. A whole speculative step (drafter catch-up, drafting, tree, verify,
+Sampling (temperature, top-k, top-p) runs inside the decode graph from pre-drawn uniforms; top-k/top-p rows
+sort the vocabulary there instead of reading on the host how many candidates hold their nucleus (graphs of
+filtered batches are their own kind). A whole speculative step (drafter catch-up, drafting, tree, verify,
 acceptance, KV commit) is one graph per (batch bucket, strategy, sampling kind, KV blocks): Python only
 schedules, and one device-to-host copy per step returns what was emitted. Graphs are captured lazily and dropped
 when the model runner reallocates its cache or changes its drafter.
@@ -163,20 +164,19 @@ class GraphRunner:
     def decode(self, input_ids: torch.Tensor, cache: CacheRows, settings: RowSampling, uniforms: torch.Tensor, *,
                store_drafter_inputs: bool = False) -> torch.Tensor:
         """One plain decode step: [B, 2] float64 on the device, each row's token id and log-prob (ids < 2^53 are
-        exact), for one device-to-host copy. Sampled inside the graph unless a row filters with top-k/top-p.
+        exact), for one device-to-host copy. Sampled inside the graph.
         store_drafter_inputs: the graph also writes the step's token ids and features into the cache's slot
         data (kernels that would otherwise be launched one by one after every replay). A static buffer's view."""
         batch = input_ids.shape[0]
         bucket = self._bucket(cache, batch)
-        if bucket is None or settings.any_filtered:
+        if bucket is None:
             out = self(input_ids, cache)
             if store_drafter_inputs:
                 cache.write_drafter_inputs(cache.lengths.to(self.device), input_ids.to(self.device), out.hidden)
             tokens, logprobs = sample_next(out.logits[:, 0], settings.to(self.device), uniforms[:, 0].to(self.device))
             return pack_tokens(tokens, logprobs)
         lengths = cache.lengths
-        inputs = {"ids": input_ids, "lengths": lengths, "temperature": settings.temperature,
-                  "greedy": settings.greedy, "uniforms": uniforms}
+        inputs = {"ids": input_ids, "lengths": lengths, **_settings_inputs(settings), "uniforms": uniforms}
         kind = ("decode", store_drafter_inputs, *_sampling_kind(settings))
         kv_len = kv_bucket(int(lengths.max()), 1, cache.cache.max_len)
         rows = self._cache.rows(0, bucket)
@@ -187,11 +187,11 @@ class GraphRunner:
     def speculative_step(self, decoder: SpeculativeDecoder, cache: CacheRows, pending: torch.Tensor,
                     settings: RowSampling, uniforms: torch.Tensor, strategy: SpecStrategy) -> SpecOutcome | None:
         """One whole speculative step as a graph; None when it must run eagerly (rows not from cache row 0, no
-        bucket, top-k/top-p rows). pending [B] and uniforms [B, U] may be host tensors: they are copied into
+        bucket). pending [B] and uniforms [B, U] may be host tensors: they are copied into
         static buffers. Returns host results; the caches' host lengths are advanced."""
         batch = pending.shape[0]
         bucket = self._bucket(cache, batch)
-        if bucket is None or settings.any_filtered:
+        if bucket is None:
             return None
         self._adopt(decoder)
         # A row misses the accepted path + 1 pair after an SD step, and one pair more when a plain step came
@@ -203,7 +203,7 @@ class GraphRunner:
         target_kv, draft_kv = spans(strategy, int(cache.lengths.max()), int(draft_rows.lengths.max()), width)
         shape = StepShape(strategy, width, kv_bucket(target_kv, 0, target_max), kv_bucket(draft_kv, 0, draft_max))
         inputs = {"pending": pending, "committed": cache.lengths, "seen": draft_rows.lengths,
-                  "temperature": settings.temperature, "greedy": settings.greedy, "uniforms": uniforms}
+                  **_settings_inputs(settings), "uniforms": uniforms}
         kind = ("speculative", strategy.name, *_sampling_kind(settings))
         decoder.drafter.head_weight()  # re-slices the draft head in place if the target's lm_head changed
         rows, all_draft_rows = self._cache.rows(0, bucket), decoder.cache.rows(0, bucket)
@@ -263,6 +263,8 @@ class GraphRunner:
                     pad.copy_(torch.eye(pad.shape[-1], dtype=torch.bool, device=pad.device).expand_as(pad))
                 elif name in ("temperature", "uniforms"):
                     pad.fill_(0.5)
+                elif name == "top_p":
+                    pad.fill_(1.0)
                 else:
                     pad.zero_()
 
@@ -327,14 +329,23 @@ def pack_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     return torch.stack([tokens.double(), logprobs.double()], dim=1)
 
 
-def _sampling_kind(settings: RowSampling) -> tuple[bool, bool, bool]:
+def _sampling_kind(settings: RowSampling) -> tuple[bool, bool, bool, bool]:
     """The host flags a graph's sampling code depends on: part of its key."""
-    return settings.any_tempered, settings.any_greedy, settings.all_greedy
+    return settings.any_tempered, settings.any_greedy, settings.all_greedy, settings.any_filtered
+
+
+def _settings_inputs(settings: RowSampling) -> dict[str, torch.Tensor]:
+    """The per-row settings a graph reads from static buffers; top-k/top-p only when some row filters."""
+    inputs = {"temperature": settings.temperature, "greedy": settings.greedy}
+    if settings.any_filtered:
+        inputs.update(top_k=settings.top_k, top_p=settings.top_p)
+    return inputs
 
 
 def _static_settings(static: dict[str, torch.Tensor], kind: tuple) -> RowSampling:
-    """Unfiltered per-row settings over the static buffers (graphs never run top-k/top-p rows)."""
-    any_tempered, any_greedy, all_greedy = kind[-3:]
-    return RowSampling(static["temperature"], torch.zeros_like(static["greedy"], dtype=torch.long),
-                       torch.ones_like(static["temperature"]), static["greedy"], any_tempered, False, any_greedy,
-                       all_greedy)
+    """Per-row settings over the static buffers; a filtered kind sorts the vocabulary (nothing read on the host)."""
+    any_tempered, any_greedy, all_greedy, any_filtered = kind[-4:]
+    top_k = static["top_k"] if any_filtered else torch.zeros_like(static["greedy"], dtype=torch.long)
+    top_p = static["top_p"] if any_filtered else torch.ones_like(static["temperature"])
+    return RowSampling(static["temperature"], top_k, top_p, static["greedy"], any_tempered, any_filtered,
+                       any_greedy, all_greedy, sync_free=True)

@@ -204,7 +204,7 @@ class ModelRunner:
             if self.graphs is not None:  # the whole step as one graph (host inputs are copied into its buffers)
                 outcome = self.graphs.speculative_step(self.spec_decoder, rows, pending, settings, uniforms,
                                                        strategy)
-            if outcome is None:  # no graph for it (e.g. top-k/top-p rows): the eager step
+            if outcome is None:  # no graph for it (rows not from cache row 0, a batch past the buckets): eager
                 outcome = self.spec_decoder.step(rows, pending.to(self.device), settings.to(self.device),
                                                 uniforms.to(self.device), strategy)
         result = outcome.acceptance
