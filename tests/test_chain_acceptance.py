@@ -99,3 +99,31 @@ def test_a_chains_tree_is_the_general_selection(depth, rule):
         assert torch.equal(getattr(fast, field), getattr(general, field)), field
     assert torch.equal(fast.attention(), general.attention())
     assert fast.max_depth == general.max_depth == depth
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy(1, 3, rule="q"), SpecStrategy(3, 2, rule="q"),
+                                      SpecStrategy(4, 3, rule="q"), SpecStrategy(3, 2, 10), SpecStrategy(2, 3, 12)],
+                         ids=str)
+def test_a_whole_tree_is_the_general_selection(strategy):
+    """Every candidate kept (q trees always, a target tree at its largest size): the children tables come from
+    the expansions' order instead of a sort and a ranking, and must be what the general selection builds."""
+    from test_acceptance_exactness import BigramDrafter
+    from tlt.sampling import RowSampling, SamplingParams
+    from tlt.speculative.q_sampling import sampling_pick
+    from tlt.speculative.tree import draft_tree
+
+    generator = torch.Generator().manual_seed(strategy.depth * 10 + strategy.branching)
+    batch, vocab = 64, 7
+    drafter = BigramDrafter(torch.randn(vocab, vocab, generator=generator) * 2)
+    root_tokens = torch.randint(0, vocab, (batch,), generator=generator)
+    committed = torch.zeros(batch, dtype=torch.long)
+    pick = {}
+    if strategy.rule == "q":
+        settings = RowSampling.from_params([SamplingParams(temperature=1.0)] * batch, "cpu")
+        pick = dict(pick=sampling_pick(settings, torch.rand(batch, strategy.tree_size, generator=generator)))
+    candidates = draft_tree(drafter, root_tokens.float()[:, None], None, committed, strategy, **pick)
+    whole, general = select_tree(root_tokens, candidates, strategy), _best_tree(root_tokens, candidates, strategy)
+    for field in ("tokens", "parents", "depths", "children"):
+        assert torch.equal(getattr(whole, field), getattr(general, field)), field
+    assert torch.equal(whole.attention(), general.attention())
+    assert whole.max_depth == general.max_depth == strategy.depth

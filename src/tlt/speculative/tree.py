@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tlt.models.kv_cache import CacheRows
 from tlt.speculative.strategy import SpecStrategy
@@ -55,12 +56,14 @@ class DraftTree:
 class Candidates:
     """Every drafted candidate [B, C]; parents index candidates (-1 = the root). expanded: per expansion, the
     candidate ids it expanded ([B, F], -1 = the root) and the draft distribution the children came from
-    ([B, F, Vd] log-probs over the draft vocabulary), kept only when a pick returns one (q-sampling)."""
+    ([B, F, Vd] log-probs over the draft vocabulary), kept only when a pick returns one (q-sampling).
+    frontiers: a tree's expanded candidate ids [B, K] at depths 2..S, in order (None for a chain)."""
 
     tokens: torch.Tensor
     scores: torch.Tensor
     parents: torch.Tensor
     expanded: list[tuple[torch.Tensor, torch.Tensor]]
+    frontiers: list[torch.Tensor] | None = None
 
 
 def top_children(logits: torch.Tensor, k: int, depth: int):
@@ -94,13 +97,14 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
     frontier = torch.arange(k, device=device).expand(batch, k)        # candidate ids of the frontier
     frontier_features = root_hidden[:, None].expand(batch, k, hidden_size)
     frontier_parent = None                                             # [B, K] local index in previous frontier
-    path_tokens, path_features = [], []
+    path_tokens, path_features, frontiers = [], [], []
     # every pass's slots, RoPE and mask rows, made once (a node's mask row as soon as its parent is chosen)
     tables = drafter.tree_tables(cache, base_positions.to(device), strategy.depth, k, kv_len) \
         if strategy.depth > 1 else None  # depth 1: the root's children are the whole tree, no pass
     for depth in range(2, strategy.depth + 1):
         path_tokens.append(torch.cat(tokens, 1).gather(1, frontier))
         path_features.append(frontier_features)
+        frontiers.append(frontier)
         count = (depth - 1) * k
         tables.add_nodes(count - k, k, frontier_parent)
         hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, None,
@@ -117,7 +121,7 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
         frontier_parent = best // k
         frontier_features = hidden.gather(1, frontier_parent[:, :, None].expand(-1, -1, hidden_size))
         frontier = first_id + best
-    return Candidates(torch.cat(tokens, 1), torch.cat(all_scores, 1), torch.cat(parents, 1), expanded)
+    return Candidates(torch.cat(tokens, 1), torch.cat(all_scores, 1), torch.cat(parents, 1), expanded, frontiers)
 
 
 def _draft_chain(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positions: torch.Tensor,
@@ -155,6 +159,8 @@ def select_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: Spe
     were sampled (q-sampling: recursive rejection sampling is exact only in draw order)."""
     if strategy.branching == 1:  # a chain keeps its S candidates (N = S), as they are
         return _chain_tree(root_tokens, candidates.tokens, strategy.depth)
+    if candidates.frontiers is not None and strategy.tree_size == candidates.tokens.shape[1]:
+        return _whole_tree(root_tokens, candidates, strategy)
     return _best_tree(root_tokens, candidates, strategy)
 
 
@@ -165,6 +171,43 @@ def _chain_tree(root_tokens: torch.Tensor, tokens: torch.Tensor, depth: int) -> 
     children = torch.where(nodes < depth, nodes + 1, -1)[None, :, None].expand(batch, -1, -1)
     return DraftTree(torch.cat([root_tokens[:, None], tokens], 1), (nodes - 1).expand(batch, -1),
                      nodes.expand(batch, -1), children, depth, chain=True)
+
+
+def _whole_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: SpecStrategy) -> DraftTree:
+    """`_best_tree` when every candidate is kept (a q-sampling tree always is): node = candidate + 1, and the
+    children of an expanded node are the K consecutive candidates its expansion drew, in draw order (which is
+    best draft score first under the target-only rule: `top_children` returns them sorted). So no sort and no
+    ranking: the expanded nodes (the root, then each depth's frontier) get their children in one scatter, from
+    tables that depend on S and K alone."""
+    tokens, parents = candidates.tokens, candidates.parents
+    batch, count = tokens.shape
+    k = strategy.branching
+    depths, child_nodes = _whole_tree_tables(strategy.depth, k, tokens.device)
+    frontiers = candidates.frontiers                                          # node ids [B, E], the root (0) first
+    expanded = F.pad(torch.cat(frontiers, 1) + 1, (1, 0)) if frontiers else \
+        torch.zeros(batch, 1, dtype=torch.long, device=tokens.device)
+    children = torch.full((batch, count + 1, k), -1, dtype=torch.long, device=tokens.device)
+    children.scatter_(1, expanded[:, :, None].expand(-1, -1, k), child_nodes.expand(batch, -1, -1))
+    return DraftTree(torch.cat([root_tokens[:, None], tokens], 1), F.pad(parents, (1, 0), value=-2) + 1,
+                     depths.expand(batch, -1), children, strategy.depth)
+
+
+_WHOLE_TREE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _whole_tree_tables(depth: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(node depths [N + 1], children of each expansion's node [E, K]) of a whole tree: expansion e (the root,
+    then frontier slot by slot, depth by depth) drew candidates e K .. e K + K - 1. Made once per shape and device
+    (a graph's warm-up run makes them before its capture: constants, not step operations)."""
+    key = (depth, k, str(device))
+    tables = _WHOLE_TREE_TABLES.get(key)
+    if tables is None:
+        ids = torch.arange(k + (depth - 1) * k * k, device=device)
+        tables = F.pad(candidate_depths(ids, k), (1, 0)), (ids + 1).view(-1, k)
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not (capturing or torch.compiler.is_compiling()):  # memory a graph's pool owns is not kept
+            _WHOLE_TREE_TABLES[key] = tables
+    return tables
 
 
 def _best_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: SpecStrategy) -> DraftTree:
