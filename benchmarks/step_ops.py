@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
 
-from tlt.models import kernels, load_model  # noqa: E402
+from tlt.models import draft_kernels, kernels, load_model  # noqa: E402
 from tlt.models.kv_cache import KVCache  # noqa: E402
 from tlt.models.lean_forward import LeanForward  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
@@ -91,9 +91,11 @@ class CountedLaunches:
 
 
 def count_triton_launches() -> None:
-    for name in ("_rope_and_store_kernel", "_attention_kernel", "_combine_kernel", "_silu_and_mul_kernel",
-                 "_sample_kernel"):
-        setattr(kernels, name, CountedLaunches(name.strip("_").removesuffix("_kernel"), getattr(kernels, name)))
+    for module, names in ((kernels, ("_rope_and_store_kernel", "_attention_kernel", "_combine_kernel",
+                                     "_silu_and_mul_kernel", "_sample_kernel")),
+                          (draft_kernels, ("_draw_kernel",))):
+        for name in names:
+            setattr(module, name, CountedLaunches(name.strip("_").removesuffix("_kernel"), getattr(module, name)))
 
 
 def count_step(lean: LeanForward, batch: int, num_new: int, kv_len: int) -> collections.Counter:

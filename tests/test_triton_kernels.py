@@ -13,7 +13,7 @@ from conftest import assert_parted_only_at_near_ties, random_prompts, tiny_model
 
 from tlt.errors import RequestError
 from tlt.models import KVCache, LeanForward
-from tlt.models import kernels
+from tlt.models import draft_kernels, kernels
 from tlt.models.eagle import EagleDrafter
 from tlt.models.lean_forward import (apply_rope, attention_mask, grouped_attention_bias, grouped_query_attention,
                                      signed_sin)
@@ -364,6 +364,42 @@ def test_the_sampler_comparison_can_fail():
     assert (shifted != sampling.sample_from_logprobs(logprobs, uniforms)).sum() >= 10
 
 
+def draw_case(vocab: int, k: int, seed: int = 0):
+    """sampler_case's rows as [16 rows, 3 expanded nodes, V] (one-token rows run out of mass after one draw),
+    every fourth row greedy, uniforms [16, 3, K] sliced from a wider tensor as `sampling_pick` slices them."""
+    logprobs, uniforms = sampler_case(vocab, seed)
+    logq = logprobs.float().view(16, 3, vocab)
+    generator = torch.Generator().manual_seed(seed + 1)
+    wide = torch.rand(16, 3 * k + 5, generator=generator).to(DEVICE)
+    wide[0, 2:2 + k] = 0.0
+    draws = wide[:, 2:2 + 3 * k].reshape(16, 3, k)
+    greedy = (torch.arange(16) % 4 == 1).to(DEVICE)
+    return logq, draws, greedy
+
+
+@pytest.mark.parametrize("vocab,k", [(97, 1), (300, 2), (1000, 3), (4099, 2), (50, 4)])
+def test_the_fused_draws_without_replacement_are_the_torch_draws(vocab, k):
+    """K children per expanded node, one launch: the same tokens and log q as the torch path's K draws (greedy
+    rows take the top-K; a node whose q ran out of mass draws with log q -inf, as torch's)."""
+    from tlt.speculative import q_sampling
+
+    logq, draws, greedy = draw_case(vocab, k)
+    scores, ids = draft_kernels.draw_without_replacement(logq, draws, greedy)
+    expected_scores, expected_ids = q_sampling.draw_without_replacement(logq, draws, greedy)
+    assert torch.equal(ids, expected_ids)
+    assert torch.equal(scores, expected_scores)
+    assert (ids[..., :, None] != ids[..., None, :]).sum() >= ids.numel() * (k - 1) - 60  # distinct but spent rows
+
+
+def test_the_draws_comparison_can_fail():
+    """Negative control: uniforms shifted by 0.01 draw other children in many nodes."""
+    from tlt.speculative import q_sampling
+
+    logq, draws, greedy = draw_case(1000, 2)
+    _, ids = draft_kernels.draw_without_replacement(logq, (draws + 0.01).clamp(max=0.999), greedy)
+    assert (ids != q_sampling.draw_without_replacement(logq, draws, greedy)[1]).sum() >= 10
+
+
 def test_drawing_with_routes_draws_in_its_block_and_thread_only():
     import threading
 
@@ -389,6 +425,18 @@ def test_an_engine_on_triton_kernels_draws_with_the_fused_sampler(monkeypatch):
     assert not draws
     generate_tokens(model, drafter, requests, SpecStrategy.chain(3, "q"), "triton")
     assert draws
+
+
+def test_an_engine_on_triton_kernels_draws_q_children_in_one_launch(monkeypatch):
+    model, drafter, requests = engine_case()
+    draws = []
+    fused = draft_kernels.draw_without_replacement
+    monkeypatch.setattr(draft_kernels, "draw_without_replacement",
+                        lambda lq, u, g: draws.append(lq.shape) or fused(lq, u, g))
+    generate_tokens(model, drafter, requests, SpecStrategy(2, 2, rule="q"), "torch")
+    assert not draws
+    generate_tokens(model, drafter, requests, SpecStrategy(2, 2, rule="q"), "triton")
+    assert {shape[1] for shape in draws} == {1, 2}  # the root's expansion, then a frontier of K = 2
 
 
 def test_the_cost_curve_of_an_engine_on_triton_kernels_is_its_own():

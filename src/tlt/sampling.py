@@ -255,21 +255,28 @@ def _keep_most_probable(scaled, values, remove) -> torch.Tensor:
 
 
 CDF_BLOCK = 256
-# A fused sampler that `sample_from_logprobs` hands its draws to (models/kernels.py's, for an engine on the Triton
-# kernels), set with `drawing_with` around a runner's steps. A context variable: each thread (an in-process worker)
-# and each engine's steps keep their own, and every caller deep in the SD step (drafting, both acceptance rules,
-# residuals) draws the same way without a sampler threaded through a dozen signatures.
-_FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", default=None)
+# The fused draws (models/kernels.py's sampler, models/draft_kernels.py's draws without replacement, for an engine
+# on the Triton kernels), set with `drawing_with` around a runner's steps. A context variable: each thread (an
+# in-process worker) and each engine's steps keep their own, and every caller deep in the SD step (drafting, both
+# acceptance rules, residuals) draws the same way without a sampler threaded through a dozen signatures.
+_FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", default=(None, None))
 
 
 @contextlib.contextmanager
-def drawing_with(draw):
-    """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms) (None: torch's)."""
-    token = _FUSED_DRAW.set(draw)
+def drawing_with(draw, without_replacement=None):
+    """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms), and
+    `q_sampling.draw_without_replacement` calls without_replacement(logq, uniforms, greedy) (None: torch's)."""
+    token = _FUSED_DRAW.set((draw, without_replacement))
     try:
         yield
     finally:
         _FUSED_DRAW.reset(token)
+
+
+def fused_draws():
+    """(draw, without_replacement) that `drawing_with` set here, (None, None) without; never read under
+    torch.compile, which the Triton kernels exclude (Dynamo cannot trace a context variable)."""
+    return (None, None) if torch.compiler.is_compiling() else _FUSED_DRAW.get()
 
 
 def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -280,8 +287,7 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
     an empty interval and is never drawn. Every drafter pass of q-sampling draws with this, and a GPU step pays
     per kernel (~3 us replayed): each line is one operation, the float64 casts inside the reductions.
     """
-    # (never under torch.compile, which the Triton kernels exclude: Dynamo cannot trace a context variable)
-    fused = None if torch.compiler.is_compiling() else _FUSED_DRAW.get()
+    fused = fused_draws()[0]
     if fused is not None:
         return fused(logprobs, uniforms)
     batch, vocab = logprobs.shape

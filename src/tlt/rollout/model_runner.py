@@ -14,7 +14,7 @@ import logging
 import torch
 
 from tlt.errors import RequestError
-from tlt.models import kernels
+from tlt.models import draft_kernels, kernels
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
 from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity, pack_tokens
@@ -270,9 +270,12 @@ class ModelRunner:
 
 
 def sampler_of(forward: LeanForward):
-    """The draws of `forward`'s steps: the fused Triton sampler with its Triton kernels, torch's otherwise
-    (`sampling.drawing_with`: set around a step, captured into its graph)."""
-    return drawing_with(kernels.sample_from_logprobs if forward.kernels == "triton" else None)
+    """The draws of `forward`'s steps: with its Triton kernels the fused sampler and the fused draws of a drafter's
+    children without replacement, torch's otherwise (`sampling.drawing_with`: set around a step, captured into
+    its graph)."""
+    if forward.kernels != "triton":
+        return drawing_with(None)
+    return drawing_with(kernels.sample_from_logprobs, draft_kernels.draw_without_replacement)
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
