@@ -446,3 +446,66 @@ def test_the_cost_curve_of_an_engine_on_triton_kernels_is_its_own():
     keys = {curve_key(RolloutEngine(model, drafter=EagleDrafter(model.config), kernels=choice), arms, (1, 2))
             for choice in ("torch", "triton")}
     assert len(keys) == 2
+
+
+def q_tree_case(vocab: int, draft_vocab: int | None, strategy: SpecStrategy, seed: int = 0, batch: int = 12):
+    """One q-sampling tree per row drafted as the engine drafts it (`draft_tree` with `sampling_pick`) by a bigram
+    drafter (a draft vocabulary mapped in no order, some rows' q nearly a point mass so later draws run out of
+    mass), rows of mixed settings (greedy, T=1, T=0.7 with top-k, T=1.3 with top-p), and target log-probs boosted
+    at the drafted children so that rows accept 0..S of them."""
+    from test_acceptance_exactness import BigramDrafter
+    from tlt.sampling import RowSampling, processed_logprobs
+    from tlt.speculative.q_sampling import DraftDistributions, sampling_pick
+    from tlt.speculative.tree import draft_tree, select_tree
+
+    generator = torch.Generator().manual_seed(seed)
+    mapping = None if draft_vocab is None else torch.randperm(vocab, generator=generator)[:draft_vocab]
+    logits = torch.randn(vocab, draft_vocab or vocab, generator=generator) * 2
+    logits[::7] *= 40  # nearly one-hot q
+    drafter = BigramDrafter(logits, mapping)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=1.3, top_p=0.8)]
+    settings = RowSampling.from_params([params[i % 4] for i in range(batch)], "cpu")
+    pending = torch.randint(0, vocab, (batch,), generator=generator)
+    uniforms = torch.rand(batch, strategy.uniforms_per_row, generator=generator)
+    pick = sampling_pick(settings, uniforms[:, :strategy.tree_size])
+    candidates = draft_tree(drafter, pending.float()[:, None], None, torch.zeros(batch, dtype=torch.long),
+                            strategy, pick)
+    drafts = DraftDistributions.from_candidates(candidates, strategy.tree_size + 1)
+    tree = select_tree(pending, candidates, strategy)
+    target = torch.randn(batch, strategy.tree_size + 1, vocab, generator=generator) * 2
+    children = tree.tokens.gather(1, tree.children.clamp(min=0).flatten(1)).view_as(tree.children)
+    boost = (torch.rand(children.shape, generator=generator) < 0.6) * 5.0
+    target.scatter_add_(2, children, boost)
+    logprobs = processed_logprobs(target, settings)
+    return tree, logprobs, drafts, mapping, settings.greedy, uniforms[:, strategy.tree_size:]
+
+
+@pytest.mark.parametrize("vocab,draft_vocab,strategy", [(300, 200, SpecStrategy(3, 2, rule="q")),
+                                                        (97, None, SpecStrategy(2, 3, rule="q")),
+                                                        (700, 333, SpecStrategy(4, 2, rule="q")),
+                                                        (50, 40, SpecStrategy(1, 4, rule="q"))], ids=str)
+def test_the_fused_q_node_tests_accept_what_the_torch_tests_accept(vocab, draft_vocab, strategy):
+    """Every node's recursive rejection sampling and final residual draw in one launch: the same accepted paths,
+    tokens and log-probs as the torch node tests, field for field."""
+    from tlt.speculative.q_sampling import accept_q
+
+    tree, logprobs, drafts, mapping, greedy, uniforms = q_tree_case(vocab, draft_vocab, strategy)
+    expected = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
+    with drawing_with(verify_q_nodes=draft_kernels.verify_q_nodes):
+        fused = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
+    for field in ("path", "accepted", "tokens", "logprobs", "emitted"):
+        assert torch.equal(getattr(fused, field), getattr(expected, field)), field
+    assert 0 < int(expected.accepted.sum()) < expected.accepted.numel() * strategy.depth  # accepts and rejects
+
+
+def test_the_q_node_comparison_can_fail():
+    """Negative control: the fused tests on uniforms shifted by 0.05 accept other paths or draw other tokens."""
+    from tlt.speculative.q_sampling import accept_q
+
+    strategy = SpecStrategy(3, 2, rule="q")
+    tree, logprobs, drafts, mapping, greedy, uniforms = q_tree_case(300, 200, strategy)
+    expected = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
+    with drawing_with(verify_q_nodes=draft_kernels.verify_q_nodes):
+        shifted = accept_q(tree, logprobs, drafts, mapping, greedy, (uniforms + 0.05) % 1, sync_free=True)
+    assert not torch.equal(shifted.tokens, expected.tokens)

@@ -17,6 +17,7 @@ import contextvars
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -259,24 +260,33 @@ CDF_BLOCK = 256
 # on the Triton kernels), set with `drawing_with` around a runner's steps. A context variable: each thread (an
 # in-process worker) and each engine's steps keep their own, and every caller deep in the SD step (drafting, both
 # acceptance rules, residuals) draws the same way without a sampler threaded through a dozen signatures.
-_FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", default=(None, None))
+class FusedDraws(NamedTuple):
+    """The fused kernels a step's draws go through (None: torch's operations)."""
+
+    sample: Callable | None = None               # sample_from_logprobs(logprobs, uniforms)
+    without_replacement: Callable | None = None  # q_sampling.draw_without_replacement(logq, uniforms, greedy)
+    verify_q_nodes: Callable | None = None       # models/draft_kernels.verify_q_nodes: a q tree's node tests
+
+
+TORCH_DRAWS = FusedDraws()
+_FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", default=TORCH_DRAWS)
 
 
 @contextlib.contextmanager
-def drawing_with(draw, without_replacement=None):
-    """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms), and
-    `q_sampling.draw_without_replacement` calls without_replacement(logq, uniforms, greedy) (None: torch's)."""
-    token = _FUSED_DRAW.set((draw, without_replacement))
+def drawing_with(draw=None, without_replacement=None, verify_q_nodes=None):
+    """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms), and the speculative
+    step's draws and q-tree tests the other kernels given (None: torch's)."""
+    token = _FUSED_DRAW.set(FusedDraws(draw, without_replacement, verify_q_nodes))
     try:
         yield
     finally:
         _FUSED_DRAW.reset(token)
 
 
-def fused_draws():
-    """(draw, without_replacement) that `drawing_with` set here, (None, None) without; never read under
-    torch.compile, which the Triton kernels exclude (Dynamo cannot trace a context variable)."""
-    return (None, None) if torch.compiler.is_compiling() else _FUSED_DRAW.get()
+def fused_draws() -> FusedDraws:
+    """What `drawing_with` set here (TORCH_DRAWS without); never read under torch.compile, which the Triton
+    kernels exclude (Dynamo cannot trace a context variable)."""
+    return TORCH_DRAWS if torch.compiler.is_compiling() else _FUSED_DRAW.get()
 
 
 def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -287,7 +297,7 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
     an empty interval and is never drawn. Every drafter pass of q-sampling draws with this, and a GPU step pays
     per kernel (~3 us replayed): each line is one operation, the float64 casts inside the reductions.
     """
-    fused = fused_draws()[0]
+    fused = fused_draws().sample
     if fused is not None:
         return fused(logprobs, uniforms)
     batch, vocab = logprobs.shape

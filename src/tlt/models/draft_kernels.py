@@ -104,3 +104,166 @@ def draw_without_replacement(logq: torch.Tensor, uniforms: torch.Tensor, greedy:
                                           KP=triton.next_power_of_2(k), BLOCK=block, num_warps=4)
     return scores, ids
 
+
+
+if triton is not None:
+
+    @triton.jit
+    def _node_q(DraftLogQ, TargetToDraft, cols, inside, slot, HAS_MAP: tl.constexpr):
+        """The node's draft probabilities q at target tokens `cols` (0 outside the draft vocabulary, at a leaf)."""
+        if HAS_MAP:
+            index = tl.load(TargetToDraft + cols, mask=inside, other=-1)
+        else:
+            index = cols
+        ok = (inside & (index >= 0)).to(tl.int32) * (slot >= 0).to(tl.int32) > 0  # (a scalar's & gave an int)
+        return tl.where(ok, tl.exp(tl.load(DraftLogQ + index, mask=ok, other=0.0).to(tl.float32)), 0.0)
+
+    @triton.jit
+    def _residual_at(p, q, cols, drawn, rejected, mass, kept, J: tl.constexpr, KP: tl.constexpr):
+        """r_J and q_J at `cols` from r_0 = p and q_0 = q: after each rejected child j < J, r becomes
+        normalize(max(0, r - q)) (r itself when no mass is left) and q loses the child, renormalized; the
+        normalizers (mass, kept) of the children before J are given, as `q_sampling._verify_children` has them."""
+        slots = tl.arange(0, KP)
+        for j in tl.static_range(J):
+            pick = slots == j
+            was_rejected = tl.sum(tl.where(pick, rejected, 0), 0) > 0
+            m = tl.sum(tl.where(pick, mass, 0.0), 0)
+            s = tl.sum(tl.where(pick, kept, 0.0), 0)
+            c = tl.sum(tl.where(pick, drawn, 0), 0)
+            nxt = tl.maximum(p - q, 0.0)
+            r_next = tl.where(m > 1e-12, nxt / tl.maximum(m, 1e-30), p)
+            q_next = tl.where(cols == c, 0.0, q) / tl.maximum(s, 1e-30)
+            p = tl.where(was_rejected, r_next, p)
+            q = tl.where(was_rejected, q_next, q)
+        return p, q
+
+    @triton.jit
+    def _verify_q_nodes_kernel(LogP, DraftLogQ, Slot, TargetToDraft, Children, Tokens, Depths, Uniforms, Greedy,
+                               Choice, Final, NODES, lp_s, dq_sb, dq_se, u_s, VOCAB, BLOCKS,
+                               K: tl.constexpr, KP: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per tree node (row b * NODES + n): recursive rejection sampling over its children in draw
+        # order, then, when none was accepted, the draw from the last residual
+        row = tl.program_id(0).to(tl.int64)
+        b = row // NODES
+        base = LogP + row * lp_s
+        slot = tl.load(Slot + row)
+        dq = DraftLogQ + b * dq_sb + tl.maximum(slot, 0) * dq_se
+        greedy = tl.load(Greedy + b) != 0
+        coins = Uniforms + b * u_s + tl.load(Depths + row) * (K + 1)
+        slots = tl.arange(0, KP)
+        children = tl.load(Children + row * K + slots, mask=slots < K, other=-1)
+        child_tokens = tl.load(Tokens + b * NODES + tl.maximum(children, 0), mask=slots < K, other=0)
+        argmax = tl.zeros([], tl.int64)
+        if greedy:  # the first index of the largest target log-prob, as torch.argmax
+            best = tl.full([], float("-inf"), tl.float32)
+            for blk in range(0, BLOCKS):
+                cols = blk * BLOCK + tl.arange(0, BLOCK)
+                lp = tl.load(base + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
+                top = tl.max(lp, 0)
+                first = tl.min(tl.where(lp == top, cols, 2147483647), 0)
+                better = top > best
+                argmax = tl.where(better, first.to(tl.int64), argmax)
+                best = tl.where(better, top, best)
+        choice = tl.full([], -1, tl.int32)
+        rejected = tl.zeros([KP], tl.int32)
+        mass = tl.zeros([KP], tl.float32)
+        kept = tl.zeros([KP], tl.float32)
+        for i in tl.static_range(K):
+            pick = slots == i
+            c = tl.sum(tl.where(pick, child_tokens, 0), 0)
+            valid = tl.max(tl.where(pick, children, -1), 0) >= 0
+            one = c + tl.zeros([1], tl.int64)
+            p_c = tl.exp(tl.load(base + one).to(tl.float32))
+            q_c = _node_q(dq, TargetToDraft, one, one >= 0, slot, HAS_MAP)
+            r_c, q_c = _residual_at(p_c, q_c, one, child_tokens, rejected, mass, kept, i, KP)
+            r_c = tl.sum(r_c, 0)
+            q_c = tl.sum(q_c, 0)
+            open_ = valid & (choice < 0)
+            u = 1.0 - tl.load(coins + i).to(tl.float32)
+            drawn = open_ & (q_c > 0)
+            hit = tl.where(greedy, open_ & (c == argmax), drawn & (u * q_c <= r_c))
+            choice = tl.where(hit, i, choice)
+            if drawn & ~hit & ~greedy:  # the residual and q after this rejected child
+                m = tl.zeros([], tl.float32)
+                s = tl.zeros([], tl.float32)
+                for blk in range(0, BLOCKS):
+                    cols = blk * BLOCK + tl.arange(0, BLOCK)
+                    inside = cols < VOCAB
+                    p = tl.where(inside, tl.exp(tl.load(base + cols, mask=inside, other=float("-inf"))
+                                                .to(tl.float32)), 0.0)
+                    r, q = _residual_at(p, _node_q(dq, TargetToDraft, cols, inside, slot, HAS_MAP), cols,
+                                        child_tokens, rejected, mass, kept, i, KP)
+                    m += tl.sum(tl.maximum(r - q, 0.0), 0)
+                    s += tl.sum(tl.where(cols == c, 0.0, q), 0)
+                rejected = tl.where(pick, 1, rejected)
+                mass = tl.where(pick, m, mass)
+                kept = tl.where(pick, s, kept)
+        final = argmax
+        if (choice < 0) & ~greedy:  # the residual's sample, as sample_from_logprobs(residual.log(), u)
+            total = tl.zeros([], tl.float64)
+            for blk in range(0, BLOCKS):
+                total += tl.sum(_final_probs(base, dq, TargetToDraft, blk, VOCAB, slot, child_tokens, rejected,
+                                             mass, kept, K, KP, HAS_MAP, BLOCK).to(tl.float64), 0)
+            shrink = 2.220446049250313e-16
+            target = tl.minimum(tl.load(coins + K).to(tl.float64) * total, total - total * shrink)
+            cumulative = tl.zeros([], tl.float64)
+            before = tl.zeros([], tl.float64)
+            block = tl.zeros([], tl.int32)
+            for blk in range(0, BLOCKS):
+                cumulative += tl.sum(_final_probs(base, dq, TargetToDraft, blk, VOCAB, slot, child_tokens,
+                                                  rejected, mass, kept, K, KP, HAS_MAP, BLOCK).to(tl.float64), 0)
+                passed = cumulative <= target
+                block += passed.to(tl.int32)
+                before = tl.where(passed, cumulative, before)
+            block = tl.minimum(block, BLOCKS - 1)
+            p = _final_probs(base, dq, TargetToDraft, block, VOCAB, slot, child_tokens, rejected, mass, kept, K, KP,
+                             HAS_MAP, BLOCK)
+            inner = tl.cumsum(p.to(tl.float64), 0)
+            last = tl.max(inner, 0)
+            offset = tl.minimum(tl.maximum(target - before, 0.0), last - last * shrink)
+            within = tl.minimum(tl.sum((inner <= offset).to(tl.int32), 0), BLOCK - 1)
+            final = tl.minimum(block * BLOCK + within, VOCAB - 1).to(tl.int64)
+        tl.store(Choice + row, choice.to(tl.int64))
+        tl.store(Final + row, final)
+
+    @triton.jit
+    def _final_probs(base, dq, TargetToDraft, blk, VOCAB, slot, child_tokens, rejected, mass, kept,
+                     K: tl.constexpr, KP: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+        """exp(log r_K) over one block: the residual after every rejected child, through a log as the torch path
+        samples it (`sample_from_logprobs(residual.log(), ...)`)."""
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < VOCAB
+        p = tl.where(inside, tl.exp(tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)), 0.0)
+        r, _ = _residual_at(p, _node_q(dq, TargetToDraft, cols, inside, slot, HAS_MAP), cols, child_tokens,
+                            rejected, mass, kept, K, KP)
+        positive = inside & (r > 0)  # log(0) = -inf, exp(-inf) = 0: zeros stay zeros without a log of 0
+        return tl.where(positive, tl.exp(tl.log(tl.where(positive, r, 1.0))), 0.0)
+
+
+def verify_q_nodes(logprobs: torch.Tensor, dists: torch.Tensor, slot: torch.Tensor,
+                   target_to_draft: torch.Tensor | None, children: torch.Tensor, tokens: torch.Tensor,
+                   depths: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor):
+    """Every tree node's recursive rejection sampling in one launch (`q_sampling._verify_children` and the final
+    draw of `_accept_q_every_node`): logprobs [B, N + 1, V] the target's processed log-probs, dists [B, E, Vd]
+    the drafts' log q, slot [B, N + 1] a node's row in dists (-1: a leaf), target_to_draft [V] (-1 outside the
+    draft vocabulary; None: they are one), children [B, N + 1, K], tokens [B, N + 1], depths [B, N + 1],
+    uniforms [B, (S + 1)(K + 1) + ...] (a node reads its depth's K + 1), greedy [B]. Returns (the accepted child's
+    position, -1 for none [B, N + 1]; the node's final token [B, N + 1]: its argmax for a greedy row, else a
+    sample of the last residual where no child was accepted, else 0)."""
+    batch, nodes, vocab = logprobs.shape
+    k = children.shape[-1]
+    logprobs = logprobs if logprobs.stride(-1) == 1 and logprobs.stride(1) == vocab else logprobs.contiguous()
+    dists = dists if dists.stride(-1) == 1 else dists.contiguous()
+    uniforms = uniforms if uniforms.stride(-1) == 1 else uniforms.contiguous()
+    slot, children, tokens, depths = (t.contiguous() for t in (slot, children, tokens, depths))
+    choice = torch.empty(batch, nodes, dtype=torch.long, device=logprobs.device)
+    final = torch.empty(batch, nodes, dtype=torch.long, device=logprobs.device)
+    block = 256
+    mapping = target_to_draft if target_to_draft is not None else slot  # any pointer: unread without a map
+    with _on_device_of(logprobs):
+        _verify_q_nodes_kernel[(batch * nodes,)](
+            logprobs, dists, slot, mapping, children, tokens, depths, uniforms, greedy, choice, final, nodes,
+            logprobs.stride(1), dists.stride(0), dists.stride(1), uniforms.stride(0), vocab,
+            triton.cdiv(vocab, block), K=k, KP=triton.next_power_of_2(k), HAS_MAP=target_to_draft is not None,
+            BLOCK=block, num_warps=4)
+    return choice, final

@@ -29,6 +29,13 @@ CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
 
 
+def inverse_vocabulary(draft_to_target: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[vocab] int32: each target token's index in the draft vocabulary `draft_to_target`, -1 outside it."""
+    inverse = torch.full((vocab,), -1, dtype=torch.int32, device=draft_to_target.device)
+    indices = torch.arange(draft_to_target.shape[0], dtype=torch.int32, device=draft_to_target.device)
+    return inverse.index_copy_(0, draft_to_target, indices)
+
+
 class DrafterError(TltError):
     """A drafter that does not fit its target, or a bad drafter file."""
 
@@ -207,6 +214,19 @@ class EagleDrafter(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
+
+    def target_to_draft(self) -> torch.Tensor | None:
+        """[V] int32: each target token's index in the draft vocabulary, -1 outside it (None: no draft vocabulary).
+        Made once per device: a serving drafter's vocabulary never changes (a hot swap loads weights in place
+        only into a drafter of the same vocabulary), so a captured step may read it."""
+        if self.draft_to_target is None:
+            return None
+        inverse = self.__dict__.get("_target_to_draft")
+        if inverse is None or inverse.device != self.draft_to_target.device:
+            inverse = inverse_vocabulary(self.draft_to_target, self.config.vocab_size)
+            if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+                self.__dict__["_target_to_draft"] = inverse  # not memory a graph's pool owns
+        return inverse
 
     # -- forward ------------------------------------------------------------------------------------------
 

@@ -275,7 +275,8 @@ def sampler_of(forward: LeanForward):
     its graph)."""
     if forward.kernels != "triton":
         return drawing_with(None)
-    return drawing_with(kernels.sample_from_logprobs, draft_kernels.draw_without_replacement)
+    return drawing_with(kernels.sample_from_logprobs, draft_kernels.draw_without_replacement,
+                        draft_kernels.verify_q_nodes)
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:

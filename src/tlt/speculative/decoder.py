@@ -169,7 +169,7 @@ class SpeculativeDecoder:
             acceptance = accept_q_chain(tree, logprobs, drafts, self.drafter.draft_to_target, settings.greedy,
                                         uniforms, **rules) if chain else \
                 accept_q(tree, logprobs, drafts, self.drafter.draft_to_target, settings.greedy, uniforms, **rules,
-                         sync_free=sync_free)
+                         sync_free=sync_free, target_to_draft=self.drafter.target_to_draft())
         elif chain:
             acceptance = accept_chain(tree, logprobs, settings.greedy, inputs.uniforms, accept_rule=self.accept_rule)
         else:

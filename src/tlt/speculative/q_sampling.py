@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt.models.eagle import inverse_vocabulary
 from tlt.sampling import RowSampling, fused_draws, processed_logprobs, sample_from_logprobs
 from tlt.speculative.acceptance import Acceptance, TreeWalk, along, follow_accepted
 from tlt.speculative.tree import Candidates, DraftTree
@@ -78,7 +79,7 @@ def draw_without_replacement(logq: torch.Tensor, uniforms: torch.Tensor, greedy:
     Returns (log q of each drawn token [B, F, K], with -inf for a draw made after q ran out of mass, and the
     token ids [B, F, K]). Such a draw has q_i = 0: the acceptance rule never accepts it. On the Triton kernels,
     one launch (models/draft_kernels.py) instead of ~14 operations."""
-    fused = fused_draws()[1]
+    fused = fused_draws().without_replacement
     if fused is not None:
         return fused(logq, uniforms, greedy)
     batch, frontier, vocab = logq.shape
@@ -100,15 +101,17 @@ def draw_without_replacement(logq: torch.Tensor, uniforms: torch.Tensor, greedy:
 
 
 def accept_q(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistributions, draft_to_target, greedy,
-             uniforms: torch.Tensor, *, accept_rule=None, residual_rule=None, sync_free: bool = False) -> Acceptance:
+             uniforms: torch.Tensor, *, accept_rule=None, residual_rule=None, sync_free: bool = False,
+             target_to_draft: torch.Tensor | None = None) -> Acceptance:
     """logprobs [B, N + 1, V]: processed target log-probs at each node; uniforms [B, (S + 1) * (K + 1)].
 
     sync_free: as in `acceptance.accept` (a CUDA graph: every depth walked, nothing read on the host).
     accept_rule(u, r_c, q_c) -> bool [B] and residual_rule(r, q) -> the next residual can replace the exact
-    rule's parts (tests use them to show that a biased rule is detected)."""
+    rule's parts (tests use them to show that a biased rule is detected). target_to_draft: the inverse of
+    draft_to_target (`inverse_vocabulary`), which the fused node tests read (made here when not given)."""
     if sync_free:
         return _accept_q_every_node(tree, logprobs, drafts, draft_to_target, greedy, uniforms, accept_rule,
-                                    residual_rule)
+                                    residual_rule, target_to_draft)
     batch, _, vocab = logprobs.shape
     device = logprobs.device
     k = tree.children.shape[-1]
@@ -136,26 +139,26 @@ def accept_q(tree: DraftTree, logprobs: torch.Tensor, drafts: DraftDistributions
 
 
 def _accept_q_every_node(tree: DraftTree, logprobs, drafts: DraftDistributions, draft_to_target, greedy, uniforms,
-                         accept_rule, residual_rule) -> Acceptance:
+                         accept_rule, residual_rule, target_to_draft=None) -> Acceptance:
     """`accept_q` for a CUDA graph. A graph cannot stop where rows stop, so a walk runs every sibling's residual
     update ([B, V] work, a dozen kernels) at each of the S + 1 depths. But a node's test needs only its own p,
     q, children and its depth's uniforms: so every node's test and final draw run at once, over [B (N + 1), V]
     (the verify's logits are that size already), and the walk then only follows the accepted children. The
-    arithmetic of each node is the walk's, on the same uniforms: the same `Acceptance` (tested)."""
+    arithmetic of each node is the walk's, on the same uniforms: the same `Acceptance` (tested). On the Triton
+    kernels the node tests and final draws are one launch (models/draft_kernels.verify_q_nodes)."""
     batch, nodes, vocab = logprobs.shape
-    k, depth = tree.children.shape[-1], tree.max_depth
+    depth = tree.max_depth
     children = tree.children                                                        # [B, N + 1, K]
     child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
-    coins = uniforms.to(logprobs.device).view(batch, depth + 1, k + 1).gather(
-        1, tree.depths[..., None].expand(-1, -1, k + 1))                          # a node's depth's uniforms
-    node_greedy = greedy[:, None].expand(-1, nodes).reshape(-1)
-    node_logprobs = logprobs.reshape(-1, vocab)
-    choice, residual = _verify_children(node_logprobs, _every_draft_probs(drafts, draft_to_target, vocab),
-                                        (children >= 0).reshape(-1, k), child_tokens.reshape(-1, k),
-                                        coins.reshape(-1, k + 1), node_greedy, accept_rule, residual_rule, True)
-    final = sample_from_logprobs(residual.log(), coins.reshape(-1, k + 1)[:, k])
-    final = torch.where(node_greedy, node_logprobs.argmax(-1), final).view(batch, nodes)
-    choice = choice.view(batch, nodes)
+    fused = fused_draws().verify_q_nodes
+    if fused is not None and accept_rule is None and residual_rule is None:  # one launch (Triton kernels)
+        if target_to_draft is None and draft_to_target is not None:
+            target_to_draft = inverse_vocabulary(draft_to_target, vocab)
+        choice, final = fused(logprobs, drafts.dists, drafts.slot, target_to_draft, children, tree.tokens,
+                              tree.depths, uniforms.to(logprobs.device), greedy)
+    else:
+        choice, final = _verify_every_node(logprobs, drafts, draft_to_target, tree, child_tokens, greedy, uniforms,
+                                           accept_rule, residual_rule)
     # what each node emits: its accepted child, or (the row stops there) its final draw; then one gather a depth
     found, picked = choice >= 0, choice.clamp(min=0)[..., None]
     node_next = torch.where(found, children.gather(2, picked)[..., 0], -1)
@@ -164,6 +167,24 @@ def _accept_q_every_node(tree: DraftTree, logprobs, drafts: DraftDistributions, 
     tokens = along(through, node_tokens, -1)
     token_logprobs = along(through, logprobs.gather(2, node_tokens[..., None])[..., 0].float(), 0.0)
     return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
+
+
+def _verify_every_node(logprobs, drafts: DraftDistributions, draft_to_target, tree: DraftTree, child_tokens, greedy,
+                       uniforms, accept_rule, residual_rule):
+    """Every node's children tested and its final draw made at once: (choice, final), each [B, N + 1]."""
+    batch, nodes, vocab = logprobs.shape
+    children = tree.children
+    k, depth = children.shape[-1], tree.max_depth
+    coins = uniforms.to(logprobs.device).view(batch, depth + 1, k + 1).gather(
+        1, tree.depths[..., None].expand(-1, -1, k + 1))                          # a node's depth's uniforms
+    node_greedy = greedy[:, None].expand(-1, nodes).reshape(-1)
+    node_logprobs = logprobs.reshape(-1, vocab)
+    choice, residual = _verify_children(node_logprobs, _every_draft_probs(drafts, draft_to_target, vocab),
+                                        (children >= 0).reshape(-1, k), child_tokens.reshape(-1, k),
+                                        coins.reshape(-1, k + 1), node_greedy, accept_rule, residual_rule, True)
+    final = sample_from_logprobs(residual.log(), coins.reshape(-1, k + 1)[:, k])
+    final = torch.where(node_greedy, node_logprobs.argmax(-1), final)
+    return choice.view(batch, nodes), final.view(batch, nodes)
 
 
 def _every_draft_probs(drafts: DraftDistributions, draft_to_target, vocab: int) -> torch.Tensor:
