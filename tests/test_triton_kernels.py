@@ -509,3 +509,23 @@ def test_the_q_node_comparison_can_fail():
     with drawing_with(verify_q_nodes=draft_kernels.verify_q_nodes):
         shifted = accept_q(tree, logprobs, drafts, mapping, greedy, (uniforms + 0.05) % 1, sync_free=True)
     assert not torch.equal(shifted.tokens, expected.tokens)
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy(2, 2, rule="q"), SpecStrategy.chain(3, "q")], ids=str)
+def test_graph_steps_on_triton_kernels_sample_what_the_torch_engine_samples(strategy):
+    """The steps a CUDA graph replays (a non-capturing graph runner: sync-free acceptance, where the q rule's node
+    tests are one launch for trees and chains alike) on the Triton kernels, against the eager torch engine."""
+    from tlt.rollout.graph_runner import GraphRunner
+
+    model, drafter, requests = engine_case()
+    expected = generate_tokens(model, drafter, requests, strategy, "torch")
+    engine = RolloutEngine(model, max_batch_size=3, speculation=strategy, max_tree_size=16, dtype="float32",
+                           kernels="triton")
+    engine.runner = GraphRunner(engine.forward, capture=False)
+    engine.set_drafter(drafter)
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        fused = draft_kernels.verify_q_nodes
+        patch.setattr(draft_kernels, "verify_q_nodes", lambda *a: calls.append(1) or fused(*a))
+        assert [s.token_ids for s in engine.generate(requests).samples] == expected
+    assert calls

@@ -21,7 +21,7 @@ import torch
 from tlt.models.eagle import EagleDrafter
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
-from tlt.sampling import RowSampling, processed_logprobs
+from tlt.sampling import RowSampling, fused_draws, processed_logprobs
 from tlt.speculative.acceptance import Acceptance, accept
 from tlt.speculative.chain_acceptance import accept_chain, accept_q_chain
 from tlt.speculative.q_sampling import DraftDistributions, accept_q, sampling_pick
@@ -166,8 +166,10 @@ class SpeculativeDecoder:
         if drafts is not None:
             uniforms = inputs.uniforms[:, shape.strategy.tree_size:]
             rules = dict(accept_rule=self.q_accept_rule, residual_rule=self.q_residual_rule)
+            # a chain's own fast path, unless one launch tests every node (Triton kernels, a graph's step)
+            fused = sync_free and fused_draws().verify_q_nodes is not None and not any(rules.values())
             acceptance = accept_q_chain(tree, logprobs, drafts, self.drafter.draft_to_target, settings.greedy,
-                                        uniforms, **rules) if chain else \
+                                        uniforms, **rules) if chain and not fused else \
                 accept_q(tree, logprobs, drafts, self.drafter.draft_to_target, settings.greedy, uniforms, **rules,
                          sync_free=sync_free, target_to_draft=self.drafter.target_to_draft())
         elif chain:
