@@ -529,3 +529,48 @@ def test_graph_steps_on_triton_kernels_sample_what_the_torch_engine_samples(stra
         patch.setattr(draft_kernels, "verify_q_nodes", lambda *a: calls.append(1) or fused(*a))
         assert [s.token_ids for s in engine.generate(requests).samples] == expected
     assert calls
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, rule="q"), SpecStrategy(2, 4, rule="q"),
+                                      SpecStrategy(4, 3, 12), SpecStrategy(3, 2, 10)], ids=str)
+def test_a_tree_drafted_with_the_fused_frontier_is_the_torch_tree(strategy):
+    """Each drafted depth recorded and its next frontier chosen in one launch: the same candidates (tokens, scores,
+    parents), the same frontiers and the same nodes fed to every pass as the torch records, for both rules, with
+    a draft vocabulary and nearly one-hot q whose later draws have log q -inf (ties among them go to the earlier
+    candidate either way)."""
+    from test_acceptance_exactness import BigramDrafter
+    from tlt.sampling import RowSampling
+    from tlt.speculative.q_sampling import sampling_pick
+    from tlt.speculative.tree import draft_tree
+
+    generator = torch.Generator().manual_seed(strategy.depth)
+    vocab, batch = 120, 16
+    logits = torch.randn(vocab, 80, generator=generator) * 2
+    logits[::5] *= 40
+    fed = []
+
+    class Recorded(BigramDrafter):
+        def step(self, tokens, features, cache, positions, **kwargs):
+            fed.append((tokens.clone(), features.clone()))
+            return super().step(tokens, features, cache, positions, **kwargs)
+
+    drafter = Recorded(logits, torch.randperm(vocab, generator=generator)[:80])
+    root = torch.randint(0, vocab, (batch,), generator=generator).float()[:, None]
+    settings = RowSampling.from_params([SamplingParams(temperature=[0, 1.0, 0.8][i % 3]) for i in range(batch)],
+                                       "cpu")
+    uniforms = torch.rand(batch, strategy.tree_size, generator=generator)
+
+    def drafted():
+        pick = dict(pick=sampling_pick(settings, uniforms)) if strategy.rule == "q" else {}
+        fed.clear()
+        candidates = draft_tree(drafter, root, None, torch.zeros(batch, dtype=torch.long), strategy, **pick)
+        return candidates, list(fed)
+
+    expected, expected_fed = drafted()
+    with drawing_with(expand_frontier=draft_kernels.expand_frontier):
+        fused, fused_fed = drafted()
+    for field in ("tokens", "scores", "parents"):
+        assert torch.equal(getattr(fused, field), getattr(expected, field)), field
+    assert all(torch.equal(a, b) for a, b in zip(fused.frontiers, expected.frontiers))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(fused_fed, expected_fed))
+    assert len(fused_fed) == strategy.depth - 1

@@ -261,11 +261,12 @@ CDF_BLOCK = 256
 # in-process worker) and each engine's steps keep their own, and every caller deep in the SD step (drafting, both
 # acceptance rules, residuals) draws the same way without a sampler threaded through a dozen signatures.
 class FusedDraws(NamedTuple):
-    """The fused kernels a step's draws go through (None: torch's operations)."""
+    """The fused kernels a step's draws and its tree's bookkeeping go through (None: torch's operations)."""
 
     sample: Callable | None = None               # sample_from_logprobs(logprobs, uniforms)
     without_replacement: Callable | None = None  # q_sampling.draw_without_replacement(logq, uniforms, greedy)
     verify_q_nodes: Callable | None = None       # models/draft_kernels.verify_q_nodes: a q tree's node tests
+    expand_frontier: Callable | None = None      # models/draft_kernels.expand_frontier: a drafted depth's records
 
 
 TORCH_DRAWS = FusedDraws()
@@ -273,10 +274,10 @@ _FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", d
 
 
 @contextlib.contextmanager
-def drawing_with(draw=None, without_replacement=None, verify_q_nodes=None):
+def drawing_with(draw=None, without_replacement=None, verify_q_nodes=None, expand_frontier=None):
     """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms), and the speculative
-    step's draws and q-tree tests the other kernels given (None: torch's)."""
-    token = _FUSED_DRAW.set(FusedDraws(draw, without_replacement, verify_q_nodes))
+    step's draws, q-tree tests and tree records the other kernels given (None: torch's)."""
+    token = _FUSED_DRAW.set(FusedDraws(draw, without_replacement, verify_q_nodes, expand_frontier))
     try:
         yield
     finally:

@@ -92,7 +92,7 @@ def draw_without_replacement(logq: torch.Tensor, uniforms: torch.Tensor, greedy:
     The same draws as torch's up to float64 rounding at a token's boundary (its sums run in another order)."""
     batch, frontier, vocab = logq.shape
     k = uniforms.shape[-1]
-    logq = logq if logq.stride(-1) == 1 and logq.stride(1) == vocab else logq.contiguous()
+    logq, greedy = logq.contiguous(), greedy.contiguous()  # the kernel indexes rows b * F + f of [B, F, V]
     if uniforms.stride(-1) != 1:
         uniforms = uniforms.contiguous()
     scores = torch.empty(batch, frontier, k, dtype=logq.dtype, device=logq.device)
@@ -252,7 +252,11 @@ def verify_q_nodes(logprobs: torch.Tensor, dists: torch.Tensor, slot: torch.Tens
     sample of the last residual where no child was accepted, else 0)."""
     batch, nodes, vocab = logprobs.shape
     k = children.shape[-1]
-    logprobs = logprobs if logprobs.stride(-1) == 1 and logprobs.stride(1) == vocab else logprobs.contiguous()
+    expected = vocab if target_to_draft is None else target_to_draft.shape[0]
+    if (target_to_draft is None and dists.shape[-1] != vocab) or expected != vocab:
+        raise ValueError(f"verify_q_nodes: q over {dists.shape[-1]} tokens needs target_to_draft of the target's "
+                         f"{vocab} (got {None if target_to_draft is None else tuple(target_to_draft.shape)})")
+    logprobs, greedy = logprobs.contiguous(), greedy.contiguous()  # rows b * (N + 1) + n of [B, N + 1, V]
     dists = dists if dists.stride(-1) == 1 else dists.contiguous()
     uniforms = uniforms if uniforms.stride(-1) == 1 else uniforms.contiguous()
     slot, children, tokens, depths = (t.contiguous() for t in (slot, children, tokens, depths))
@@ -267,3 +271,68 @@ def verify_q_nodes(logprobs: torch.Tensor, dists: torch.Tensor, slot: torch.Tens
             triton.cdiv(vocab, block), K=k, KP=triton.next_power_of_2(k), HAS_MAP=target_to_draft is not None,
             BLOCK=block, num_warps=4)
     return choice, final
+
+
+if triton is not None:
+
+    @triton.jit
+    def _expand_frontier_kernel(Tokens, Scores, Parents, PathTokens, PathFeatures, Frontier, ChildScores,
+                                ChildTokens, Hidden, NewFrontier, FrontierParent, COUNT, FED, HIDDEN, first,
+                                feed_at, h_sb, h_sk, K: tl.constexpr, KK: tl.constexpr, FEED: tl.constexpr,
+                                BLOCK_H: tl.constexpr):
+        # one program per row: the K^2 children of the frontier recorded, the K best chosen (ties to the earlier
+        # candidate, as a stable sort), and what the next pass feeds copied into the path buffers
+        b = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, KK)
+        valid = offs < K * K
+        parent = tl.load(Frontier + b * K + offs // K, mask=valid, other=0)
+        total = tl.load(Scores + b * COUNT + parent, mask=valid, other=0.0) + \
+            tl.load(ChildScores + b * K * K + offs, mask=valid, other=0.0)
+        token = tl.load(ChildTokens + b * K * K + offs, mask=valid, other=0)
+        tl.store(Scores + b * COUNT + first + offs, total, mask=valid)
+        tl.store(Tokens + b * COUNT + first + offs, token, mask=valid)
+        tl.store(Parents + b * COUNT + first + offs, parent, mask=valid)
+        left = tl.where(valid, total, float("-inf"))
+        taken = offs < 0  # all False
+        cols = tl.arange(0, BLOCK_H)
+        for j in tl.static_range(K):
+            top = tl.max(tl.where(taken, float("-inf"), left), 0)
+            # the first candidate not taken whose score is the top (a -inf top: the first not taken)
+            best = tl.min(tl.where(valid & ~taken & (left == top), offs, KK), 0)
+            best = tl.where(best < KK, best, tl.min(tl.where(valid & ~taken, offs, KK), 0))
+            taken = taken | (offs == best)
+            tl.store(NewFrontier + b * K + j, (first + best).to(tl.int64))
+            tl.store(FrontierParent + b * K + j, (best // K).to(tl.int64))
+            if FEED:
+                tl.store(PathTokens + b * FED + feed_at + j, tl.sum(tl.where(offs == best, token, 0), 0))
+                source = Hidden + b * h_sb + (best // K) * h_sk
+                target = PathFeatures + (b * FED + feed_at + j) * HIDDEN
+                for h in range(0, HIDDEN, BLOCK_H):
+                    inside = h + cols < HIDDEN
+                    tl.store(target + h + cols, tl.load(source + h + cols, mask=inside), mask=inside)
+
+
+def expand_frontier(tokens, scores, parents, path_tokens, path_features, frontier, child_scores, child_tokens,
+                    hidden, first: int, feed_at: int | None):
+    """`tree._expand_frontier` in one launch: records the K^2 children of a drafted depth in the candidate
+    buffers (tokens, scores, parents [B, C], written in place), picks the next frontier (the K best, ties to
+    the earlier candidate) and copies its tokens and its parents' features [B, K, H] into the path buffers at
+    column feed_at (None: the last depth). Returns (frontier, frontier_parent) [B, K] each."""
+    batch, k, _ = child_scores.shape
+    for name, t in (("tokens", tokens), ("scores", scores), ("parents", parents), ("path_tokens", path_tokens),
+                    ("path_features", path_features)):
+        if not t.is_contiguous():
+            raise ValueError(f"expand_frontier writes {name} in place: it must be contiguous")
+    frontier, child_scores, child_tokens = (t.contiguous() for t in (frontier, child_scores, child_tokens))
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    new_frontier = torch.empty(batch, k, dtype=torch.long, device=tokens.device)
+    frontier_parent = torch.empty(batch, k, dtype=torch.long, device=tokens.device)
+    hidden_size = path_features.shape[-1]
+    with _on_device_of(tokens):
+        _expand_frontier_kernel[(batch,)](
+            tokens, scores, parents, path_tokens, path_features, frontier, child_scores.to(scores.dtype),
+            child_tokens, hidden, new_frontier, frontier_parent, tokens.shape[1], path_tokens.shape[1],
+            hidden_size, first, 0 if feed_at is None else feed_at, hidden.stride(0), hidden.stride(1), K=k,
+            KK=triton.next_power_of_2(k * k), FEED=feed_at is not None,
+            BLOCK_H=min(1024, triton.next_power_of_2(hidden_size)), num_warps=4)
+    return new_frontier, frontier_parent

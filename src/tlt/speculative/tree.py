@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tlt.models.kv_cache import CacheRows
+from tlt.sampling import fused_draws
 from tlt.speculative.strategy import SpecStrategy
 
 
@@ -90,38 +91,64 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
     batch, hidden_size = root_hidden.shape
     device = root_hidden.device
     scores, ids, dist = pick(drafter.draft_logits(root_hidden)[:, None], k, 1)
-    scores, ids = scores[:, 0], ids[:, 0]
     expanded = [] if dist is None else [(torch.full((batch, 1), -1, dtype=torch.long, device=device), dist)]
-    tokens, all_scores = [drafter.to_target_ids(ids)], [scores]
-    parents = [torch.full((batch, k), -1, dtype=torch.long, device=device)]
+    # every candidate's record, and the frontier nodes each pass feeds, written depth by depth into buffers
+    count = k + (strategy.depth - 1) * k * k
+    tokens = torch.empty(batch, count, dtype=torch.long, device=device)
+    all_scores = torch.empty(batch, count, dtype=scores.dtype, device=device)
+    parents = torch.empty(batch, count, dtype=torch.long, device=device)
+    tokens[:, :k] = drafter.to_target_ids(ids[:, 0])
+    all_scores[:, :k] = scores[:, 0]
+    parents[:, :k].fill_(-1)  # (an assigned Python scalar would build a tensor from host data)
+    fed = (strategy.depth - 1) * k
+    path_tokens = torch.empty(batch, fed, dtype=torch.long, device=device)
+    path_features = torch.empty(batch, fed, hidden_size, dtype=root_hidden.dtype, device=device)
+    if fed:
+        path_tokens[:, :k] = tokens[:, :k]
+        path_features[:, :k] = root_hidden[:, None]
     frontier = torch.arange(k, device=device).expand(batch, k)        # candidate ids of the frontier
-    frontier_features = root_hidden[:, None].expand(batch, k, hidden_size)
     frontier_parent = None                                             # [B, K] local index in previous frontier
-    path_tokens, path_features, frontiers = [], [], []
+    frontiers = []
+    expand = fused_draws().expand_frontier or _expand_frontier
     # every pass's slots, RoPE and mask rows, made once (a node's mask row as soon as its parent is chosen)
     tables = drafter.tree_tables(cache, base_positions.to(device), strategy.depth, k, kv_len) \
         if strategy.depth > 1 else None  # depth 1: the root's children are the whole tree, no pass
     for depth in range(2, strategy.depth + 1):
-        path_tokens.append(torch.cat(tokens, 1).gather(1, frontier))
-        path_features.append(frontier_features)
         frontiers.append(frontier)
-        count = (depth - 1) * k
-        tables.add_nodes(count - k, k, frontier_parent)
-        hidden = drafter.step(torch.cat(path_tokens, 1), torch.cat(path_features, 1), cache, None,
-                              tables=tables.at(count, depth - 2))[:, -k:]  # the newest frontier [B, K, H]
+        nodes = (depth - 1) * k
+        tables.add_nodes(nodes - k, k, frontier_parent)
+        hidden = drafter.step(path_tokens[:, :nodes], path_features[:, :nodes], cache, None,
+                              tables=tables.at(nodes, depth - 2))[:, -k:]  # the newest frontier [B, K, H]
         child_scores, child_ids, dist = pick(drafter.draft_logits(hidden), k, depth)
         if dist is not None:
             expanded.append((frontier, dist))
-        total = (torch.cat(all_scores, 1).gather(1, frontier)[:, :, None] + child_scores).reshape(batch, k * k)
-        first_id = sum(t.shape[1] for t in tokens)
-        tokens.append(drafter.to_target_ids(child_ids).reshape(batch, k * k))
-        all_scores.append(total)
-        parents.append(frontier[:, :, None].expand(-1, -1, k).reshape(batch, k * k))
-        best = total.topk(k, dim=-1).indices                             # local ids among the new candidates
-        frontier_parent = best // k
-        frontier_features = hidden.gather(1, frontier_parent[:, :, None].expand(-1, -1, hidden_size))
-        frontier = first_id + best
-    return Candidates(torch.cat(tokens, 1), torch.cat(all_scores, 1), torch.cat(parents, 1), expanded, frontiers)
+        frontier, frontier_parent = expand(tokens, all_scores, parents, path_tokens, path_features, frontier,
+                                           child_scores, drafter.to_target_ids(child_ids), hidden,
+                                           k + (depth - 2) * k * k, nodes if depth < strategy.depth else None)
+    return Candidates(tokens, all_scores, parents, expanded, frontiers)
+
+
+def _expand_frontier(tokens, scores, parents, path_tokens, path_features, frontier, child_scores, child_tokens,
+                     hidden, first: int, feed_at: int | None):
+    """Record a drafted depth: the K children of each frontier node (scores [B, K, K], target ids) become
+    candidates first .. first + K^2 - 1 (cumulative score, token, parent); the K best become the next frontier,
+    ties to the earlier candidate, whose tokens and parents' features are fed to the next pass at path column
+    feed_at (None: the last depth). Returns (the new frontier's candidate ids, their parents' frontier slots)
+    [B, K] each. models/draft_kernels.expand_frontier is this in one launch."""
+    batch, k, _ = child_scores.shape
+    new = slice(first, first + k * k)
+    total = (scores.gather(1, frontier)[:, :, None] + child_scores).reshape(batch, k * k)
+    scores[:, new] = total
+    tokens[:, new] = child_tokens.reshape(batch, k * k)
+    parents[:, new] = frontier[:, :, None].expand(-1, -1, k).reshape(batch, k * k)
+    best = torch.sort(total, dim=-1, descending=True, stable=True).indices[:, :k]  # local ids of the new frontier
+    frontier_parent = best // k
+    frontier = first + best
+    if feed_at is not None:
+        path_tokens[:, feed_at:feed_at + k] = tokens.gather(1, frontier)
+        path_features[:, feed_at:feed_at + k] = hidden.gather(
+            1, frontier_parent[:, :, None].expand(-1, -1, hidden.shape[-1]))
+    return frontier, frontier_parent
 
 
 def _draft_chain(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positions: torch.Tensor,
