@@ -48,14 +48,17 @@
 #   plus what its line names. The warmed drafter travels in the working tree (benchmarks/drafters/, 8.4 MB). After
 #   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
+# Sixth session (2026-11-27, no GPU): the SD step's drafting and q acceptance fused too (models/draft_kernels.py:
+# S6K2q 842 -> see step_ops.json `sd_step_kernels`), the samplers read 16 blocks a step, top-k/top-p rows replay
+# graphs (tests-fixed runs their GPU tests). Plan T below covers all of it; nothing of it has run on a GPU.
 # Where it stands (2026-11-27, fifth session, no GPU): plan A ran (its files are in benchmarks/results/,
 # docs/benchmarks.md §9 "Second H100 session"); plan B and C never have. Since then the fused Triton kernels
 # (rollout.kernels=triton: the decode forward 752 -> 272 operations in step_ops.py, the norms folded into the
 # GEMMs, a fused sampler; checked on the CPU under Triton's interpreter) have never run on a GPU. Next session:
 # plan T, then plan B.
 # Plan T, the Triton kernels (#13, #14): tests, the captured step's kernels and ms, SD on them.
-#   1. carry .gpu/a, timeout_s 260 (no model needed: tiny models; each new kernel shape JIT-compiles, ~1 s):
-#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=220 bash benchmarks/gpu_session.sh triton-tests tests-fixed
+#   1. carry .gpu/a, timeout_s 290 (no model needed: tiny models; each new kernel shape JIT-compiles, ~1-4 s):
+#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=250 bash benchmarks/gpu_session.sh triton-tests tests-fixed
 #   2. carry .gpu/b, at once, timeout_s = lease.budget_left_s - 60, BUDGET = that - 40 (about 460):
 #        . .gpu/env.sh && BUDGET=460 bash benchmarks/gpu_session.sh triton throughput
 #   then give_back. If the Triton step wins (decode_step_h100_triton.json: triton_graph_ms < graph_ms, and
@@ -240,8 +243,8 @@ for phase in "$@"; do
       run throughput 230 python3 benchmarks/rollout_throughput.py --device cuda --batches "$THROUGHPUT_BATCHES" \
         --max-new-tokens 128 --triton --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
     triton-tests)  # tiny models only: runs before the default model is on the machine
-      run tests_triton 140 python3 -m pytest tests/test_triton_kernels.py tests/test_gpu.py -v -rfE \
-        -o faulthandler_timeout=130 -k "triton" --junitxml="$OUT/tests_triton.xml" ;;
+      run tests_triton 170 python3 -m pytest tests/test_triton_kernels.py tests/test_gpu.py -v -rfE \
+        -o faulthandler_timeout=160 -k "triton" --junitxml="$OUT/tests_triton.xml" ;;
     triton)  # each step bounded: a kernel that fails to build on the device fails its own step only
       run triton_step 90 python3 benchmarks/decode_step.py --batches 1,64 --json "$OUT/decode_step_h100_triton.json"
       run triton_spec_greedy 100 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --kernels triton \

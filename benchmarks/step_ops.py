@@ -142,6 +142,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--kv", type=int, default=256)
     parser.add_argument("--kernels", default="torch", choices=["torch", "triton"],
                         help="triton: the forwards on the fused Triton kernels (rollout.kernels=triton)")
+    parser.add_argument("--strategies", default=",".join(SD_STRATEGIES),
+                        help="comma-separated SD strategies to count (interpreted Triton runs take minutes each)")
     args = parser.parse_args(argv)
     if args.kernels == "triton":
         count_triton_launches()
@@ -163,11 +165,12 @@ def main(argv=None) -> dict:
         print(f"{name}: {sum(counts.values())} operations", file=sys.stderr)
     master = model.to(torch.bfloat16)
     results["speculative_step"] = {}
-    for name in SD_STRATEGIES:
+    for name in args.strategies.split(","):
         strategy = SpecStrategy.parse(name)
         results["speculative_step"][strategy.name] = count_speculative_step(master, strategy, args.kernels)
         print(f"speculative step {strategy.name}: {results['speculative_step'][strategy.name]} operations",
               file=sys.stderr)
+        write_json(args.json, results, echo=False)  # as it goes: an interpreted run may be cut short
     write_json(args.json, results)
     return results
 

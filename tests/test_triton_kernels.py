@@ -456,7 +456,7 @@ def q_tree_case(vocab: int, draft_vocab: int | None, strategy: SpecStrategy, see
     from test_acceptance_exactness import BigramDrafter
     from tlt.sampling import RowSampling, processed_logprobs
     from tlt.speculative.q_sampling import DraftDistributions, sampling_pick
-    from tlt.speculative.tree import draft_tree, select_tree
+    from tlt.speculative.tree import DraftTree, draft_tree, select_tree
 
     generator = torch.Generator().manual_seed(seed)
     mapping = None if draft_vocab is None else torch.randperm(vocab, generator=generator)[:draft_vocab]
@@ -478,7 +478,10 @@ def q_tree_case(vocab: int, draft_vocab: int | None, strategy: SpecStrategy, see
     boost = (torch.rand(children.shape, generator=generator) < 0.6) * 5.0
     target.scatter_add_(2, children, boost)
     logprobs = processed_logprobs(target, settings)
-    return tree, logprobs, drafts, mapping, settings.greedy, uniforms[:, strategy.tree_size:]
+    on = lambda t: None if t is None else t.to(DEVICE)
+    tree = DraftTree(on(tree.tokens), on(tree.parents), on(tree.depths), on(tree.children), tree.max_depth)
+    return (tree, on(logprobs), DraftDistributions(on(drafts.dists), on(drafts.slot)), on(mapping),
+            on(settings.greedy), on(uniforms[:, strategy.tree_size:]))
 
 
 @pytest.mark.parametrize("vocab,draft_vocab,strategy", [(300, 200, SpecStrategy(3, 2, rule="q")),
@@ -554,16 +557,17 @@ def test_a_tree_drafted_with_the_fused_frontier_is_the_torch_tree(strategy):
             fed.append((tokens.clone(), features.clone()))
             return super().step(tokens, features, cache, positions, **kwargs)
 
-    drafter = Recorded(logits, torch.randperm(vocab, generator=generator)[:80])
-    root = torch.randint(0, vocab, (batch,), generator=generator).float()[:, None]
+    drafter = Recorded(logits.to(DEVICE), torch.randperm(vocab, generator=generator)[:80].to(DEVICE))
+    root = torch.randint(0, vocab, (batch,), generator=generator).float()[:, None].to(DEVICE)
     settings = RowSampling.from_params([SamplingParams(temperature=[0, 1.0, 0.8][i % 3]) for i in range(batch)],
-                                       "cpu")
-    uniforms = torch.rand(batch, strategy.tree_size, generator=generator)
+                                       DEVICE)
+    uniforms = torch.rand(batch, strategy.tree_size, generator=generator).to(DEVICE)
 
     def drafted():
         pick = dict(pick=sampling_pick(settings, uniforms)) if strategy.rule == "q" else {}
         fed.clear()
-        candidates = draft_tree(drafter, root, None, torch.zeros(batch, dtype=torch.long), strategy, **pick)
+        candidates = draft_tree(drafter, root, None, torch.zeros(batch, dtype=torch.long, device=DEVICE), strategy,
+                                **pick)
         return candidates, list(fed)
 
     expected, expected_fed = drafted()

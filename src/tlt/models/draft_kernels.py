@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from tlt.models.kernels import SAMPLE_GROUP as GROUP
 from tlt.models.kernels import _on_device_of, triton
+
+if triton is not None:
+    from tlt.models.kernels import _draw_in_block, _find_block, _tile_columns
 
 if triton is not None:
     import triton.language as tl
@@ -31,9 +35,20 @@ if triton is not None:
         return p, tl.sum(p.to(tl.float64), 0)
 
     @triton.jit
-    def _draw_kernel(LogQ, Uniforms, Greedy, Scores, Ids, lq_s, u_sb, u_sf, FRONTIER, VOCAB, BLOCKS,
-                     K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
-        # one program per expanded node (row b * FRONTIER + f): its K children in turn
+    def _remaining_tile(Base, t, VOCAB, drawn, KP: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+        """Tile t's tokens [GROUP, BLOCK], their log q with the tokens already drawn (and those past the
+        vocabulary) at -inf, and their probabilities."""
+        cols = _tile_columns(t, GROUP, BLOCK)
+        logq = tl.load(Base + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
+        slots = tl.arange(0, KP)
+        for j in tl.static_range(KP):  # one token at a time: a [GROUP, BLOCK, KP] comparison held every slot
+            logq = tl.where(cols == tl.sum(tl.where(slots == j, drawn, 0), 0), float("-inf"), logq)
+        return cols, logq, tl.exp(logq)
+
+    @triton.jit
+    def _draw_kernel(LogQ, Uniforms, Greedy, Scores, Ids, lq_s, u_sb, u_sf, FRONTIER, VOCAB, BLOCKS, TILES,
+                     K: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per expanded node (row b * FRONTIER + f): its K children in turn, GROUP blocks a step
         row = tl.program_id(0).to(tl.int64)
         b = row // FRONTIER
         base = LogQ + row * lq_s
@@ -45,39 +60,30 @@ if triton is not None:
             if greedy:  # the first index of the largest remaining log q, as torch.argmax
                 best = tl.full([], float("-inf"), tl.float32)
                 token = tl.zeros([], tl.int64)
-                for blk in range(0, BLOCKS):
-                    cols = blk * BLOCK + tl.arange(0, BLOCK)
-                    logq = tl.load(base + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
-                    removed = tl.sum((cols[:, None] == drawn[None, :]).to(tl.int32), 1) > 0
-                    logq = tl.where(removed | (cols >= VOCAB), float("-inf"), logq)
-                    top = tl.max(logq, 0)
-                    first = tl.min(tl.where(logq == top, cols, 2147483647), 0)
+                for t in range(0, TILES):
+                    cols, logq, _ = _remaining_tile(base, t, VOCAB, drawn, KP, GROUP, BLOCK)
+                    top = tl.max(tl.max(logq, 1), 0)
+                    first = tl.min(tl.min(tl.where(logq == top, cols, 2147483647), 1), 0)
                     better = top > best
                     token = tl.where(better, first.to(tl.int64), token)
                     best = tl.where(better, top, best)
             else:  # inverse CDF at two levels, as sampling.sample_from_logprobs
                 total = tl.zeros([], tl.float64)
-                for blk in range(0, BLOCKS):
-                    _, mass = _remaining_mass(base, blk, VOCAB, drawn, BLOCK)
-                    total += mass
+                for t in range(0, TILES):
+                    _, _, p = _remaining_tile(base, t, VOCAB, drawn, KP, GROUP, BLOCK)
+                    total += tl.sum(tl.sum(p.to(tl.float64), 1), 0)
                 u = tl.load(Uniforms + b * u_sb + (row % FRONTIER) * u_sf + i).to(tl.float64)
                 target = tl.minimum(u * total, total - total * shrink)
                 cumulative = tl.zeros([], tl.float64)
                 before = tl.zeros([], tl.float64)
                 block = tl.zeros([], tl.int32)
-                for blk in range(0, BLOCKS):
-                    _, mass = _remaining_mass(base, blk, VOCAB, drawn, BLOCK)
-                    cumulative += mass
-                    passed = cumulative <= target
-                    block += passed.to(tl.int32)
-                    before = tl.where(passed, cumulative, before)
+                for t in range(0, TILES):
+                    _, _, p = _remaining_tile(base, t, VOCAB, drawn, KP, GROUP, BLOCK)
+                    cumulative, before, block = _find_block(tl.sum(p.to(tl.float64), 1), cumulative, before,
+                                                            block, target)
                 block = tl.minimum(block, BLOCKS - 1)
                 p, _ = _remaining_mass(base, block, VOCAB, drawn, BLOCK)
-                inner = tl.cumsum(p.to(tl.float64), 0)
-                last = tl.max(inner, 0)
-                offset = tl.minimum(tl.maximum(target - before, 0.0), last - last * shrink)
-                within = tl.minimum(tl.sum((inner <= offset).to(tl.int32), 0), BLOCK - 1)
-                token = tl.minimum(block * BLOCK + within, VOCAB - 1).to(tl.int64)
+                token = _draw_in_block(p, before, target, block, VOCAB, BLOCK)
             # log q of the drawn token; -inf for a token drawn before (a draw made after q ran out of mass)
             again = tl.sum((drawn == token).to(tl.int32), 0) > 0
             score = tl.where(again, float("-inf"), tl.load(base + token).to(tl.float32))
@@ -98,10 +104,11 @@ def draw_without_replacement(logq: torch.Tensor, uniforms: torch.Tensor, greedy:
     scores = torch.empty(batch, frontier, k, dtype=logq.dtype, device=logq.device)
     ids = torch.empty(batch, frontier, k, dtype=torch.long, device=logq.device)
     block = 256  # sampling.CDF_BLOCK
+    blocks = triton.cdiv(vocab, block)
     with _on_device_of(logq):
         _draw_kernel[(batch * frontier,)](logq, uniforms, greedy, scores, ids, logq.stride(1), uniforms.stride(0),
-                                          uniforms.stride(1), frontier, vocab, triton.cdiv(vocab, block), K=k,
-                                          KP=triton.next_power_of_2(k), BLOCK=block, num_warps=4)
+                                          uniforms.stride(1), frontier, vocab, blocks, triton.cdiv(blocks, GROUP),
+                                          K=k, KP=triton.next_power_of_2(k), GROUP=GROUP, BLOCK=block, num_warps=8)
     return scores, ids
 
 
@@ -139,8 +146,9 @@ if triton is not None:
 
     @triton.jit
     def _verify_q_nodes_kernel(LogP, DraftLogQ, Slot, TargetToDraft, Children, Tokens, Depths, Uniforms, Greedy,
-                               Choice, Final, NODES, lp_s, dq_sb, dq_se, u_s, VOCAB, BLOCKS,
-                               K: tl.constexpr, KP: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+                               Choice, Final, NODES, lp_s, dq_sb, dq_se, u_s, VOCAB, BLOCKS, TILES,
+                               K: tl.constexpr, KP: tl.constexpr, HAS_MAP: tl.constexpr, GROUP: tl.constexpr,
+                               BLOCK: tl.constexpr):
         # one program per tree node (row b * NODES + n): recursive rejection sampling over its children in draw
         # order, then, when none was accepted, the draw from the last residual
         row = tl.program_id(0).to(tl.int64)
@@ -156,11 +164,11 @@ if triton is not None:
         argmax = tl.zeros([], tl.int64)
         if greedy:  # the first index of the largest target log-prob, as torch.argmax
             best = tl.full([], float("-inf"), tl.float32)
-            for blk in range(0, BLOCKS):
-                cols = blk * BLOCK + tl.arange(0, BLOCK)
+            for t in range(0, TILES):
+                cols = _tile_columns(t, GROUP, BLOCK)
                 lp = tl.load(base + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
-                top = tl.max(lp, 0)
-                first = tl.min(tl.where(lp == top, cols, 2147483647), 0)
+                top = tl.max(tl.max(lp, 1), 0)
+                first = tl.min(tl.min(tl.where(lp == top, cols, 2147483647), 1), 0)
                 better = top > best
                 argmax = tl.where(better, first.to(tl.int64), argmax)
                 best = tl.where(better, top, best)
@@ -186,52 +194,47 @@ if triton is not None:
             if drawn & ~hit & ~greedy:  # the residual and q after this rejected child
                 m = tl.zeros([], tl.float32)
                 s = tl.zeros([], tl.float32)
-                for blk in range(0, BLOCKS):
-                    cols = blk * BLOCK + tl.arange(0, BLOCK)
+                for t in range(0, TILES):
+                    cols = _tile_columns(t, GROUP, BLOCK)
                     inside = cols < VOCAB
                     p = tl.where(inside, tl.exp(tl.load(base + cols, mask=inside, other=float("-inf"))
                                                 .to(tl.float32)), 0.0)
                     r, q = _residual_at(p, _node_q(dq, TargetToDraft, cols, inside, slot, HAS_MAP), cols,
                                         child_tokens, rejected, mass, kept, i, KP)
-                    m += tl.sum(tl.maximum(r - q, 0.0), 0)
-                    s += tl.sum(tl.where(cols == c, 0.0, q), 0)
+                    m += tl.sum(tl.sum(tl.maximum(r - q, 0.0), 1), 0)
+                    s += tl.sum(tl.sum(tl.where(cols == c, 0.0, q), 1), 0)
                 rejected = tl.where(pick, 1, rejected)
                 mass = tl.where(pick, m, mass)
                 kept = tl.where(pick, s, kept)
         final = argmax
         if (choice < 0) & ~greedy:  # the residual's sample, as sample_from_logprobs(residual.log(), u)
             total = tl.zeros([], tl.float64)
-            for blk in range(0, BLOCKS):
-                total += tl.sum(_final_probs(base, dq, TargetToDraft, blk, VOCAB, slot, child_tokens, rejected,
-                                             mass, kept, K, KP, HAS_MAP, BLOCK).to(tl.float64), 0)
+            for t in range(0, TILES):
+                p = _final_probs(base, dq, TargetToDraft, _tile_columns(t, GROUP, BLOCK), VOCAB, slot,
+                                 child_tokens, rejected, mass, kept, K, KP, HAS_MAP)
+                total += tl.sum(tl.sum(p.to(tl.float64), 1), 0)
             shrink = 2.220446049250313e-16
             target = tl.minimum(tl.load(coins + K).to(tl.float64) * total, total - total * shrink)
             cumulative = tl.zeros([], tl.float64)
             before = tl.zeros([], tl.float64)
             block = tl.zeros([], tl.int32)
-            for blk in range(0, BLOCKS):
-                cumulative += tl.sum(_final_probs(base, dq, TargetToDraft, blk, VOCAB, slot, child_tokens,
-                                                  rejected, mass, kept, K, KP, HAS_MAP, BLOCK).to(tl.float64), 0)
-                passed = cumulative <= target
-                block += passed.to(tl.int32)
-                before = tl.where(passed, cumulative, before)
+            for t in range(0, TILES):
+                p = _final_probs(base, dq, TargetToDraft, _tile_columns(t, GROUP, BLOCK), VOCAB, slot,
+                                 child_tokens, rejected, mass, kept, K, KP, HAS_MAP)
+                cumulative, before, block = _find_block(tl.sum(p.to(tl.float64), 1), cumulative, before, block,
+                                                        target)
             block = tl.minimum(block, BLOCKS - 1)
-            p = _final_probs(base, dq, TargetToDraft, block, VOCAB, slot, child_tokens, rejected, mass, kept, K, KP,
-                             HAS_MAP, BLOCK)
-            inner = tl.cumsum(p.to(tl.float64), 0)
-            last = tl.max(inner, 0)
-            offset = tl.minimum(tl.maximum(target - before, 0.0), last - last * shrink)
-            within = tl.minimum(tl.sum((inner <= offset).to(tl.int32), 0), BLOCK - 1)
-            final = tl.minimum(block * BLOCK + within, VOCAB - 1).to(tl.int64)
+            p = _final_probs(base, dq, TargetToDraft, block * BLOCK + tl.arange(0, BLOCK), VOCAB, slot,
+                             child_tokens, rejected, mass, kept, K, KP, HAS_MAP)
+            final = _draw_in_block(p, before, target, block, VOCAB, BLOCK)
         tl.store(Choice + row, choice.to(tl.int64))
         tl.store(Final + row, final)
 
     @triton.jit
-    def _final_probs(base, dq, TargetToDraft, blk, VOCAB, slot, child_tokens, rejected, mass, kept,
-                     K: tl.constexpr, KP: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
-        """exp(log r_K) over one block: the residual after every rejected child, through a log as the torch path
-        samples it (`sample_from_logprobs(residual.log(), ...)`)."""
-        cols = blk * BLOCK + tl.arange(0, BLOCK)
+    def _final_probs(base, dq, TargetToDraft, cols, VOCAB, slot, child_tokens, rejected, mass, kept,
+                     K: tl.constexpr, KP: tl.constexpr, HAS_MAP: tl.constexpr):
+        """exp(log r_K) at tokens `cols` (a block or a tile): the residual after every rejected child, through a
+        log as the torch path samples it (`sample_from_logprobs(residual.log(), ...)`)."""
         inside = cols < VOCAB
         p = tl.where(inside, tl.exp(tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)), 0.0)
         r, _ = _residual_at(p, _node_q(dq, TargetToDraft, cols, inside, slot, HAS_MAP), cols, child_tokens,
@@ -263,13 +266,14 @@ def verify_q_nodes(logprobs: torch.Tensor, dists: torch.Tensor, slot: torch.Tens
     choice = torch.empty(batch, nodes, dtype=torch.long, device=logprobs.device)
     final = torch.empty(batch, nodes, dtype=torch.long, device=logprobs.device)
     block = 256
+    blocks = triton.cdiv(vocab, block)
     mapping = target_to_draft if target_to_draft is not None else slot  # any pointer: unread without a map
     with _on_device_of(logprobs):
         _verify_q_nodes_kernel[(batch * nodes,)](
             logprobs, dists, slot, mapping, children, tokens, depths, uniforms, greedy, choice, final, nodes,
-            logprobs.stride(1), dists.stride(0), dists.stride(1), uniforms.stride(0), vocab,
-            triton.cdiv(vocab, block), K=k, KP=triton.next_power_of_2(k), HAS_MAP=target_to_draft is not None,
-            BLOCK=block, num_warps=4)
+            logprobs.stride(1), dists.stride(0), dists.stride(1), uniforms.stride(0), vocab, blocks,
+            triton.cdiv(blocks, GROUP), K=k, KP=triton.next_power_of_2(k), HAS_MAP=target_to_draft is not None,
+            GROUP=GROUP, BLOCK=block, num_warps=8)
     return choice, final
 
 
