@@ -1,15 +1,20 @@
-"""Fused Triton kernels for the speculative step's draws: a drafter's children sampled without replacement.
+"""Fused Triton kernels for the speculative step's bookkeeping: the drafter's draws, q-tree acceptance, tree records.
 
 On a GPU a speculative step of a small model is launch-bound like a plain step (docs/benchmarks.md §9: ~2.8 us a
-kernel on the H100), and past the verify forward most of its launches are bookkeeping at [B, F, Vd] or smaller:
-drawing the K children of each expanded node from q (`q_sampling.draw_without_replacement`) took 14 operations a
-depth with the fused sampler (a clone, K draws each with its greedy argmax and score gather, the scatter that
-removes a drawn token, two stacks). `draw_without_replacement` here is one launch a depth, one program per
-expanded node, drawing its K children in turn by the same two-level float64 inverse CDF as
-`sampling.sample_from_logprobs` over q with the earlier draws removed.
+kernel on the H100), and past the verify forward most of its launches were bookkeeping at [B, F, V] or smaller
+(S6K2q on the Triton forward: 565 of 842 operations). Each group below is one launch:
 
-Off CUDA it runs under Triton's interpreter (TRITON_INTERPRET=1), which is how the CPU tests check it against the
-torch path, token for token.
+- `draw_without_replacement`: a depth's K children per expanded node drawn from q in turn (greedy rows: its
+  top-K), by the same two-level float64 inverse CDF as `sampling.sample_from_logprobs` with the earlier draws
+  removed (was ~14 operations a depth);
+- `verify_q_nodes`: every tree node's recursive rejection sampling over its children in draw order and the draw
+  from its last residual, one program a node, the residuals kept implicit through their normalizers (was ~95);
+- `expand_frontier`: a drafted depth's K^2 children recorded, the next frontier chosen, what the next pass feeds
+  copied into the path buffers (was ~13 a depth).
+
+A program reads the vocabulary 16 blocks of 256 tokens a step (`kernels.SAMPLE_GROUP`); the CDF's float64 sums
+stay per 256-token block, as torch builds them. Off CUDA they run under Triton's interpreter (TRITON_INTERPRET=1),
+which is how the CPU tests check them against the torch paths, token for token.
 """
 
 from __future__ import annotations
@@ -20,10 +25,9 @@ from tlt.models.kernels import SAMPLE_GROUP as GROUP
 from tlt.models.kernels import _on_device_of, triton
 
 if triton is not None:
-    from tlt.models.kernels import _draw_in_block, _find_block, _tile_columns
-
-if triton is not None:
     import triton.language as tl
+
+    from tlt.models.kernels import _draw_in_block, _find_block, _tile_columns
 
     @triton.jit
     def _remaining_mass(Base, b, VOCAB, drawn, BLOCK: tl.constexpr):
