@@ -60,12 +60,16 @@ def test_a_killed_worker_is_a_clear_error_and_resume_loses_no_step(tmp_path):
     first.close()
 
     doomed = ray_controller(run, **{"run.steps": 2, "rollout.max_new_tokens": 240})
-    killer = threading.Timer(0.4, doomed.backend.kill_worker, args=(1,))
+    # killed early in the step: at 0.4 s an idle machine had sometimes finished it (no error to see), and the
+    # controller left open held its reservation, failing the next tests' reservations too
+    killer = threading.Timer(0.05, doomed.backend.kill_worker, args=(1,))
     killer.start()
-    with pytest.raises(WorkerError, match="worker 1 failed.*--resume"):
-        doomed.train_step()
-    killer.join()
-    doomed.close()
+    try:
+        with pytest.raises(WorkerError, match="worker 1 failed.*--resume"):
+            doomed.train_step()
+    finally:
+        killer.join()
+        doomed.close()
 
     resumed = ray_controller(run, **{"run.steps": 2})
     try:
