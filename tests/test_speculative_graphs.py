@@ -338,16 +338,23 @@ class Alternating(FixedSpeculation):
         return self.strategies[self.turn % len(self.strategies)]
 
 
-def test_every_graph_body_of_a_rollout_reads_nothing_on_the_host():
-    """Plain decode steps while the batch is large, speculative steps (both rules) in the tail, greedy and
-    sampled rows: every body the engine would capture runs under the detector."""
+def checked_rollout(settings) -> RolloutEngine:
+    """A rollout of `settings` rows whose every graph body ran under `HostReads` (plain steps while the batch is
+    large, SD steps of both rules in the tail); returns the engine, its `CheckedRunner` holding what was found."""
     model, _ = markov_model(16, sharpness=3.0, context=0.05)
     engine = RolloutEngine(model, max_batch_size=6, speculation=Alternating([SpecStrategy(3, 2, 6),
                                                                              SpecStrategy(3, 2, rule="q")], 3),
                            max_tree_size=16)
     engine.runner = CheckedRunner(engine.forward)
     engine.set_drafter(oracle_drafter(model))
-    engine.generate(mixed_requests(16))
+    engine.generate(mixed_requests(16, settings))
+    return engine
+
+
+def test_every_graph_body_of_a_rollout_reads_nothing_on_the_host():
+    """Plain decode steps while the batch is large, speculative steps (both rules) in the tail, greedy and
+    sampled rows: every body the engine would capture runs under the detector."""
+    engine = checked_rollout(MIXED)
     assert engine.runner.kinds == {"decode", "speculative"}
     assert engine.runner.found == []
 
@@ -355,13 +362,7 @@ def test_every_graph_body_of_a_rollout_reads_nothing_on_the_host():
 def test_every_graph_body_of_a_filtered_rollout_reads_nothing_on_the_host():
     """As above with top-k/top-p rows: plain and speculative graph bodies (both rules) sort instead of searching,
     and the filtered kinds are really run (not sent eagerly around the graphs, as they once were)."""
-    model, _ = markov_model(16, sharpness=3.0, context=0.05)
-    engine = RolloutEngine(model, max_batch_size=6, speculation=Alternating([SpecStrategy(3, 2, 6),
-                                                                             SpecStrategy(3, 2, rule="q")], 3),
-                           max_tree_size=16)
-    engine.runner = CheckedRunner(engine.forward)
-    engine.set_drafter(oracle_drafter(model))
-    engine.generate(mixed_requests(16, FILTERED))
+    engine = checked_rollout(FILTERED)
     assert engine.runner.kinds == {"decode", "speculative"}
     assert engine.runner.filtered_kinds == {"decode", "speculative"}
     assert engine.runner.found == []
