@@ -76,7 +76,10 @@ def main(argv=None) -> dict:
     results = {"kv_len": args.kv, "by_batch": {}, "environment": environment(),
                "attention": [backend.name for backend in CAPTURED_ATTENTION],
                "complete": False}  # until the last write: a run killed at its time limit keeps its finished rows
-    with sdpa_kernel(CAPTURED_ATTENTION):  # the engine's graphs' attention kernels (before 2026-11-27: cuDNN's)
+    # Without gradients, as the engine decodes: the fused kernels and the residual GEMMs serve only forwards
+    # without autograd (before 2026-11-27 this ran with it: its "triton" rows timed torch's kernels over the folded
+    # copy, 540 kernels like torch's, and compared their logits on a zero KV cache: 8.9 apart in bf16)
+    with sdpa_kernel(CAPTURED_ATTENTION), torch.inference_mode():  # the graphs' attention kernels
         for batch in [int(b) for b in args.batches.split(",")]:
             measure_batch(args, lean, copy, folded, batch, results)
     results["complete"] = True

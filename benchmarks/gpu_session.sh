@@ -119,6 +119,11 @@ SPEC_ARMS=${SPEC_ARMS:-S3K1N3,S4K2N8,S5K1q,S4K2q,S6K2q}
 SPEC_GREEDY_ARMS=${SPEC_GREEDY_ARMS:-S5K1N5,S4K2N8,S6K2N12,S6K3N20}
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET))
+# The files carry the card they were measured on: *_h100.json on an H100, *_h200.json on an H200 (a plain device
+# call may get either; the 2026-11-27 seventh session got an H200). gpu_targets.py --gpu h200 reads the latter.
+GPU=${GPU:-$(python3 -c 'import re, torch; name = torch.cuda.get_device_name() if torch.cuda.is_available() else "nogpu"
+print((re.findall(r"[A-Z]\d{2,3}", name) or [re.sub(r"\W+", "", name)])[0].lower())' 2>/dev/null || echo gpu)}
+echo "== files named *_${GPU}.json"
 # What the machine runs (~3 s): the cuDNN version matters for the attention kernels (graph_runner.CAPTURED_ATTENTION)
 python3 -c 'import torch; print("== torch", torch.__version__, "cuda", torch.version.cuda, "cudnn",
 torch.backends.cudnn.version(), torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")' || true
@@ -220,7 +225,7 @@ for phase in "$@"; do
       run tests_compiled 90 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE -o faulthandler_timeout=80 \
         -k compiled --junitxml="$OUT/tests_compiled.xml" ;;
     update)
-      run update 80 python3 benchmarks/update_cost.py --device cuda --json "$OUT/update_cost_h100.json" ;;
+      run update 80 python3 benchmarks/update_cost.py --device cuda --json "$OUT/update_cost_${GPU}.json" ;;
     tests-fixed)  # the q-rule control whose defect the 2026-11-27 session found (fixed on the CPU, not rerun on a
       # GPU; the other fixed test, the compiled one, takes 70 s: it runs with plan A's `tests`), and top-k/top-p
       # rows in captured graphs (the vocabulary sorted inside the graph; sixth session, never run on a GPU)
@@ -228,68 +233,68 @@ for phase in "$@"; do
         -k "sampled_distribution_through_speculative_graphs or cudnn_attention_out or top_k_top_p" \
         --junitxml="$OUT/tests_fixed.xml" ;;
     drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
-    spec)  # T=1: speculative_h100.json is the file #13 and #14 need (spec-greedy adds its results to it)
+    spec)  # T=1: speculative_${GPU}.json is the file #13 and #14 need (spec-greedy adds its results to it)
       run spec_t1 150 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
-        --batches "$SPEC_BATCHES" --strategies "$SPEC_ARMS" --min-prompts "$SPEC_MIN_PROMPTS" --json "$OUT/speculative_h100.json" \
-        --png /tmp/speculative_h100.png ;;
+        --batches "$SPEC_BATCHES" --strategies "$SPEC_ARMS" --min-prompts "$SPEC_MIN_PROMPTS" --json "$OUT/speculative_${GPU}.json" \
+        --png /tmp/speculative_${GPU}.png ;;
     spec-greedy)
       run spec_greedy 100 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 0 \
-        --batches "$SPEC_GREEDY_BATCHES" --strategies "$SPEC_GREEDY_ARMS" --min-prompts "$SPEC_MIN_PROMPTS" --json "$OUT/speculative_h100_greedy.json" \
-        --png /tmp/speculative_h100_greedy.png
-      [ -s "$OUT/speculative_h100.json" ] && python3 benchmarks/speculative.py \
-        --add-greedy-to "$OUT/speculative_h100.json" --greedy-json "$OUT/speculative_h100_greedy.json" ;;
+        --batches "$SPEC_GREEDY_BATCHES" --strategies "$SPEC_GREEDY_ARMS" --min-prompts "$SPEC_MIN_PROMPTS" --json "$OUT/speculative_${GPU}_greedy.json" \
+        --png /tmp/speculative_${GPU}_greedy.png
+      [ -s "$OUT/speculative_${GPU}.json" ] && python3 benchmarks/speculative.py \
+        --add-greedy-to "$OUT/speculative_${GPU}.json" --greedy-json "$OUT/speculative_${GPU}_greedy.json" ;;
     throughput)
       # the batch-1 step and the batch-64 ratio are #13's targets (add 16 when a call has time for it)
       run throughput 230 python3 benchmarks/rollout_throughput.py --device cuda --batches "$THROUGHPUT_BATCHES" \
-        --max-new-tokens 128 --triton --compile inductor --skip-eager --json "$OUT/rollout_throughput_h100.json" ;;
+        --max-new-tokens 128 --also-kernels torch --compile inductor --skip-eager --json "$OUT/rollout_throughput_${GPU}.json" ;;
     triton-tests)  # tiny models only: runs before the default model is on the machine
       run tests_triton 170 python3 -m pytest tests/test_triton_kernels.py tests/test_gpu.py -v -rfE \
         -o faulthandler_timeout=160 -k "triton" --junitxml="$OUT/tests_triton.xml" ;;
     triton)  # each step bounded: a kernel that fails to build on the device fails its own step only
-      run triton_step 90 python3 benchmarks/decode_step.py --batches 1,64 --json "$OUT/decode_step_h100_triton.json"
+      run triton_step 90 python3 benchmarks/decode_step.py --batches 1,64 --json "$OUT/decode_step_${GPU}_triton.json"
       run triton_spec_greedy 100 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --kernels triton \
         --temperature 0 --batches 1,4 --strategies S5K1N5,S6K2N12 --min-prompts "$SPEC_MIN_PROMPTS" \
-        --json "$OUT/speculative_h100_triton_greedy.json" --png /tmp/speculative_h100_triton_greedy.png
+        --json "$OUT/speculative_${GPU}_triton_greedy.json" --png /tmp/speculative_${GPU}_triton_greedy.png
       run triton_spec 130 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --kernels triton \
         --temperature 1 --batches 1,4 --strategies S5K1q,S6K2q,S4K2N8 --min-prompts "$SPEC_MIN_PROMPTS" \
-        --greedy-json "$OUT/speculative_h100_triton_greedy.json" --json "$OUT/speculative_h100_triton.json" \
-        --png /tmp/speculative_h100_triton.png ;;
+        --greedy-json "$OUT/speculative_${GPU}_triton_greedy.json" --json "$OUT/speculative_${GPU}_triton.json" \
+        --png /tmp/speculative_${GPU}_triton.png ;;
     kernels)
-      run kernels 240 python3 benchmarks/decode_step.py --compile --batches 1,64 --json "$OUT/decode_step_h100.json"
+      run kernels 240 python3 benchmarks/decode_step.py --compile --batches 1,64 --json "$OUT/decode_step_${GPU}.json"
       run kernels_autotune 280 python3 benchmarks/decode_step.py --compile --compile-mode max-autotune --batches 1 \
-        --json "$OUT/decode_step_h100_autotune.json" ;;
+        --json "$OUT/decode_step_${GPU}_autotune.json" ;;
     spec-compiled)
       run spec_compiled_greedy 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" \
         --temperature 0 --compile inductor --batches 1,4 --strategies S3K1N3,S5K1q,S4K2N8,S4K2q \
-        --json "$OUT/speculative_h100_compiled_greedy.json" --png /tmp/speculative_h100_compiled_greedy.png
+        --json "$OUT/speculative_${GPU}_compiled_greedy.json" --png /tmp/speculative_${GPU}_compiled_greedy.png
       run spec_compiled_t1 260 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" \
         --temperature 1 --compile inductor --batches 1,4 --strategies S3K1N3,S5K1q,S4K2N8,S4K2q \
-        --greedy-json "$OUT/speculative_h100_compiled_greedy.json" --json "$OUT/speculative_h100_compiled.json" \
-        --png /tmp/speculative_h100_compiled.png ;;
+        --greedy-json "$OUT/speculative_${GPU}_compiled_greedy.json" --json "$OUT/speculative_${GPU}_compiled.json" \
+        --png /tmp/speculative_${GPU}_compiled.png ;;
     head)
-      run head 120 python3 benchmarks/head_precision.py --device cuda --json "$OUT/head_precision_h100.json" ;;
+      run head 120 python3 benchmarks/head_precision.py --device cuda --json "$OUT/head_precision_${GPU}.json" ;;
     tail)
       run tail 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
-        --max-new-tokens 1024 --phases overhead --steps 2 --warmup-steps 1 --json "$OUT/spot_training_h100.json" ;;
+        --max-new-tokens 1024 --phases overhead --steps 2 --warmup-steps 1 --json "$OUT/spot_training_${GPU}.json" ;;
     tail-tau)  # 10 RL steps per mode as #15 asks: at 1024 tokens they do not fit a call, at TAU_TOKENS they may
       run tail_tau 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
         --max-new-tokens "$TAU_TOKENS" --phases tau --tau-steps "$TAU_STEPS" --warmup-steps 1 \
-        --json "$OUT/spot_training_tau_h100.json" ;;
+        --json "$OUT/spot_training_tau_${GPU}.json" ;;
     e2e)
       run e2e_replay 540 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --replay --max-new-tokens 1024 \
-        --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_replay_h100.json" ;;
+        --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_replay_${GPU}.json" ;;
     e2e-natural)
       # shellcheck disable=SC2086  # SEEDS is a list of seeds
       run e2e_natural 540 python3 benchmarks/e2e.py --device cuda --drafter "$DRAFTER" --skip-trl \
         --max-new-tokens 1024 --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds $SEEDS \
-        --json "$OUT/e2e_h100_seed$(echo $SEEDS | tr ' ' '-').json" ;;
+        --json "$OUT/e2e_${GPU}_seed$(echo $SEEDS | tr ' ' '-').json" ;;
     trl)
       if [ ! -d /tmp/site/trl ]; then
         ls .gpu/trl/*.whl >/dev/null 2>&1 || { echo "== trl skipped: no .gpu/trl wheels in the carry"; continue; }
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/trl/*.whl
       fi
       run trl 540 python3 benchmarks/e2e.py --device cuda --drafter none --trl-only --max-new-tokens 1024 \
-        --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_h100.json" ;;
+        --prompts 4 --samples 4 --steps 3 --warmup-steps 1 --seeds 0 --json "$OUT/e2e_trl_${GPU}.json" ;;
     *) echo "unknown phase $phase (tests drafter spec spec-greedy spec-compiled kernels throughput head tail" \
          "tail-tau e2e e2e-natural trl update tests-fixed triton-tests triton)"; exit 2 ;;
   esac

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_targets.py [DIR ...] [--json OUT]
 
-Reads `*_h100.json` from each DIR (default benchmarks/results; a session's $OUT folder works too: a file found in
+Reads `*_h100.json` (or `*_<gpu>.json` with --gpu) from each DIR (default benchmarks/results; a session's $OUT folder works too: a file found in
 a later DIR wins) and prints, per target of issues #13, #14 and #15, the measured value, the bound and whether it
 holds. A target whose file or key is missing is "not measured", never a pass. Values are read, not recomputed:
 the benchmarks define them (their docstrings say how).
@@ -72,11 +72,12 @@ TARGETS = (
 )
 
 
-def read_results(dirs: list[Path]) -> dict[str, dict]:
+def read_results(dirs: list[Path], gpu: str = "h100") -> dict[str, dict]:
+    """The files of card `gpu` (gpu_session.sh names them *_<gpu>.json), under the targets' *_h100 names."""
     found = {}
     for folder in dirs:
-        for path in sorted(folder.glob("*_h100.json")):
-            found[path.name] = json.loads(path.read_text())
+        for path in sorted(folder.glob(f"*_{gpu}.json")):
+            found[path.name.replace(f"_{gpu}", "_h100")] = json.loads(path.read_text())
     return found
 
 
@@ -120,8 +121,10 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="*", default=[str(Path(__file__).parent / "results")])
     parser.add_argument("--json")
+    parser.add_argument("--gpu", default="h100", help="the card whose files to read: *_<gpu>.json (the targets "
+                        "are the H100's; an H200 measures close to it at batch 1, where launches bound the step)")
     args = parser.parse_args(argv)
-    results = read_results([Path(d) for d in args.dirs])
+    results = read_results([Path(d) for d in args.dirs], args.gpu)
     rows = check(results)
     print("| issue | target | measured | bound | holds |\n|---|---|---|---|---|")
     for row in rows:

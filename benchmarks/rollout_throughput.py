@@ -93,8 +93,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--compile", default="off", choices=["off", "inductor", "max-autotune"],
                         help="CUDA: also time an engine whose captured forward is Inductor-compiled (rollout.compile)")
-    parser.add_argument("--triton", action="store_true",
-                        help="CUDA: also time the graphed engine on the fused Triton kernels (rollout.kernels=triton)")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                        help="CUDA: the engine's kernels (rollout.kernels; auto: the fused Triton kernels there)")
+    parser.add_argument("--also-kernels", default=None, choices=["torch", "triton"],
+                        help="CUDA: also time the graphed engine on these kernels, side by side (e.g. torch: what "
+                        "the engine ran before rollout.kernels=auto)")
     parser.add_argument("--skip-eager", action="store_true", help="CUDA: do not time the eager (uncaptured) engine")
     args = parser.parse_args(argv)
     max_new = args.max_new_tokens or (96 if args.quick else 256)
@@ -157,27 +160,33 @@ def time_compiled(results: dict, key: str, engine, prompts, max_new, temperature
 
 
 def batch1_steps(results: dict) -> dict:
-    return {"batch1_step_ms": results["step_ms"].get("1"),
-            "batch1_step_ms_compiled": results.get("step_ms_compiled", {}).get("1"),
-            "batch1_step_ms_triton": results.get("step_ms_triton", {}).get("1")}
+    steps = {"batch1_step_ms": results["step_ms"].get("1"),
+             "batch1_step_ms_compiled": results.get("step_ms_compiled", {}).get("1")}
+    for choice in ("torch", "triton"):
+        if f"step_ms_{choice}" in results:
+            steps[f"batch1_step_ms_{choice}"] = results[f"step_ms_{choice}"].get("1")
+    return steps
 
 
-def time_triton(results: dict, key: str, loaded, batch: int, prompts, max_new: int, temperature: float) -> str:
-    """The graphed engine on the Triton kernels, beside the torch one (same prompts, same run)."""
-    for name in ("engine_triton_tok_s", "step_ms_triton", "speedup_triton_vs_hf_static", "tokens_triton"):
+def time_other_kernels(results: dict, key: str, loaded, batch: int, prompts, max_new: int, temperature: float,
+                       choice: str) -> str:
+    """The graphed engine on `choice`'s kernels, beside the headline one (same prompts, same run)."""
+    names = {"tok_s": f"engine_{choice}_tok_s", "step": f"step_ms_{choice}",
+             "speedup": f"speedup_{choice}_vs_hf_static", "tokens": f"tokens_{choice}"}
+    for name in names.values():
         results.setdefault(name, {})
     try:
-        engine = RolloutEngine(loaded, max_batch_size=batch, kernels="triton")
+        engine = RolloutEngine(loaded, max_batch_size=batch, kernels=choice)
         run_engine(engine, prompts, max_new, temperature)  # warm-up: Triton's compiles and the captures
         seconds, tokens, decode_ms = run_engine(engine, prompts, max_new, temperature)
-    except Exception as error:  # a kernel that does not build on this device: the torch rows stand
-        results["triton_error"] = f"{type(error).__name__}: {error}"[:2000]
-        return f"  triton failed: {results['triton_error'][:200]}"
-    results["engine_triton_tok_s"][key] = tokens / seconds
-    results["step_ms_triton"][key] = statistics.median(decode_ms)
-    results["tokens_triton"][key] = tokens
-    results["speedup_triton_vs_hf_static"][key] = results["engine_triton_tok_s"][key] / results["hf_static_tok_s"][key]
-    return f"  triton {results['engine_triton_tok_s'][key]:9.1f} tok/s step {results['step_ms_triton'][key]:.3f} ms"
+    except Exception as error:  # a kernel that does not build on this device: the headline rows stand
+        results[f"{choice}_error"] = f"{type(error).__name__}: {error}"[:2000]
+        return f"  {choice} failed: {results[f'{choice}_error'][:200]}"
+    results[names["tok_s"]][key] = tokens / seconds
+    results[names["step"]][key] = statistics.median(decode_ms)
+    results[names["tokens"]][key] = tokens
+    results[names["speedup"]][key] = results[names["tok_s"]][key] / results["hf_static_tok_s"][key]
+    return f"  {choice} {results[names['tok_s']][key]:9.1f} tok/s step {results[names['step']][key]:.3f} ms"
 
 
 def main_cuda(args, max_new: int) -> dict:
@@ -202,7 +211,8 @@ def main_cuda(args, max_new: int) -> dict:
     # Inductor per shape) after all of them: a phase cut at its limit loses only what it measured last
     for batch in batches:
         prompts, key = prompts_of[batch], str(batch)
-        graphed = RolloutEngine(loaded, max_batch_size=batch)
+        graphed = RolloutEngine(loaded, max_batch_size=batch, kernels=args.kernels)
+        results["kernels"] = graphed.kernels  # what auto chose here
         run_engine(graphed, prompts, max_new, args.temperature)  # warm-up: captures this run's graphs
         engine_s, engine_tokens, decode_ms = run_engine(graphed, prompts, max_new, args.temperature)
         run_hf_generate(hf_model, tokenizer, prompts, max_new, args.temperature, eos,
@@ -222,12 +232,13 @@ def main_cuda(args, max_new: int) -> dict:
                 f"{results['step_ms'][key]:.3f} ms")
         results.update(batch1_steps(results))  # now: a run its time limit cuts keeps #13's key
         write_json(args.json, results, echo=False)
-        if args.triton:
-            line += time_triton(results, key, loaded, batch, prompts, max_new, args.temperature)
+        if args.also_kernels not in (None, graphed.kernels):
+            line += time_other_kernels(results, key, loaded, batch, prompts, max_new, args.temperature,
+                                       args.also_kernels)
             results.update(batch1_steps(results))
             write_json(args.json, results, echo=False)
         if not args.skip_eager:
-            eager = RolloutEngine(loaded, max_batch_size=batch, cuda_graphs=False)
+            eager = RolloutEngine(loaded, max_batch_size=batch, cuda_graphs=False, kernels=args.kernels)
             run_engine(eager, prompts[:1], 8, args.temperature)
             eager_s, eager_tokens, _ = run_engine(eager, prompts, max_new, args.temperature)
             results["engine_eager_tok_s"][key] = eager_tokens / eager_s

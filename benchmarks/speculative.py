@@ -22,11 +22,14 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
 
 from tlt.models import load_model  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
+from tlt.models.lean_forward import resolve_kernels  # noqa: E402
 from tlt.rollout.engine import RolloutEngine  # noqa: E402
 from tlt.rollout.request import Request  # noqa: E402
 from tlt.sampling import SamplingParams  # noqa: E402
@@ -43,7 +46,7 @@ COMPILED_ENGINES: dict[int, RolloutEngine] = {}  # --compile: one engine per bat
 ENGINE_SETUP: dict = {}  # the rollout dtype and whether CUDA graphs ran, as the engines had them (into the JSON)
 
 
-def engine_for(loaded, drafter, batch, strategy, compile_mode, kernels="torch"):
+def engine_for(loaded, drafter, batch, strategy, compile_mode, kernels="auto"):
     tree = max([s.cache_slots for s in STRATEGIES] + [strategy.cache_slots if strategy else 0])
     if compile_mode == "off":
         return RolloutEngine(loaded, max_batch_size=batch, drafter=drafter, speculation=strategy, max_tree_size=tree,
@@ -59,7 +62,7 @@ def engine_for(loaded, drafter, batch, strategy, compile_mode, kernels="torch"):
 
 
 def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, sampling: dict, compile_mode="off",
-        kernels="torch"):
+        kernels="auto"):
     """tok/s and the speculation summary of one timed generate(); sampling: SamplingParams' temperature, top_k,
     top_p."""
     # An engine's graph runner holds itself through its captured bodies: only the cyclic collector frees the
@@ -93,8 +96,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 and CUDA graphs there)")
     parser.add_argument("--compile", default="off", choices=["off", "inductor", "max-autotune"],
                         help="CUDA: Inductor-compile the captured forward (rollout.compile), plain and SD alike")
-    parser.add_argument("--kernels", default="torch", choices=["torch", "triton"],
-                        help="CUDA: the fused Triton kernels (rollout.kernels=triton), plain and SD alike")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                        help="as rollout.kernels, plain and SD alike (auto: the fused Triton kernels on CUDA, "
+                        "torch's on the CPU)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of every arm, each followed "
                         "by a plain run; medians over rounds (the machines are noisy)")
     parser.add_argument("--greedy-json", help="a --temperature 0 run's file: its results go beside these")
@@ -107,7 +111,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--add-greedy-to", metavar="FILE", help="only put --greedy-json's results into FILE, a "
                         "T=1 run's (a GPU session runs T=1 first, so that a short call still gets the T=1 file)")
     args = parser.parse_args(argv)
-    if args.compile != "off" and args.kernels != "torch":
+    if args.compile != "off" and args.kernels == "triton":
         parser.error("--compile and --kernels triton are alternatives (as rollout.compile and rollout.kernels)")
     if args.add_greedy_to:
         results = json.loads(Path(args.add_greedy_to).read_text())
@@ -133,7 +137,8 @@ def main(argv=None) -> dict:
                "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "rounds": args.rounds, "min_prompts": args.min_prompts,
                "repeats": args.repeats,
                "compile": args.compile,
-               "kernels": args.kernels,
+               # as the engines ran (auto resolved on this device: rollout.kernels' default)
+               "kernels": resolve_kernels(args.kernels, torch.device(args.device), compiled=args.compile != "off"),
                # with --compile one engine, built with the drafter, runs plain and SD alike (a compile per
                # engine costs minutes): its plain runs also store the drafter's features (slightly slower)
                "plain_engine_has_drafter": args.compile != "off",

@@ -141,13 +141,21 @@ def test_triton_kernels_in_bf16_graphs_decode_as_torch_kernels_up_to_near_ties()
     model = tiny_model("llama", layers=4).to(CUDA)
     requests = [Request(p, n=1, params=SamplingParams(temperature=0, max_new_tokens=40))
                 for p in random_prompts([5, 8, 13, 2], seed=6)]
-    plain = generate(model, requests, max_batch_size=4)
+    plain = generate(model, requests, max_batch_size=4, kernels="torch")
     for speculation in (None, SpecStrategy(3, 2, 6), SpecStrategy.chain(3, "q")):
         engine = RolloutEngine(model, max_batch_size=4, drafter=EagleDrafter(model.config), speculation=speculation,
                                max_tree_size=16, kernels="triton")
         fused = engine.generate(requests + mixed_requests())
         assert engine.runner.captures > 0
         assert_parted_only_at_near_ties(model, requests, token_ids(plain.samples), token_ids(fused.samples))
+
+
+def test_an_engine_on_cuda_decodes_on_the_triton_kernels_by_default():
+    """rollout.kernels=auto: Triton's kernels on this GPU (bf16 and fp32), torch's where they were not tested."""
+    model = tiny_model("llama").to(CUDA)
+    assert RolloutEngine(model, max_batch_size=2).forward.kernels == "triton"
+    assert RolloutEngine(model, max_batch_size=2, dtype="float32").forward.kernels == "triton"
+    assert RolloutEngine(model, max_batch_size=2, dtype="float16").forward.kernels == "torch"
 
 
 def test_rollout_copy_follows_the_policy_after_an_update():

@@ -16,7 +16,7 @@ from tlt.models import KVCache, LeanForward
 from tlt.models import draft_kernels, kernels
 from tlt.models.eagle import EagleDrafter
 from tlt.models.lean_forward import (apply_rope, attention_mask, grouped_attention_bias, grouped_query_attention,
-                                     signed_sin)
+                                     resolve_kernels, signed_sin)
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rl.config import load_config
 from tlt.rl.config_text import ConfigError
@@ -243,6 +243,37 @@ def test_config_checks_the_kernels_choice(tmp_path):
     with pytest.raises(ConfigError, match="alternatives"):
         load_config(None, ["rollout.kernels=triton", "rollout.compile=inductor"])
     assert load_config(None, ["rollout.kernels=triton"]).rollout.kernels == "triton"
+    assert load_config(None, []).rollout.kernels == "auto"
+    assert load_config(None, ["rollout.compile=inductor"]).rollout.kernels == "auto"  # auto yields to a compile
+
+
+@pytest.mark.parametrize("capability, compiled, dtype, has_triton, expected", [
+    ((9, 0), False, torch.bfloat16, True, "triton"),   # an H100/H200 rollout in bf16
+    ((8, 0), False, torch.float32, True, "triton"),
+    ((8, 0), False, None, True, "triton"),             # dtype unknown to the caller
+    ((7, 5), False, torch.bfloat16, True, "torch"),    # before Ampere
+    ((9, 0), True, torch.bfloat16, True, "torch"),     # Inductor compiles instead
+    ((9, 0), False, torch.float16, True, "torch"),     # not a precision the GPU tests ran
+    ((9, 0), False, torch.bfloat16, False, "torch"),   # Triton not installed
+])
+def test_auto_kernels_pick_triton_only_where_they_run(monkeypatch, capability, compiled, dtype, has_triton,
+                                                      expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if not has_triton:
+        monkeypatch.setattr(kernels, "triton", None)
+    assert resolve_kernels("auto", torch.device("cuda"), compiled=compiled, dtype=dtype) == expected
+    assert resolve_kernels("torch", torch.device("cuda"), compiled=False) == "torch"  # explicit choices stand
+    assert resolve_kernels("triton", torch.device("cpu"), compiled=False) == "triton"  # (kernels_problem checks)
+
+
+def test_auto_kernels_are_torch_on_the_cpu_even_under_the_interpreter():
+    """The interpreter runs the kernels for tests only: an engine left at its default decodes on torch's kernels
+    (oneDNN's linears) on the CPU, and says so."""
+    engine = RolloutEngine(tiny_model("llama"))
+    assert engine.kernels == engine.forward.kernels == "torch"
+    forward = LeanForward(tiny_model("llama"))
+    forward.use_kernels("auto")
+    assert forward.kernels == "torch"
 
 
 MIXED = [SamplingParams(temperature=0, max_new_tokens=14), SamplingParams(temperature=1.0, max_new_tokens=12, seed=1),

@@ -431,9 +431,10 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", default="off", choices=["off", "inductor", "max-autotune"],
                         help="on CUDA: Inductor-compile the steps the CUDA graphs replay (fewer, fused kernels; "
                         "the first steps pay the compile)")
-    parser.add_argument("--kernels", default="torch", choices=["torch", "triton"],
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
                         help="on CUDA: triton = fused Triton kernels (RoPE + KV write, attention, SiLU, sampling; "
-                        "norms folded into the projections); an alternative to --compile")
+                        "norms folded into the projections); an alternative to --compile. auto (default): triton "
+                        "on CUDA unless --compile is set, torch's kernels on the CPU")
     _add_threads(parser)
 
 

@@ -47,9 +47,9 @@ def run_generate(args, *, demo: bool) -> int:
         raise TltError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if args.compile != "off" and not torch.cuda.is_available():
         raise TltError(f"--compile {args.compile} compiles the steps CUDA graphs replay: it needs a CUDA device")
-    if args.kernels != "torch" and not torch.cuda.is_available():
+    if args.kernels == "triton" and not torch.cuda.is_available():
         raise TltError(f"--kernels {args.kernels}: the Triton kernels run on CUDA, and this machine has none")
-    if args.kernels != "torch" and args.compile != "off":
+    if args.kernels == "triton" and args.compile != "off":
         raise TltError("--kernels triton and --compile are alternatives (Inductor fuses its own kernels): pick one")
     pick_threads(args.threads)  # a negative count is refused here, before the model loads
     with console.status("loading model (first run: fetches and converts SmolLM2-135M-Instruct, ~1 min)"):

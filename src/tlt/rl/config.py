@@ -62,9 +62,10 @@ class RolloutConfig:
     cuda_graphs: bool = True       # on CUDA, replay plain decode steps and whole speculative steps as CUDA graphs
     compile: str = "off"           # on CUDA: "inductor" / "max-autotune" compile what the graphs capture (fused
                                    # kernels: the decode forward and the speculative step's device part)
-    kernels: str = "torch"         # on CUDA: "triton" fuses RoPE + KV write, attention, SiLU-and-multiply and the
+    kernels: str = "auto"          # "triton" (CUDA) fuses RoPE + KV write, attention, SiLU-and-multiply and the
                                    # sampler into one Triton kernel each, norms folded into the projections
-                                   # (models/kernels.py); an alternative to compile
+                                   # (models/kernels.py); an alternative to compile. "auto": triton on CUDA
+                                   # (compute capability 8.0+, compile off), torch's kernels elsewhere
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     check_choice("rollout.dtype", rollout.dtype, ROLLOUT_DTYPES)
     check_choice("rollout.compile", rollout.compile, ROLLOUT_COMPILE)
     check_choice("rollout.kernels", rollout.kernels, KERNEL_CHOICES)
-    if rollout.compile != "off" and rollout.kernels != "torch":
+    if rollout.compile != "off" and rollout.kernels == "triton":  # auto: torch's kernels under a compile
         raise ConfigError("rollout.compile and rollout.kernels=triton are alternatives (Inductor fuses its own "
                           "kernels): set one of them")
     if rollout.compile != "off" and not rollout.cuda_graphs:

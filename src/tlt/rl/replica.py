@@ -149,9 +149,9 @@ def build_engine(loaded, config: TrainConfig, *, task=None, announce: bool = Tru
     elif config.rollout.compile != "off":  # kept, not refused: one config serves the GPU and the CPU machines
         log.warning("rollout.compile=%s is ignored on %s: it compiles the steps CUDA graphs replay",
                     config.rollout.compile, loaded.model.device.type)
-    if config.rollout.kernels != "torch" and loaded.model.device.type == "cuda":
-        precision["kernels"] = config.rollout.kernels
-    elif config.rollout.kernels != "torch":  # as compile: kept for the GPU machines, the CPU runs torch's
+    if loaded.model.device.type == "cuda":
+        precision["kernels"] = config.rollout.kernels  # auto: Triton's unless compiled (`resolve_kernels`)
+    elif config.rollout.kernels == "triton":  # as compile: kept for the GPU machines, the CPU runs torch's
         log.warning("rollout.kernels=%s is ignored on %s: the Triton kernels run on CUDA",
                     config.rollout.kernels, loaded.model.device.type)
     if run.speculative == "off":

@@ -18,7 +18,7 @@ import time
 import torch
 
 from tlt.errors import RequestError
-from tlt.models.lean_forward import LeanForward, keep_cudnn_attention_out, kernels_problem
+from tlt.models.lean_forward import LeanForward, keep_cudnn_attention_out, kernels_problem, resolve_kernels
 from tlt.models.loading import LoadedModel
 from tlt.models.loading import eos_token_ids as eos_token_ids_of
 from tlt.models.rollout_copy import RolloutCopy
@@ -49,15 +49,16 @@ class RolloutEngine:
     cuda_graphs: replay decode and verification steps as CUDA graphs (default: on CUDA).
     compile: "off" (default), "inductor" or "max-autotune": Inductor-compile the forward the CUDA graphs capture
         (fused kernels, fewer launches; `LeanForward.compile`). Needs CUDA graphs.
-    kernels: "torch" (default) or "triton": the fused Triton kernels of models/kernels.py for RoPE with the KV
-        write, attention and SiLU-and-multiply in decode, verify and drafter forwards (`LeanForward.use_kernels`),
-        norms folded into a rollout copy's projections, and the fused sampler for every draw. Needs CUDA; an
-        alternative to compile.
+    kernels: "auto" (default), "torch" or "triton": the fused Triton kernels of models/kernels.py for RoPE with
+        the KV write, attention and SiLU-and-multiply in decode, verify and drafter forwards
+        (`LeanForward.use_kernels`), norms folded into a rollout copy's projections, and the fused sampler for
+        every draw. Needs CUDA; an alternative to compile. "auto": Triton's on CUDA (compute capability 8.0+,
+        Triton installed, compile off), torch's elsewhere (`resolve_kernels`); `engine.kernels` says which.
     """
 
     def __init__(self, model, *, max_batch_size: int = 64, eos_token_ids=None, drafter=None, speculation=None,
                  max_tree_size: int = 64, dtype="auto", cuda_graphs: bool | None = None, compile: str = "off",
-                 kernels: str = "torch"):
+                 kernels: str = "auto"):
         tokenizer = None
         if isinstance(model, LoadedModel):
             model, tokenizer = model.model, model.tokenizer
@@ -69,6 +70,8 @@ class RolloutEngine:
         problem = kernels_problem(kernels, self.policy_forward.device, compiled=compile != "off")
         if problem is not None:  # refused before anything is built for it
             raise RequestError(problem)
+        kernels = resolve_kernels(kernels, self.policy_forward.device, compiled=compile != "off", dtype=dtype)
+        self.kernels = kernels
         # With kernels="triton" the copy folds its norms into the fused projections (no norm kernel in a layer;
         # models/rollout_copy.py); not in fp16, whose range the un-normalized residual could leave. An engine that
         # decodes in the weights' own dtype makes no copy for it (memory, rollout_is): the kernels run over the
