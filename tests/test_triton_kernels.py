@@ -352,6 +352,49 @@ def test_a_drafter_step_on_the_kernels_equals_the_torch_step(kernel_choice):
     assert_same_outputs(*outputs, tol=1e-5)
 
 
+def scaled_norm_drafter(model, seed: int) -> EagleDrafter:
+    """A random drafter whose post-attention norm weight is away from 1 (a fold by ones would prove nothing)."""
+    torch.manual_seed(seed)
+    drafter = EagleDrafter(model.config).to(DEVICE)
+    with torch.no_grad():
+        drafter.layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    return drafter
+
+
+def test_a_serving_drafter_on_triton_kernels_folds_its_norm_through_hot_swaps():
+    """The serving copy of a drafter on the Triton kernels holds W diag(g) in gate/up (no norm kernels in a
+    drafting pass): its passes equal the unfolded drafter's on torch's kernels (fp32), and a hot swap (weights
+    loaded in place, which captured graphs read) folds the new drafter's norm, as a fresh copy would. Control:
+    the in-place load before the fold (a plain load_state_dict) leaves gate/up unscaled."""
+    model, _, _ = engine_case()
+    fused_forward, torch_forward = LeanForward(model), LeanForward(model)
+    fused_forward.use_kernels("triton")
+    drafter = scaled_norm_drafter(model, seed=3)
+    serving = drafter.inference_copy(fused_forward)
+    assert serving._fused_projections.gate_up_norm_folded
+    assert not drafter.inference_copy(torch_forward)._fused_projections.gate_up_norm_folded
+    reference = drafter.inference_copy(torch_forward)
+
+    def drafting_pass(copy_):
+        cache = copy_.new_cache(2, 32)
+        tokens = torch.tensor([[5, 9, 2], [7, 1, 4]], device=DEVICE)
+        features = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        positions = torch.arange(3, device=DEVICE)[None].expand(2, -1)
+        with torch.no_grad():
+            return copy_.step(tokens, features, cache.rows(0, 2), positions)
+
+    torch.testing.assert_close(drafting_pass(serving), drafting_pass(reference), atol=1e-4, rtol=1e-4)
+    swapped = scaled_norm_drafter(model, seed=4)
+    serving.load_serving_weights(swapped)
+    fresh = swapped.inference_copy(fused_forward)
+    for (name, ours), theirs in zip(serving.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(ours, theirs), name
+    torch.testing.assert_close(drafting_pass(serving), drafting_pass(swapped.inference_copy(torch_forward)),
+                               atol=1e-4, rtol=1e-4)
+    serving.load_state_dict(swapped.state_dict())  # the control: loaded, not folded
+    assert not torch.equal(serving.layer.mlp.gate_proj.weight, fresh.layer.mlp.gate_proj.weight)
+
+
 def test_a_bf16_engine_on_folded_norms_decodes_as_torch_up_to_near_ties():
     """The folded copy through a whole engine (bf16: the copy a CUDA run decodes from, here on the CPU): greedy
     rows part from torch's kernels only where the fp32 model's top two logits are within bf16 rounding."""

@@ -179,9 +179,26 @@ class EagleDrafter(nn.Module):
         # never trained: its q/k/v and gate/up projections become views of one weight each, one GEMM instead of
         # three and two per draft pass (as the rollout copy of the target). After attach, whose dtype or device
         # move would replace the views; before the weights load, which fill them.
-        copy_._fused_projections = fuse_layer(copy_.layer)
-        copy_.load_state_dict(self.state_dict())
+        fused = copy_._fused_projections = fuse_layer(copy_.layer)
+        # On the target's Triton kernels the post-attention norm's weight folds into gate/up, as in the target's
+        # rollout copy (models/rollout_copy.py): the SiLU kernel normalizes, no norm kernels in a drafting pass
+        # (~5 operations each). Not in fp16 (the un-normalized residual's range), not with MLP biases.
+        fused.gate_up_norm_folded = (target.kernels == "triton" and target.dtype != torch.float16
+                                     and fused.gate_up_weight is not None)
+        copy_.load_serving_weights(self)
         return copy_
+
+    @torch.no_grad()
+    def load_serving_weights(self, source: "EagleDrafter") -> None:
+        """Load `source`'s weights into this drafter in place (captured graphs read its tensors: a hot swap
+        keeps them). Into an inference copy with a folded post-attention norm, gate/up get W diag(g), computed
+        at the source's precision and rounded once."""
+        self.load_state_dict(source.state_dict())
+        fused = self._fused_projections
+        if fused is not None and fused.gate_up_norm_folded:
+            norm = source.layer.post_attention_layernorm.weight.detach()
+            for name in ("gate_proj", "up_proj"):
+                getattr(self.layer.mlp, name).weight.copy_(getattr(source.layer.mlp, name).weight.detach() * norm)
 
     @property
     def target(self) -> LeanForward:

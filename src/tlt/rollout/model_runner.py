@@ -94,7 +94,7 @@ class ModelRunner:
         current = self.spec_decoder
         if current is not None and self.graphs is not None and _same_layout(current.drafter, drafter):
             # Captured graphs read the serving drafter's tensors: load the new weights into them in place.
-            current.drafter.load_state_dict(drafter.state_dict())
+            current.drafter.load_serving_weights(drafter)
             if current.cache is not None:
                 current.cache.lengths.zero_()
             return
