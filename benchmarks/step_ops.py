@@ -50,7 +50,7 @@ SD_STRATEGIES = ("S5K1q", "S3K1N3", "S4K2N8", "S4K2q", "S6K2q")  # S6K2q: the be
 VIEWS = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "permute", "expand",
          "alias", "split", "split_with_sizes", "chunk", "as_strided", "reshape", "detach", "lift_fresh",
          "empty"}  # empty: an allocation, no kernel
-COUNTERS: list = []  # the OperationCounters entered, innermost last (Triton launches count into it)
+COUNTERS: list = []  # the OperationCounters entered, innermost last (Triton launches count into each)
 
 
 class OperationCounter(TorchDispatchMode):
@@ -83,8 +83,8 @@ class CountedLaunches:
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
-            if COUNTERS:
-                COUNTERS[-1].counts[f"triton:{self.name}"] += 1
+            for counter in COUNTERS:  # every counter entered sees it, as nested modes all see an ATen op
+                counter.counts[f"triton:{self.name}"] += 1
             with _disable_current_modes():
                 return launch(*args, **kwargs)
         return run
