@@ -151,8 +151,15 @@ def run_cli(capfd, args, settle_s=0.0):
     code = main(["train", *FAST, *args])
     gc.collect()
     time.sleep(settle_s)
-    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip() and not teardown_noise(line)]
     return code, err
+
+
+def teardown_noise(line: str) -> bool:
+    """A Ray worker's interpreter teardown, forwarded to the driver: nanobind's leak report for Triton's bindings
+    (imported by every worker here, where conftest runs Triton's interpreter), printed at random as the worker
+    exits (seen once in a fresh-clone suite, 2026-11-27; the test alone passed). Not the CLI's output."""
+    return "_RayWorker pid=" in line and ("nanobind" in line or "leaked " in line)
 
 
 def assert_one_line(code, err, expected):
