@@ -48,6 +48,9 @@
 #   plus what its line names. The warmed drafter travels in the working tree (benchmarks/drafters/, 8.4 MB). After
 #   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
+# Seventh session (2026-11-27, an H200): plan T ran (81 + 17 tests passed; Triton step 1.06 ms at batch 1, SD 1.26x
+# T=1; *_h200.json), then tail and update; the Triton kernels are now the CUDA default (rollout.kernels=auto).
+# Next: `tests` first (the whole GPU suite on the new default, never run), then spec spec-greedy, then plan B.
 # Sixth session (2026-11-27, no GPU): the SD step's drafting and q acceptance fused too (models/draft_kernels.py:
 # S6K2q 842 -> see step_ops.json `sd_step_kernels`), the samplers read 16 blocks a step, top-k/top-p rows replay
 # graphs (tests-fixed runs their GPU tests). Plan T below covers all of it; nothing of it has run on a GPU.
