@@ -69,16 +69,50 @@ def test_attention_equals_grouped_sdpa(num_new, tree, kv_len, splits):
     assert (out - reference_attention(q, keys, values, bias, 0.25)).abs().max() < TOL
 
 
-def test_a_short_span_is_split_when_the_batch_leaves_programs_idle(monkeypatch):
-    """attention_splits: batch 1 of 2 KV heads on 300 slots runs in parts; the combine kernel really ran."""
-    assert kernels.attention_splits(2, 300) == 3 and kernels.attention_splits(256, 300) == 1
+def counted_combines(monkeypatch) -> list:
     launches = []
     combine = kernels._combine_kernel
     monkeypatch.setattr(kernels, "_combine_kernel", type("Counted", (), {
         "__getitem__": lambda self, grid: launches.append(grid) or combine[grid]})())
+    return launches
+
+
+def test_a_short_span_is_split_and_merged_by_its_last_split(monkeypatch):
+    """attention_splits: batch 1 of 2 KV heads on 300 slots runs in parts, merged inside the one launch by each
+    query block's last split to arrive (no combine kernel), whose arrival counts are zero again after it: a
+    second launch on the same counts (and a tree of several query blocks) is right too."""
+    assert kernels.attention_splits(2, 300) == 3 and kernels.attention_splits(256, 300) == 1
+    launches = counted_combines(monkeypatch)
+    for num_new, tree in ((1, False), (1, False), (17, True)):
+        q, keys, values, bias = attention_case(num_new, tree, kv_len=300)
+        out = kernels.attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)
+        assert (out - reference_attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)).abs().max() < TOL
+    assert not launches
+    assert not any(counts.any() for counts in kernels._ARRIVALS.values())
+
+
+def test_split_attention_without_arrival_counts_merges_in_the_combine_kernel(monkeypatch):
+    """More query blocks than counts (or a first use inside a capture): the combine kernel merges the parts."""
+    monkeypatch.setattr(kernels, "ARRIVAL_SLOTS", 0)
+    launches = counted_combines(monkeypatch)
     q, keys, values, bias = attention_case(1, False, kv_len=300)
     out = kernels.attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)
     assert launches and (out - reference_attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)).abs().max() < TOL
+
+
+def test_a_stale_arrival_count_would_show(monkeypatch):
+    """Control: counts not reset by the last split (here: left at 1) merge too early, from unwritten parts, and
+    the comparison above fails; the counts are then restored."""
+    q, keys, values, bias = attention_case(1, False, kv_len=300)
+    kernels.attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)  # makes this stream's counts
+    counts = next(iter(kernels._ARRIVALS.values()))
+    counts.fill_(1)
+    try:  # other queries than the first launch's: its partials (or output) left in reused memory must not match
+        q = q.flip(0) * 3
+        out = kernels.attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)
+        assert not (out - reference_attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)).abs().max() < TOL
+    finally:
+        counts.zero_()
 
 
 def test_attention_reads_strided_queries_and_a_bias_sliced_from_wider_tables():

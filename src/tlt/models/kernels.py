@@ -7,8 +7,8 @@ memset plus a copy of its strided output, and SiLU-and-multiply as two. Here eac
 
 - `rope_and_store`: rotate q (in place) and k, write k and v into the cache at each row's slots;
 - `attention`: masked attention of T new tokens over the cache with grouped KV heads, written straight into
-  the [B, T, H * D] layout o_proj reads (a split over the KV span plus one combine kernel when the batch gives
-  too few programs to fill the device);
+  the [B, T, H * D] layout o_proj reads (the KV span split over more programs when the batch gives too few to
+  fill the device, each query block's parts merged by its last split to arrive, in the same launch);
 - `silu_and_mul`: the MLP's activation from the fused gate/up GEMM's output;
 - `sample_from_logprobs`: a draw by inverse CDF, one program per row (22 torch operations a draw).
 
@@ -118,12 +118,13 @@ if triton is not None:
             tl.store(out + HALF + i, v2.to(VCache.dtype.element_ty), mask=writable)
 
     @triton.jit
-    def _attention_kernel(Q, K, V, Bias, Out, PartAcc, PartMax, PartSum,
+    def _attention_kernel(Q, K, V, Bias, Out, PartAcc, PartMax, PartSum, Arrivals,
                           q_sb, q_sh, q_st, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
                           bias_sb, bias_sg, bias_st, o_sb, o_st, o_sh,
                           T, GROUPS, KV_HEADS, KV_LEN, CHUNK, SPLITS, scale,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                          LAST_COMBINES: tl.constexpr):
         # program (row b, KV head), a block of its G x T query rows (query head kv * G + g, new token t), a split
         row_head = tl.program_id(0)
         b = (row_head // KV_HEADS).to(tl.int64)
@@ -170,16 +171,51 @@ if triton is not None:
             else:
                 acc = acc * rescale[:, None] + tl.dot(p, v)
             running_max = new_max
-        if SPLIT:  # partial results of this split: `_combine_kernel` merges them
+        if SPLIT:  # partial results of this split: `_combine_kernel`, or the block's last split, merges them
             part = (b * KV_HEADS * GROUPS + head) * T + t                                   # [M] (row, head, token)
             tl.store(PartMax + part * SPLITS + split, running_max, mask=rows_ok)
             tl.store(PartSum + part * SPLITS + split, running_sum, mask=rows_ok)
             tl.store(PartAcc + (part[:, None] * SPLITS + split) * BLOCK_D + d[None, :], acc,
                      mask=rows_ok[:, None])
+            if LAST_COMBINES:
+                # One arrival count per query block: the split that arrives last (acq_rel: it sees the others'
+                # partials, stored before their arrival) merges them and resets the count for the next launch,
+                # where a separate combine kernel was one more launch per attention (30 a SmolLM2 step)
+                block = row_head * tl.num_programs(1) + tl.program_id(1)
+                # the barriers: every thread's partial stores before the (one-thread) release, and every
+                # thread's partial loads after the acquire
+                tl.debug_barrier()
+                arrived = tl.atomic_add(Arrivals + block, 1, sem="acq_rel")
+                tl.debug_barrier()
+                if arrived == SPLITS - 1:
+                    _combine_block(PartAcc, PartMax, PartSum, Out, part, b, head, t, rows_ok, d, d_ok,
+                                   o_sb, o_st, o_sh, SPLITS, BLOCK_D, BLOCK_M)
+                    tl.atomic_xchg(Arrivals + block, 0)
         else:
             out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
             tl.store(Out + b * o_sb + t[:, None] * o_st + head[:, None] * o_sh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _combine_block(PartAcc, PartMax, PartSum, Out, part, b, head, t, rows_ok, d, d_ok, o_sb, o_st, o_sh,
+                       SPLITS, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """A query block's SPLITS partials merged, as `_combine_kernel` does for one row (.cg: from L2, where the
+        other programs' stores landed)."""
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in range(0, SPLITS):
+            top = tl.maximum(top, tl.load(PartMax + part * SPLITS + s, mask=rows_ok, other=float("-inf"),
+                                          cache_modifier=".cg"))
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for s in range(0, SPLITS):
+            maxes = tl.load(PartMax + part * SPLITS + s, mask=rows_ok, other=float("-inf"), cache_modifier=".cg")
+            weight = tl.where(maxes > float("-inf"), tl.exp(maxes - tl.where(top > float("-inf"), top, 0.0)), 0.0)
+            total += weight * tl.load(PartSum + part * SPLITS + s, mask=rows_ok, other=0.0, cache_modifier=".cg")
+            acc += weight[:, None] * tl.load(PartAcc + (part[:, None] * SPLITS + s) * BLOCK_D + d[None, :],
+                                             mask=rows_ok[:, None], other=0.0, cache_modifier=".cg")
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(Out + b * o_sb + t[:, None] * o_st + head[:, None] * o_sh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _combine_kernel(PartAcc, PartMax, PartSum, Out, o_sb, o_st, o_sh, T, HEADS, SPLITS,
@@ -389,25 +425,50 @@ def attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
     else:
         part_acc = part_max = part_sum = out  # unused
     with _on_device_of(q):
+        arrivals = _arrival_counts(q.device, batch * kv_heads * m_blocks) if splits > 1 else None
         _launch_attention((batch * kv_heads, m_blocks, splits), q, key_cache, value_cache, bias, out, part_acc,
-                          part_max, part_sum, bias_sg, bias_st, groups, chunk, splits, scale, block_d, block_m,
-                          block_n)
+                          part_max, part_sum, arrivals, bias_sg, bias_st, groups, chunk, splits, scale, block_d,
+                          block_m, block_n)
     return out.view(batch, num_new, heads * dim)
 
 
-def _launch_attention(grid, q, key_cache, value_cache, bias, out, part_acc, part_max, part_sum, bias_sg, bias_st,
-                      groups, chunk, splits, scale, block_d, block_m, block_n) -> None:
+# The arrival counts of split attention's query blocks: zero between launches (each block's last split resets its
+# own), one buffer per (device, stream), kept for the process (a captured graph holds its address). Splits only
+# happen below TARGET_PROGRAMS blocks.
+ARRIVAL_SLOTS = 1024
+_ARRIVALS: dict = {}
+
+
+def _arrival_counts(device: torch.device, blocks: int) -> torch.Tensor | None:
+    """This stream's arrival counts, or None (the split partials then merge in `_combine_kernel`, one more
+    launch): more blocks than slots, or a first use inside a CUDA graph capture (a buffer made there would
+    belong to the graph's pool and its zeroing to the graph: the graph runner's warm-up runs make it before)."""
+    if blocks > ARRIVAL_SLOTS:
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    counts = _ARRIVALS.get(key)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _ARRIVALS[key] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+    return counts
+
+
+def _launch_attention(grid, q, key_cache, value_cache, bias, out, part_acc, part_max, part_sum, arrivals, bias_sg,
+                      bias_st, groups, chunk, splits, scale, block_d, block_m, block_n) -> None:
     batch, num_new, heads, dim = q.shape
     kv_heads, kv_len = key_cache.shape[1], key_cache.shape[2]
+    last_combines = arrivals is not None
     _attention_kernel[grid](
-        q, key_cache, value_cache, bias, out, part_acc, part_max, part_sum,
+        q, key_cache, value_cache, bias, out, part_acc, part_max, part_sum, arrivals if last_combines else out,
         q.stride(0), q.stride(2), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         bias.stride(0), bias_sg, bias_st, out.stride(0), out.stride(1), out.stride(2),
         num_new, groups, kv_heads, kv_len, chunk, splits, scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1,
-        IEEE=q.dtype == torch.float32, num_warps=4)
-    if splits > 1:
+        IEEE=q.dtype == torch.float32, LAST_COMBINES=last_combines, num_warps=4)
+    if splits > 1 and not last_combines:
         _combine_kernel[(batch * heads * num_new,)](
             part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), out.stride(2), num_new, heads, splits,
             HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
