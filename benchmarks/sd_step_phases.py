@@ -75,7 +75,12 @@ def count_phases(model, strategy: SpecStrategy) -> dict:
         PHASES.clear()
         with step_ops.OperationCounter() as counter:
             out = run(*args, **kwargs)
-        steps.append((sum(counter.counts.values()), {name: dict(c.most_common()) for name, c in PHASES.items()}))
+        rest = counter.counts.copy()
+        for phase in PHASES.values():
+            rest.subtract(phase)
+        phases = {name: dict(c.most_common()) for name, c in PHASES.items()}
+        phases["rest"] = {name: n for name, n in rest.most_common() if n}
+        steps.append((sum(counter.counts.values()), phases))
         return out
 
     decoder.SpeculativeDecoder.run = whole_step
@@ -86,7 +91,6 @@ def count_phases(model, strategy: SpecStrategy) -> dict:
         decoder.SpeculativeDecoder.run = run
     total, phases = steps[-1]
     totals = {name: sum(ops.values()) for name, ops in phases.items()}
-    totals["rest"] = total - sum(totals.values())
     return {"total": total, "by_phase": totals, "operations": phases}
 
 

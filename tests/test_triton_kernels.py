@@ -686,3 +686,41 @@ def test_a_tree_drafted_with_the_fused_frontier_is_the_torch_tree(strategy):
     assert all(torch.equal(a, b) for a, b in zip(fused.frontiers, expected.frontiers))
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(fused_fed, expected_fed))
     assert len(fused_fed) == strategy.depth - 1
+
+
+@pytest.mark.parametrize("num_new,tree,groups", [(1, False, 3), (4, False, 1), (4, False, 3), (5, True, 3),
+                                                 (17, True, 2), (6, True, 1)])
+def test_the_bias_kernel_is_the_torch_bias(num_new, tree, groups):
+    """kernels.attention_bias = grouped_attention_bias(attention_mask(...)) exactly: ragged rows (one empty),
+    causal blocks and tree masks, expanded over the query heads of a KV head, a span past the longest row."""
+    lengths = torch.tensor([0, 7, 30], device=DEVICE)
+    new_mask = None
+    if tree:
+        new_mask = torch.rand(3, num_new, num_new, generator=torch.Generator().manual_seed(num_new)) < 0.5
+        new_mask = (new_mask | torch.eye(num_new, dtype=torch.bool)).tril().to(DEVICE)
+    kv_len = 30 + num_new + 5
+    expected = grouped_attention_bias(attention_mask(lengths, num_new, new_mask, DEVICE, kv_len), groups,
+                                      torch.float32)
+    got = kernels.attention_bias(lengths, num_new, new_mask, kv_len, groups, torch.float32)
+    assert got.shape == expected.shape and torch.equal(got, expected)
+    if tree:  # control: the same rows with the causal rule are another bias
+        causal = kernels.attention_bias(lengths, num_new, None, kv_len, groups, torch.float32)
+        assert causal.shape == expected.shape and not torch.equal(causal, expected)
+
+
+def test_a_forward_on_triton_kernels_builds_its_bias_in_one_launch(monkeypatch):
+    """The decode forward's bias is the kernel's (the torch mask ops are gone) and the step is unchanged."""
+    model, _, _ = engine_case()
+    forward = LeanForward(model)
+    forward.use_kernels("triton")
+    calls = []
+    original = kernels.attention_bias
+    monkeypatch.setattr(kernels, "attention_bias", lambda *a, **k: calls.append(1) or original(*a, **k))
+    cache = KVCache(forward.spec, 2, 64, dtype=torch.float32, device=DEVICE)
+    ids = torch.tensor([[3], [5]], device=DEVICE)
+    lengths = torch.tensor([4, 9], device=DEVICE)
+    with torch.no_grad():
+        fused = forward.run(ids, cache.rows(0, 2), lengths, kv_len=32).logits
+        forward.use_kernels("torch")
+        reference = forward.run(ids, cache.rows(0, 2), lengths, kv_len=32).logits
+    assert calls and (fused - reference).abs().max() < 1e-4

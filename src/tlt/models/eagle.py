@@ -20,7 +20,7 @@ from torch import nn
 from tlt.errors import TltError
 from tlt.files import write_whole
 from tlt.models.kv_cache import CacheRows, KVCache
-from tlt.models.lean_forward import (LeanForward, aligned_span, attention_mask, grouped_attention_bias,
+from tlt.models.lean_forward import (LeanForward, aligned_span, grouped_attention_bias,
                                     mask_capacity)
 from tlt.models.rollout_copy import FusedLayer, fuse_layer
 from tlt.models.spec import ModelSpec, check_supported
@@ -283,8 +283,7 @@ class EagleDrafter(nn.Module):
         num_new = tokens.shape[1]
         lengths = cache.lengths if lengths is None else lengths
         slots = lengths.to(x.device)[:, None] + torch.arange(num_new, device=x.device)[None, :]
-        mask = attention_mask(lengths, num_new, new_token_mask, x.device, kv_len, capacity=mask_capacity(cache))
-        bias = grouped_attention_bias(mask, lean.spec.num_heads // lean.spec.num_kv_heads, x.dtype)
+        bias = lean.attention_bias(lengths, num_new, new_token_mask, kv_len, mask_capacity(cache), x.dtype)
         cos, sin = lean.rope(x, positions.to(x.device))
         return lean.layer(self.layer, 0, x, x, cos, sin, cache, slots, bias, fused=self._fused_projections)
 

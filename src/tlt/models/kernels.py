@@ -9,6 +9,8 @@ memset plus a copy of its strided output, and SiLU-and-multiply as two. Here eac
 - `attention`: masked attention of T new tokens over the cache with grouped KV heads, written straight into
   the [B, T, H * D] layout o_proj reads (the KV span split over more programs when the batch gives too few to
   fill the device, each query block's parts merged by its last split to arrive, in the same launch);
+- `attention_bias`: a forward's additive attention bias (committed slots, causal or tree-masked new tokens),
+  where `attention_mask` + `grouped_attention_bias` took ~12 torch operations;
 - `silu_and_mul`: the MLP's activation from the fused gate/up GEMM's output;
 - `sample_from_logprobs`: a draw by inverse CDF, one program per row (22 torch operations a draw).
 
@@ -234,6 +236,28 @@ if triton is not None:
         acc = tl.load(PartAcc + (part * SPLITS + s[:, None]) * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
         out = tl.sum(acc * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
         tl.store(Out + b * o_sb + t * o_st + head * o_sh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+
+    @triton.jit
+    def _attention_bias_kernel(Lengths, NewMask, Bias, nm_sb, nm_st, b_sb, b_sr, T, KV_LEN,
+                               BLOCK: tl.constexpr, TREE: tl.constexpr):
+        """Row r (new token t = r % T of a query head group) of row b's additive bias: 0 where it sees the slot
+        (committed, or a new token it attends to), -inf elsewhere; `lean_forward.attention_mask`'s rule."""
+        b = tl.program_id(0).to(tl.int64)
+        r = tl.program_id(1)
+        t = r % T
+        length = tl.load(Lengths + b)
+        for s0 in range(0, KV_LEN, BLOCK):
+            s = s0 + tl.arange(0, BLOCK)
+            rel = s - length
+            if TREE:
+                seen = tl.load(NewMask + b * nm_sb + t * nm_st + tl.minimum(tl.maximum(rel, 0), T - 1),
+                               mask=s < KV_LEN, other=0) != 0
+                new = (rel >= 0) & (rel < T) & seen
+            else:
+                new = (rel >= 0) & (rel <= t)
+            visible = (rel < 0) | new
+            tl.store(Bias + b * b_sb + r * b_sr + s, tl.where(visible, 0.0, float("-inf")).to(Bias.dtype.element_ty),
+                     mask=s < KV_LEN)
 
     @triton.jit
     def _silu_and_mul_kernel(GateUp, Out, X, INTERMEDIATE, gu_s, o_s, x_s, HIDDEN, eps, BLOCK: tl.constexpr,
@@ -472,6 +496,24 @@ def _launch_attention(grid, q, key_cache, value_cache, bias, out, part_acc, part
         _combine_kernel[(batch * heads * num_new,)](
             part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), out.stride(2), num_new, heads, splits,
             HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
+
+
+def attention_bias(lengths: torch.Tensor, num_new: int, new_token_mask: torch.Tensor | None, kv_len: int, groups: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """`grouped_attention_bias(attention_mask(...))` in one launch, where the two took ~12 operations: the
+    additive [B, 1, R, kv_len] bias (R = groups * T for trees of several tokens, else T) of rows whose committed
+    lengths are `lengths` [B] (device), causal or with new_token_mask [B, T, T]."""
+    batch = lengths.shape[0]
+    rows = groups * num_new if groups > 1 and num_new > 1 else num_new
+    bias = torch.empty(batch, 1, rows, kv_len, dtype=dtype, device=lengths.device)
+    tree = new_token_mask is not None
+    new_mask = new_token_mask.to(lengths.device).contiguous() if tree else lengths
+    with _on_device_of(lengths):
+        _attention_bias_kernel[(batch, rows)](
+            lengths, new_mask, bias, new_mask.stride(0) if tree else 0, new_mask.stride(1) if tree else 0,
+            bias.stride(0), bias.stride(2), num_new, kv_len, BLOCK=min(1024, triton.next_power_of_2(kv_len)),
+            TREE=tree, num_warps=4)
+    return bias
 
 
 def silu_and_mul(gate_up: torch.Tensor, *, norm_input: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
