@@ -52,7 +52,7 @@
 # T=1; *_h200.json), then tail and update; the Triton kernels are now the CUDA default (rollout.kernels=auto).
 # After the device calls (CPU-counted only): the drafter's norm folded, split attention merged in its own launch,
 # the attention bias one kernel (decode forward 272 -> 232 operations; docs/benchmarks.md §9 "Seventh session").
-# Next: call 1 `tests` (the whole GPU suite on the new default and these kernels, never run on CUDA), call 2
+# Next: call 1 `triton-tests tests` (the kernels and the whole GPU suite on the new default, never run on CUDA), call 2
 # `throughput spec` (the step these cuts should bring to ~0.9 ms), then spec-greedy, then plan B.
 # Sixth session (2026-11-27, no GPU): the SD step's drafting and q acceptance fused too (models/draft_kernels.py:
 # S6K2q 842 -> see step_ops.json `sd_step_kernels`), the samplers read 16 blocks a step, top-k/top-p rows replay
