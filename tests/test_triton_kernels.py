@@ -101,16 +101,18 @@ def test_split_attention_without_arrival_counts_merges_in_the_combine_kernel(mon
 
 
 def test_a_stale_arrival_count_would_show(monkeypatch):
-    """Control: counts not reset by the last split (here: left at 1) merge too early, from unwritten parts, and
-    the comparison above fails; the counts are then restored."""
-    q, keys, values, bias = attention_case(1, False, kv_len=300)
-    kernels.attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)  # makes this stream's counts
+    """Control: counts not reset by the last split (here: left at 1) merge too early, before the last part is
+    written, and the comparison above fails; the counts are then restored. Every slot visible, so that every
+    split's part matters (a row whose later splits are all masked would merge right even early)."""
+    q, keys, values, _ = attention_case(1, False, kv_len=300)
+    bias = torch.zeros(1, 1, 1, 300, device=DEVICE)
+    kernels.attention(q[:1], keys[:1], values[:1], bias, 0.25)  # makes this stream's counts
     counts = next(iter(kernels._ARRIVALS.values()))
     counts.fill_(1)
-    try:  # other queries than the first launch's: its partials (or output) left in reused memory must not match
+    try:  # other queries than the first launch's: its parts (or output) left in reused memory must not match
         q = q.flip(0) * 3
-        out = kernels.attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)
-        assert not (out - reference_attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)).abs().max() < TOL
+        out = kernels.attention(q[:1], keys[:1], values[:1], bias, 0.25)
+        assert not (out - reference_attention(q[:1], keys[:1], values[:1], bias, 0.25)).abs().max() < TOL
     finally:
         counts.zero_()
 
