@@ -14,7 +14,7 @@ from conftest import assert_parted_only_at_near_ties, random_prompts, tiny_model
 from tlt.errors import RequestError
 from tlt.models import KVCache, LeanForward
 from tlt.models import draft_kernels, kernels
-from tlt.models.eagle import EagleDrafter
+from tlt.models.eagle import DrafterError, EagleDrafter
 from tlt.models.lean_forward import (apply_rope, attention_mask, grouped_attention_bias, grouped_query_attention,
                                      resolve_kernels, signed_sin)
 from tlt.models.rollout_copy import RolloutCopy
@@ -429,6 +429,8 @@ def test_a_serving_drafter_on_triton_kernels_folds_its_norm_through_hot_swaps():
                                atol=1e-4, rtol=1e-4)
     serving.load_state_dict(swapped.state_dict())  # the control: loaded, not folded
     assert not torch.equal(serving.layer.mlp.gate_proj.weight, fresh.layer.mlp.gate_proj.weight)
+    with pytest.raises(DrafterError, match="folded"):  # a folded copy as the source would fold g twice
+        serving.load_serving_weights(fresh)
 
 
 def test_a_bf16_engine_on_folded_norms_decodes_as_torch_up_to_near_ties():

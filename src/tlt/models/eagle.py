@@ -192,7 +192,11 @@ class EagleDrafter(nn.Module):
     def load_serving_weights(self, source: "EagleDrafter") -> None:
         """Load `source`'s weights into this drafter in place (captured graphs read its tensors: a hot swap
         keeps them). Into an inference copy with a folded post-attention norm, gate/up get W diag(g), computed
-        at the source's precision and rounded once."""
+        at the source's precision and rounded once. The source must hold plain weights: a folded copy's gate/up
+        already carry g (folding them again would scale by g twice)."""
+        if source._fused_projections is not None and source._fused_projections.gate_up_norm_folded:
+            raise DrafterError("load_serving_weights: the source is a serving copy with its norm folded in; load "
+                               "from the drafter it was made from")
         self.load_state_dict(source.state_dict())
         fused = self._fused_projections
         if fused is not None and fused.gate_up_norm_folded:
