@@ -95,9 +95,10 @@ def test_split_attention_without_arrival_counts_merges_in_the_combine_kernel(mon
     """More query blocks than counts (or a first use inside a capture): the combine kernel merges the parts."""
     monkeypatch.setattr(kernels, "ARRIVAL_SLOTS", 0)
     launches = counted_combines(monkeypatch)
-    q, keys, values, bias = attention_case(1, False, kv_len=300)
-    out = kernels.attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)
-    assert launches and (out - reference_attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)).abs().max() < TOL
+    for num_new, tree in ((1, False), (17, True)):  # one query block; several (17 x 2 group rows > 16)
+        q, keys, values, bias = attention_case(num_new, tree, kv_len=300)
+        out = kernels.attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)
+        assert launches and (out - reference_attention(q[:1], keys[:1], values[:1], bias[:1], 0.25)).abs().max() < TOL
 
 
 def test_a_stale_arrival_count_would_show(monkeypatch):

@@ -120,6 +120,18 @@ if triton is not None:
             tl.store(out + HALF + i, v2.to(VCache.dtype.element_ty), mask=writable)
 
     @triton.jit
+    def _query_block(row_head, T, GROUPS, KV_HEADS, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+        """Program (row b, KV head) = row_head, block program_id(1) of its G x T query rows: b, the KV head, each
+        row's group g, token t, whether it exists, its query head, and the head dimension's lanes."""
+        b = (row_head // KV_HEADS).to(tl.int64)
+        kv_head = row_head % KV_HEADS
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        g = m // T
+        d = tl.arange(0, BLOCK_D)
+        return b, kv_head, g, m % T, m < GROUPS * T, kv_head * GROUPS + g, d, d < HEAD_DIM
+
+    @triton.jit
     def _attention_kernel(Q, K, V, Bias, Out, PartAcc, PartMax, PartSum, Arrivals,
                           q_sb, q_sh, q_st, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
                           bias_sb, bias_sg, bias_st, o_sb, o_st, o_sh,
@@ -129,16 +141,9 @@ if triton is not None:
                           LAST_COMBINES: tl.constexpr):
         # program (row b, KV head), a block of its G x T query rows (query head kv * G + g, new token t), a split
         row_head = tl.program_id(0)
-        b = (row_head // KV_HEADS).to(tl.int64)
-        kv_head = row_head % KV_HEADS
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        b, kv_head, g, t, rows_ok, head, d, d_ok = _query_block(row_head, T, GROUPS, KV_HEADS, HEAD_DIM, BLOCK_D,
+                                                                 BLOCK_M)
         split = tl.program_id(2)
-        g = m // T
-        t = m % T
-        rows_ok = m < GROUPS * T
-        head = kv_head * GROUPS + g
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
         q = tl.load(Q + b * q_sb + head[:, None] * q_sh + t[:, None] * q_st + d[None, :],
                     mask=rows_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         q = q * scale
@@ -201,8 +206,8 @@ if triton is not None:
     @triton.jit
     def _combine_block(PartAcc, PartMax, PartSum, Out, part, b, head, t, rows_ok, d, d_ok, o_sb, o_st, o_sh,
                        SPLITS, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-        """A query block's SPLITS partials merged, as `_combine_kernel` does for one row (.cg: from L2, where the
-        other programs' stores landed)."""
+        """A query block's SPLITS partials merged (.cg: from L2, where the other programs' stores landed): by the
+        block's last split to arrive, or by `_combine_kernel`."""
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         for s in range(0, SPLITS):
             top = tl.maximum(top, tl.load(PartMax + part * SPLITS + s, mask=rows_ok, other=float("-inf"),
@@ -220,22 +225,15 @@ if triton is not None:
                  out.to(Out.dtype.element_ty), mask=rows_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _combine_kernel(PartAcc, PartMax, PartSum, Out, o_sb, o_st, o_sh, T, HEADS, SPLITS,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-        part = tl.program_id(0).to(tl.int64)          # (row, head, token), as `_attention_kernel` numbered them
-        b = part // (HEADS * T)
-        head = (part // T) % HEADS
-        t = part % T
-        s = tl.arange(0, BLOCK_S)
-        s_ok = s < SPLITS
-        d = tl.arange(0, BLOCK_D)
-        maxes = tl.load(PartMax + part * SPLITS + s, mask=s_ok, other=float("-inf"))
-        top = tl.max(maxes, 0)
-        weights = tl.where(s_ok & (maxes > float("-inf")), tl.exp(maxes - top), 0.0)
-        total = tl.sum(weights * tl.load(PartSum + part * SPLITS + s, mask=s_ok, other=0.0), 0)
-        acc = tl.load(PartAcc + (part * SPLITS + s[:, None]) * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
-        out = tl.sum(acc * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-        tl.store(Out + b * o_sb + t * o_st + head * o_sh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+    def _combine_kernel(PartAcc, PartMax, PartSum, Out, o_sb, o_st, o_sh, T, GROUPS, KV_HEADS, SPLITS,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The split partials of a query block merged in a launch of their own (no arrival counts to hand)."""
+        row_head = tl.program_id(0)
+        b, kv_head, g, t, rows_ok, head, d, d_ok = _query_block(row_head, T, GROUPS, KV_HEADS, HEAD_DIM, BLOCK_D,
+                                                                 BLOCK_M)
+        part = (b * KV_HEADS * GROUPS + head) * T + t
+        _combine_block(PartAcc, PartMax, PartSum, Out, part, b, head, t, rows_ok, d, d_ok, o_sb, o_st, o_sh,
+                       SPLITS, BLOCK_D, BLOCK_M)
 
     @triton.jit
     def _attention_bias_kernel(Lengths, NewMask, Bias, nm_sb, nm_st, b_sb, b_sr, T, KV_LEN,
@@ -493,9 +491,9 @@ def _launch_attention(grid, q, key_cache, value_cache, bias, out, part_acc, part
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1,
         IEEE=q.dtype == torch.float32, LAST_COMBINES=last_combines, num_warps=4)
     if splits > 1 and not last_combines:
-        _combine_kernel[(batch * heads * num_new,)](
-            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), out.stride(2), num_new, heads, splits,
-            HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
+        _combine_kernel[grid[:2]](
+            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), out.stride(2), num_new, groups, kv_heads,
+            splits, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4)
 
 
 def attention_bias(lengths: torch.Tensor, num_new: int, new_token_mask: torch.Tensor | None, kv_len: int, groups: int,
