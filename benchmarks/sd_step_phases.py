@@ -28,9 +28,6 @@ import step_ops  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 from tlt.models import load_model  # noqa: E402
-from tlt.models.eagle import EagleDrafter  # noqa: E402
-from tlt.rollout.engine import RolloutEngine  # noqa: E402
-from tlt.rollout.graph_runner import GraphRunner  # noqa: E402
 from tlt.rollout.request import Request  # noqa: E402
 from tlt.sampling import SamplingParams  # noqa: E402
 from tlt.speculative import decoder  # noqa: E402
@@ -63,11 +60,7 @@ def counted(function, phase: str):
 
 
 def count_phases(model, strategy: SpecStrategy) -> dict:
-    engine = RolloutEngine(model, max_batch_size=1, dtype="float32", drafter=EagleDrafter(model.config).attach(model),
-                           speculation=strategy, max_tree_size=32, kernels="triton")
-    engine.runner = GraphRunner(engine.forward, capture=False)
-    engine.forward.linear = torch.nn.functional.linear  # as on CUDA: one GEMM per projection
-    engine.forward.residual_gemm = True
+    engine = step_ops.counting_engine(model, strategy, "triton")
     engine.forward.run = counted(engine.forward.run, "verify_forward")
     steps, run = [], decoder.SpeculativeDecoder.run
 

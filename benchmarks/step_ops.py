@@ -107,18 +107,24 @@ def count_step(lean: LeanForward, batch: int, num_new: int, kv_len: int) -> coll
     return counter.counts
 
 
-def count_speculative_step(model, strategy: SpecStrategy, kernel_choice: str = "torch") -> int:
-    """Operations of one speculative step at batch 1 through the non-capturing graph runner (the body a CUDA graph
-    captures). The master is bf16 and the rollout copy fp32, so the engine decodes from the fused layout it
-    uses on a GPU (fp32: CPU bf16 ops decompose differently)."""
-    # the drafter in the master's dtype: the engine serves a copy of it in the rollout's, as a GPU engine with
-    # graphs does (the fused serving copy, EagleDrafter.inference_copy)
+def counting_engine(model, strategy: SpecStrategy, kernel_choice: str) -> RolloutEngine:
+    """A batch-1 engine stepping through the non-capturing graph runner (the body a CUDA graph captures), its
+    linears as on CUDA. The drafter in the master's dtype: the engine serves a copy of it in the rollout's, as a
+    GPU engine with graphs does (the fused serving copy, EagleDrafter.inference_copy)."""
     engine = RolloutEngine(model, max_batch_size=1, dtype="float32", drafter=EagleDrafter(model.config).attach(model),
                            speculation=strategy, max_tree_size=32, kernels=kernel_choice)
     assert engine.spec_decoder.drafter._fused_projections is not None
     engine.runner = GraphRunner(engine.forward, capture=False)
     engine.forward.linear = torch.nn.functional.linear
     engine.forward.residual_gemm = True  # as on CUDA (the drafter's serving copy runs its layer through it too)
+    return engine
+
+
+def count_speculative_step(model, strategy: SpecStrategy, kernel_choice: str = "torch") -> int:
+    """Operations of one speculative step at batch 1 through the non-capturing graph runner (the body a CUDA graph
+    captures). The master is bf16 and the rollout copy fp32, so the engine decodes from the fused layout it
+    uses on a GPU (fp32: CPU bf16 ops decompose differently)."""
+    engine = counting_engine(model, strategy, kernel_choice)
     counts, run = [], SpeculativeDecoder.run
 
     def counted(decoder, *args, **kwargs):
