@@ -92,6 +92,28 @@ def test_tree_mask_and_positions_equal_separate_branches():
     assert (out.logits[0, 1] - reference_logits(model, prompt + [b])[-1]).abs().max() < TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_from_the_position_table_is_the_rotary_embeddings_own(arch, dtype):
+    """`LeanForward.rope` looks positions up in a table made once per (device, dtype): the cos and signed sin
+    the model's rotary embedding gives for the same positions, bit for bit, positions past the context clamped.
+    Control: the table read one position on is another rope. A RoPE whose frequencies follow the batch's
+    longest position (dynamic, longrope) is computed per forward."""
+    from tlt.models.lean_forward import signed_sin
+
+    model = tiny_model(arch).to(dtype)
+    forward = LeanForward(model)
+    positions = torch.randint(0, 300, (3, 37), generator=torch.Generator().manual_seed(0))  # context: 256
+    x = torch.empty(0, dtype=dtype)
+    cos, sin = forward.rope(x, positions)
+    expected_cos, expected_sin = model.model.rotary_emb(x, positions.clamp(max=255))
+    assert torch.equal(cos, expected_cos[:, None]) and torch.equal(sin, signed_sin(expected_sin[:, None]))
+    assert len(forward._rope_tables) == 1
+    shifted, _ = forward.rope(x, positions + 1)
+    assert not torch.equal(shifted, cos)
+    model.model.rotary_emb.rope_type = "dynamic"
+    assert LeanForward(model)._rope_table(torch.device("cpu"), dtype) is None
+
+
 def test_in_place_parameter_updates_are_seen_without_rebuilding():
     model = tiny_model("llama")
     forward = LeanForward(model)

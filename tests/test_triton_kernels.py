@@ -693,6 +693,72 @@ def test_a_tree_drafted_with_the_fused_frontier_is_the_torch_tree(strategy):
     assert len(fused_fed) == strategy.depth - 1
 
 
+def path_rows_seen(candidates, k: int, rows: int) -> list[list[set[int]]]:
+    """Per batch row, per drafting path row i (the frontier node fed i-th): the path rows it must attend to,
+    itself and its ancestors, read from the drafted candidates' parents (path row i is frontier i // K's
+    (i % K)-th candidate)."""
+    fed = [frontier[:, j] for frontier in candidates.frontiers for j in range(k)][:rows]
+    seen = []
+    for b in range(candidates.tokens.shape[0]):
+        row_of = {int(candidate[b]): i for i, candidate in enumerate(fed)}
+        per_row = []
+        for i, candidate in enumerate(fed):
+            path, node = set(), int(candidate[b])
+            while node >= 0:
+                if node in row_of:
+                    path.add(row_of[node])
+                node = int(candidates.parents[b, node])
+            per_row.append(path | {i})
+        seen.append(per_row)
+    return seen
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy(4, 2, rule="q"), SpecStrategy(3, 3, 9)], ids=str)
+def test_a_drafters_tree_rows_show_each_node_its_committed_slots_and_path(strategy):
+    """A real drafter's tree passes on the Triton kernels: the attention rows the fused frontier kernel writes
+    (`TreeTables.bias`, read by the attention kernel as one row for a KV head's query heads) equal the torch
+    frontier's (`add_nodes`), the drafted candidates are the same, and every node's row is 0 exactly at the
+    committed slots of its batch row, its ancestors' slots and its own (from the candidates' parents)."""
+    from tlt.sampling import RowSampling
+    from tlt.speculative.q_sampling import sampling_pick
+    from tlt.speculative.tree import draft_tree
+
+    model = tiny_model("llama").to(DEVICE)
+    forward = LeanForward(model)
+    forward.use_kernels("triton")
+    torch.manual_seed(5)
+    drafter = EagleDrafter(model.config).to(DEVICE).inference_copy(forward)
+    base = torch.tensor([3, 9], device=DEVICE)
+    generator = torch.Generator().manual_seed(6)
+    root = torch.randn(2, 64, generator=generator).to(DEVICE)
+    settings = RowSampling.from_params([SamplingParams(temperature=1.0), SamplingParams(temperature=0.7)], DEVICE)
+    uniforms = torch.rand(2, strategy.tree_size, generator=generator).to(DEVICE)
+    original, made = drafter.tree_tables, []
+    drafter.tree_tables = lambda *a: made.append(original(*a)) or made[-1]
+
+    def drafted():
+        cache = drafter.new_cache(2, 64)
+        rows = cache.rows(0, 2)
+        rows.advance(base.cpu())
+        pick = dict(pick=sampling_pick(settings, uniforms)) if strategy.rule == "q" else {}
+        return draft_tree(drafter, root, rows, base, strategy, **pick)
+
+    expected = drafted()
+    with drawing_with(expand_frontier=draft_kernels.expand_frontier):
+        fused = drafted()
+    torch_rows, fused_rows = (tables.bias for tables in made)
+    assert torch.equal(fused_rows, torch_rows)
+    for field in ("tokens", "scores", "parents"):
+        assert torch.equal(getattr(fused, field), getattr(expected, field)), field
+    k, rows = strategy.branching, fused_rows.shape[1]
+    for b, per_row in enumerate(path_rows_seen(fused, k, rows)):
+        for i, path in enumerate(per_row):
+            visible = set(torch.nonzero(fused_rows[b, i] == 0)[:, 0].tolist())
+            assert visible == set(range(int(base[b]))) | {int(base[b]) + j for j in path}, (b, i)
+            assert (fused_rows[b, i] == 0).logical_or(fused_rows[b, i] == float("-inf")).all()
+    assert max(len(path) for per_row in path_rows_seen(fused, k, rows) for path in per_row) == strategy.depth - 1
+
+
 @pytest.mark.parametrize("num_new,tree,groups", [(1, False, 3), (4, False, 1), (4, False, 3), (5, True, 3),
                                                  (17, True, 2), (6, True, 1)])
 def test_the_bias_kernel_is_the_torch_bias(num_new, tree, groups):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from tlt.models.eagle import TreeTables
 from tlt.models.kernels import SAMPLE_GROUP as GROUP
 from tlt.models.kernels import _on_device_of, triton
 
@@ -285,11 +286,13 @@ if triton is not None:
 
     @triton.jit
     def _expand_frontier_kernel(Tokens, Scores, Parents, PathTokens, PathFeatures, Frontier, ChildScores,
-                                ChildTokens, Hidden, NewFrontier, FrontierParent, COUNT, FED, HIDDEN, first,
-                                feed_at, h_sb, h_sk, K: tl.constexpr, KK: tl.constexpr, FEED: tl.constexpr,
-                                BLOCK_H: tl.constexpr):
+                                ChildTokens, Hidden, NewFrontier, FrontierParent, Bias, NodeSlots, COUNT, FED,
+                                HIDDEN, first, feed_at, h_sb, h_sk, b_sb, b_sr, s_sb, WIDTH, K: tl.constexpr,
+                                KK: tl.constexpr, FEED: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                                BLOCK_S: tl.constexpr):
         # one program per row: the K^2 children of the frontier recorded, the K best chosen (ties to the earlier
-        # candidate, as a stable sort), and what the next pass feeds copied into the path buffers
+        # candidate, as a stable sort), and what the next pass feeds copied into the path buffers, with (ROWS)
+        # each chosen node's attention row: its parent's, and its own slot
         b = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, KK)
         valid = offs < K * K
@@ -318,14 +321,24 @@ if triton is not None:
                 for h in range(0, HIDDEN, BLOCK_H):
                     inside = h + cols < HIDDEN
                     tl.store(target + h + cols, tl.load(source + h + cols, mask=inside), mask=inside)
+                if ROWS:  # the parent's row is K rows back (`TreeTables.add_nodes`), written by an earlier launch
+                    row = Bias + b * b_sb + (feed_at - K + best // K) * b_sr
+                    node_row = Bias + b * b_sb + (feed_at + j) * b_sr
+                    own = tl.load(NodeSlots + b * s_sb + feed_at + j)
+                    for s0 in range(0, WIDTH, BLOCK_S):
+                        span = s0 + tl.arange(0, BLOCK_S)
+                        seen = tl.load(row + span, mask=span < WIDTH)
+                        tl.store(node_row + span, tl.where(span == own, 0.0, seen).to(Bias.dtype.element_ty),
+                                 mask=span < WIDTH)
 
 
 def expand_frontier(tokens, scores, parents, path_tokens, path_features, frontier, child_scores, child_tokens,
-                    hidden, first: int, feed_at: int | None):
+                    hidden, first: int, feed_at: int | None, tables=None):
     """`tree._expand_frontier` in one launch: records the K^2 children of a drafted depth in the candidate
     buffers (tokens, scores, parents [B, C], written in place), picks the next frontier (the K best, ties to
     the earlier candidate) and copies its tokens and its parents' features [B, K, H] into the path buffers at
-    column feed_at (None: the last depth). Returns (frontier, frontier_parent) [B, K] each."""
+    column feed_at (None: the last depth), and its attention rows into a `TreeTables`' bias (other tables get
+    `add_nodes`). Returns (frontier, frontier_parent) [B, K] each."""
     batch, k, _ = child_scores.shape
     for name, t in (("tokens", tokens), ("scores", scores), ("parents", parents), ("path_tokens", path_tokens),
                     ("path_features", path_features)):
@@ -336,11 +349,19 @@ def expand_frontier(tokens, scores, parents, path_tokens, path_features, frontie
     new_frontier = torch.empty(batch, k, dtype=torch.long, device=tokens.device)
     frontier_parent = torch.empty(batch, k, dtype=torch.long, device=tokens.device)
     hidden_size = path_features.shape[-1]
+    rows = feed_at is not None and isinstance(tables, TreeTables)
+    bias, node_slots = (tables.bias, tables.slots) if rows else (scores, frontier)  # (placeholders: unread)
+    if rows and (bias.stride(-1) != 1 or node_slots.stride(-1) != 1):
+        raise ValueError("expand_frontier: the tree tables' bias and slots must be contiguous in their last dim")
     with _on_device_of(tokens):
         _expand_frontier_kernel[(batch,)](
             tokens, scores, parents, path_tokens, path_features, frontier, child_scores.to(scores.dtype),
-            child_tokens, hidden, new_frontier, frontier_parent, tokens.shape[1], path_tokens.shape[1],
-            hidden_size, first, 0 if feed_at is None else feed_at, hidden.stride(0), hidden.stride(1), K=k,
-            KK=triton.next_power_of_2(k * k), FEED=feed_at is not None,
-            BLOCK_H=min(1024, triton.next_power_of_2(hidden_size)), num_warps=4)
+            child_tokens, hidden, new_frontier, frontier_parent, bias, node_slots, tokens.shape[1],
+            path_tokens.shape[1], hidden_size, first, 0 if feed_at is None else feed_at, hidden.stride(0),
+            hidden.stride(1), bias.stride(0), bias.stride(1) if rows else 0, node_slots.stride(0),
+            bias.shape[-1] if rows else 0, K=k, KK=triton.next_power_of_2(k * k), FEED=feed_at is not None,
+            ROWS=rows, BLOCK_H=min(1024, triton.next_power_of_2(hidden_size)),
+            BLOCK_S=min(1024, triton.next_power_of_2(bias.shape[-1])) if rows else 16, num_warps=4)
+    if feed_at is not None and tables is not None and not rows:
+        tables.add_nodes(feed_at, k, frontier_parent)
     return new_frontier, frontier_parent

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -105,33 +106,35 @@ class TreeTables:
 
     The passes feed the M = (S - 1) K frontier nodes in the order they were chosen (K per pass, pass p feeding
     the first (p + 1) K): each node's slot [B, M] and RoPE cos / signed sin [B, 1, M, D] are known up front;
-    its row of the attention mask [B, M, S] (the committed slots, its ancestors, itself) is filled by `add_nodes`
-    once its parent is chosen. A pass's bias is then one conversion of the rows so far, where building it from
-    the lengths, a growing node-visibility matrix and RoPE took ~30 operations a pass (2026-11-27)."""
+    its row of the additive attention bias [B, M, S] (0 at the committed slots, its ancestors and itself, -inf
+    elsewhere) is written once its parent is chosen: the root's children's by `tree_tables`, a later frontier's
+    by `add_nodes`, or by the Triton kernel that chooses it (`draft_kernels.expand_frontier`). A pass's bias is
+    then a view of the rows so far on the Triton kernels, which read one row for all query heads of a KV head
+    (one expansion over them on torch's), where building it from the lengths, a growing node-visibility matrix
+    and RoPE took ~30 operations a pass, and a boolean mask's conversion 4 (2026-11-27)."""
 
     slots: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    mask: torch.Tensor        # [B, M, S] bool, rows filled by add_nodes
-    committed: torch.Tensor   # [B, 1, S] bool: the committed slots, which every node sees
+    bias: torch.Tensor        # [B, M, S] additive, a node's row written when it is chosen
     spans: list[int]          # each pass's attention span
     groups: int               # query heads per KV head (`grouped_attention_bias`)
-    dtype: torch.dtype
+    reads_rows: Callable[[int], bool]  # whether a pass of T tokens runs the Triton attention (`_fused_kernels`)
 
-    def add_nodes(self, first: int, k: int, parents: torch.Tensor | None) -> None:
-        """Nodes first .. first + K - 1: the root's children (parents None), or children of the K nodes before
-        them (parents [B, K]: each one's index among those K)."""
-        batch, _, span = self.mask.shape
-        if parents is None:
-            rows = self.committed.expand(batch, k, span).clone()
-        else:
-            rows = self.mask.gather(1, (first - k + parents)[..., None].expand(-1, -1, span))
-        rows.scatter_(2, self.slots[:, first:first + k, None], True)  # each node sees itself
-        self.mask[:, first:first + k] = rows
+    def add_nodes(self, first: int, k: int, parents: torch.Tensor) -> None:
+        """Rows of nodes first .. first + K - 1, the children of the K nodes before them (parents [B, K]: each
+        one's index among those K): the parent's row, and the node's own slot."""
+        span = self.bias.shape[-1]
+        rows = self.bias.gather(1, (first - k + parents)[..., None].expand(-1, -1, span))
+        rows.scatter_(2, self.slots[:, first:first + k, None], 0.0)  # each node sees itself
+        self.bias[:, first:first + k] = rows
 
     def at(self, count: int, p: int) -> tuple:
         """`EagleDrafter.step`'s tables for pass p, which feeds the first `count` nodes."""
-        bias = grouped_attention_bias(self.mask[:, None, :count, :self.spans[p]], self.groups, self.dtype)
+        bias = self.bias[:, None, :count, :self.spans[p]]                              # a view
+        if self.groups > 1 and not self.reads_rows(count):  # torch's attention: rows g * T + t
+            bias = bias[:, :, None].expand(-1, -1, self.groups, -1, -1).reshape(
+                bias.shape[0], 1, self.groups * count, bias.shape[-1])
         return self.slots[:, :count], bias, self.cos[:, :, :count], self.sin[:, :, :count]
 
 
@@ -305,14 +308,19 @@ class EagleDrafter(nn.Module):
         else:
             spans = [aligned_span(kv_len, capacity)] * (depth - 1)
         width = max(spans)
-        committed = (torch.arange(width, device=device)[None, :] < base[:, None])[:, None]   # [B, 1, S]
-        mask = torch.zeros(base.shape[0], nodes, width, dtype=torch.bool, device=device)
+        slots = base[:, None] + local[None, :]
         dtype = self.fc.weight.dtype
+        # every row starts as the committed slots (a row is filled before any pass reads it); the root's
+        # children (rows 0 .. K - 1) also see themselves
+        committed = torch.arange(width, device=device)[None, None, :] < base[:, None, None]   # [B, 1, S]
+        bias = torch.full((base.shape[0], nodes, width), float("-inf"), dtype=dtype, device=device)
+        bias.masked_fill_(committed, 0.0)
+        bias[:, :k].scatter_(2, slots[:, :k, None], 0.0)
         # a node fed at local index i sits at slot base + i, at position base + its depth - 1 = base + i // K
         cos, sin = self.target.rope(torch.empty(0, dtype=dtype, device=device), base[:, None] + local[None, :] // k)
         lean = self.target
-        return TreeTables(base[:, None] + local[None, :], cos, sin, mask, committed, spans,
-                          lean.spec.num_heads // lean.spec.num_kv_heads, dtype)
+        return TreeTables(slots, cos, sin, bias, spans, lean.spec.num_heads // lean.spec.num_kv_heads,
+                          lean._fused_kernels)
 
     def chain_tables(self, cache: CacheRows, base: torch.Tensor, passes: int, kv_len: int | None) -> "ChainTables":
         """What a chain's drafting passes need besides their pair, for all of them at once: pass p feeds one pair

@@ -84,6 +84,10 @@ def pick_linear(device: torch.device, dtype: torch.dtype):
     return F.linear
 
 
+# RoPE types whose frequencies depend on the longest position of the batch (transformers' dynamic_rope_update)
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
 def rms_norm(x: torch.Tensor, norm_module) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm_module.weight, norm_module.variance_epsilon)
 
@@ -259,6 +263,7 @@ class LeanForward:
         self._compiled_run = None  # set by `compile`: the static-shape forward, Inductor-compiled
         self.compile_mode: str | None = None
         self.kernels = "torch"  # `use_kernels`
+        self._rope_tables: dict[tuple, torch.Tensor] = {}  # `_rope_table`
 
     def use_kernels(self, choice: str) -> None:
         """"triton": RoPE with the KV write, attention and SiLU-and-multiply as one fused Triton kernel each
@@ -388,8 +393,33 @@ class LeanForward:
         Positions are clamped to the model's context. Only a speculative tree (or its draft) of a row near the
         limit reaches past it, with nodes whose outputs are never used (they predict tokens past the row's
         budget); unclamped, a dynamic RoPE scaling would rescale the frequencies of the whole batch's forward."""
-        cos, sin = self.decoder.rotary_emb(x, positions.clamp(max=self.spec.max_positions - 1))
-        return cos[:, None], signed_sin(sin[:, None])
+        positions = positions.clamp(max=self.spec.max_positions - 1)
+        table = self._rope_table(x.device, x.dtype)
+        if table is None:
+            cos, sin = self.decoder.rotary_emb(x, positions)
+            return cos[:, None], signed_sin(sin[:, None])
+        both = F.embedding(positions, table)[:, None]                                 # [B, 1, T, 2D]
+        dim = table.shape[-1] // 2
+        return both[..., :dim], both[..., dim:]
+
+    def _rope_table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """[P, 2D]: cos and signed sin of every position of the model's context, from its rotary embedding, made
+        once per (device, dtype): a forward then looks its positions up in one operation, where computing them
+        took ten (a GPU step is launch-bound; an SD step has three forwards). The same values: the rotary
+        embedding is elementwise in the positions. None (computed per forward) for a RoPE whose frequencies
+        depend on the batch's longest position (longrope, dynamic) and under torch.compile (Inductor fuses it)."""
+        rotary = self.decoder.rotary_emb
+        if getattr(rotary, "rope_type", "default") in BATCH_DEPENDENT_ROPE or torch.compiler.is_compiling():
+            return None
+        key = (str(device), dtype)
+        table = self._rope_tables.get(key)
+        if table is None:
+            positions = torch.arange(self.spec.max_positions, device=device)[None]
+            cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), positions)
+            table = torch.cat([cos[0], signed_sin(sin[0])], -1)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._rope_tables[key] = table  # (memory a graph's pool owns is not kept: the warm-up made it)
+        return table
 
     def layer(self, layer, index: int, residual: torch.Tensor, normed: torch.Tensor | None, cos, sin,
               cache: CacheRows, slots: torch.Tensor, bias: torch.Tensor, *, rows: torch.Tensor | None = None,

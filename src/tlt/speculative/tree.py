@@ -107,34 +107,33 @@ def draft_tree(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_positi
         path_tokens[:, :k] = tokens[:, :k]
         path_features[:, :k] = root_hidden[:, None]
     frontier = torch.arange(k, device=device).expand(batch, k)        # candidate ids of the frontier
-    frontier_parent = None                                             # [B, K] local index in previous frontier
     frontiers = []
     expand = fused_draws().expand_frontier or _expand_frontier
-    # every pass's slots, RoPE and mask rows, made once (a node's mask row as soon as its parent is chosen)
+    # every pass's slots, RoPE and attention rows, made once (a node's row as soon as its parent is chosen)
     tables = drafter.tree_tables(cache, base_positions.to(device), strategy.depth, k, kv_len) \
         if strategy.depth > 1 else None  # depth 1: the root's children are the whole tree, no pass
     for depth in range(2, strategy.depth + 1):
         frontiers.append(frontier)
         nodes = (depth - 1) * k
-        tables.add_nodes(nodes - k, k, frontier_parent)
         hidden = drafter.step(path_tokens[:, :nodes], path_features[:, :nodes], cache, None,
                               tables=tables.at(nodes, depth - 2))[:, -k:]  # the newest frontier [B, K, H]
         child_scores, child_ids, dist = pick(drafter.draft_logits(hidden), k, depth)
         if dist is not None:
             expanded.append((frontier, dist))
-        frontier, frontier_parent = expand(tokens, all_scores, parents, path_tokens, path_features, frontier,
-                                           child_scores, drafter.to_target_ids(child_ids), hidden,
-                                           k + (depth - 2) * k * k, nodes if depth < strategy.depth else None)
+        frontier, _ = expand(tokens, all_scores, parents, path_tokens, path_features, frontier, child_scores,
+                             drafter.to_target_ids(child_ids), hidden, k + (depth - 2) * k * k,
+                             nodes if depth < strategy.depth else None, tables)
     return Candidates(tokens, all_scores, parents, expanded, frontiers)
 
 
 def _expand_frontier(tokens, scores, parents, path_tokens, path_features, frontier, child_scores, child_tokens,
-                     hidden, first: int, feed_at: int | None):
+                     hidden, first: int, feed_at: int | None, tables):
     """Record a drafted depth: the K children of each frontier node (scores [B, K, K], target ids) become
     candidates first .. first + K^2 - 1 (cumulative score, token, parent); the K best become the next frontier,
     ties to the earlier candidate, whose tokens and parents' features are fed to the next pass at path column
-    feed_at (None: the last depth). Returns (the new frontier's candidate ids, their parents' frontier slots)
-    [B, K] each. models/draft_kernels.expand_frontier is this in one launch."""
+    feed_at (None: the last depth), and whose attention rows `tables` gets (`TreeTables.add_nodes`). Returns
+    (the new frontier's candidate ids, their parents' frontier slots) [B, K] each.
+    models/draft_kernels.expand_frontier is this in one launch."""
     batch, k, _ = child_scores.shape
     new = slice(first, first + k * k)
     total = (scores.gather(1, frontier)[:, :, None] + child_scores).reshape(batch, k * k)
@@ -148,6 +147,7 @@ def _expand_frontier(tokens, scores, parents, path_tokens, path_features, fronti
         path_tokens[:, feed_at:feed_at + k] = tokens.gather(1, frontier)
         path_features[:, feed_at:feed_at + k] = hidden.gather(
             1, frontier_parent[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        tables.add_nodes(feed_at, k, frontier_parent)
     return frontier, frontier_parent
 
 
