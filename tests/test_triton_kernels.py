@@ -602,29 +602,44 @@ def q_tree_case(vocab: int, draft_vocab: int | None, strategy: SpecStrategy, see
                                                         (700, 333, SpecStrategy(4, 2, rule="q")),
                                                         (50, 40, SpecStrategy(1, 4, rule="q"))], ids=str)
 def test_the_fused_q_node_tests_accept_what_the_torch_tests_accept(vocab, draft_vocab, strategy):
-    """Every node's recursive rejection sampling and final residual draw in one launch: the same accepted paths,
-    tokens and log-probs as the torch node tests, field for field."""
+    """Every node's recursive rejection sampling and final residual draw in one launch, and the walk along the
+    accepted children in another: the same accepted paths, tokens and log-probs as the torch node tests and
+    walk, field for field, with either kernel alone or both."""
     from tlt.speculative.q_sampling import accept_q
 
     tree, logprobs, drafts, mapping, greedy, uniforms = q_tree_case(vocab, draft_vocab, strategy)
     expected = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
-    with drawing_with(verify_q_nodes=draft_kernels.verify_q_nodes):
-        fused = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
-    for field in ("path", "accepted", "tokens", "logprobs", "emitted"):
-        assert torch.equal(getattr(fused, field), getattr(expected, field)), field
+    for kernels_used in (dict(verify_q_nodes=draft_kernels.verify_q_nodes),
+                         dict(follow_q_path=draft_kernels.follow_q_path),
+                         dict(verify_q_nodes=draft_kernels.verify_q_nodes, follow_q_path=draft_kernels.follow_q_path)):
+        with drawing_with(**kernels_used):
+            fused = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
+        for field in ("path", "accepted", "tokens", "logprobs", "emitted"):
+            assert torch.equal(getattr(fused, field), getattr(expected, field)), (field, sorted(kernels_used))
     assert 0 < int(expected.accepted.sum()) < expected.accepted.numel() * strategy.depth  # accepts and rejects
 
 
 def test_the_q_node_comparison_can_fail():
-    """Negative control: the fused tests on uniforms shifted by 0.05 accept other paths or draw other tokens."""
+    """Negative controls: the fused tests on uniforms shifted by 0.05 accept other paths or draw other tokens;
+    the fused walk over choices with one accepted child dropped (a row stopping early) emits other tokens."""
     from tlt.speculative.q_sampling import accept_q
 
     strategy = SpecStrategy(3, 2, rule="q")
     tree, logprobs, drafts, mapping, greedy, uniforms = q_tree_case(300, 200, strategy)
     expected = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
-    with drawing_with(verify_q_nodes=draft_kernels.verify_q_nodes):
+    with drawing_with(verify_q_nodes=draft_kernels.verify_q_nodes, follow_q_path=draft_kernels.follow_q_path):
         shifted = accept_q(tree, logprobs, drafts, mapping, greedy, (uniforms + 0.05) % 1, sync_free=True)
     assert not torch.equal(shifted.tokens, expected.tokens)
+
+    def dropping_one(choice, *args):
+        choice = choice.clone()
+        first = (choice[:, 0] >= 0).nonzero()[0, 0]
+        choice[first, 0] = -1  # the root of one accepting row rejects all
+        return draft_kernels.follow_q_path(choice, *args)
+
+    with drawing_with(verify_q_nodes=draft_kernels.verify_q_nodes, follow_q_path=dropping_one):
+        dropped = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
+    assert not torch.equal(dropped.path, expected.path)
 
 
 @pytest.mark.parametrize("strategy", [SpecStrategy(2, 2, rule="q"), SpecStrategy.chain(3, "q")], ids=str)

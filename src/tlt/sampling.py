@@ -267,6 +267,7 @@ class FusedDraws(NamedTuple):
     without_replacement: Callable | None = None  # q_sampling.draw_without_replacement(logq, uniforms, greedy)
     verify_q_nodes: Callable | None = None       # models/draft_kernels.verify_q_nodes: a q tree's node tests
     expand_frontier: Callable | None = None      # models/draft_kernels.expand_frontier: a drafted depth's records
+    follow_q_path: Callable | None = None        # models/draft_kernels.follow_q_path: a q tree's accepted path
 
 
 TORCH_DRAWS = FusedDraws()
@@ -274,10 +275,10 @@ _FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", d
 
 
 @contextlib.contextmanager
-def drawing_with(draw=None, without_replacement=None, verify_q_nodes=None, expand_frontier=None):
+def drawing_with(draw=None, without_replacement=None, verify_q_nodes=None, expand_frontier=None, follow_q_path=None):
     """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms), and the speculative
-    step's draws, q-tree tests and tree records the other kernels given (None: torch's)."""
-    token = _FUSED_DRAW.set(FusedDraws(draw, without_replacement, verify_q_nodes, expand_frontier))
+    step's draws, q-tree tests, tree records and accepted paths the other kernels given (None: torch's)."""
+    token = _FUSED_DRAW.set(FusedDraws(draw, without_replacement, verify_q_nodes, expand_frontier, follow_q_path))
     try:
         yield
     finally:

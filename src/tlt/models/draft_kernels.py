@@ -285,6 +285,61 @@ def verify_q_nodes(logprobs: torch.Tensor, dists: torch.Tensor, slot: torch.Tens
 if triton is not None:
 
     @triton.jit
+    def _follow_q_path_kernel(Choice, Final, Children, Tokens, LogP, Path, Accepted, Emitted, OutTokens, OutLogP,
+                              NODES, lp_sb, lp_sn, WIDTH, K: tl.constexpr, STEPS: tl.constexpr):
+        # one program per row: from the root, each node emits its accepted child's token and moves there, or
+        # emits its final token and stops (then -1 / 0.0 to the end)
+        b = tl.program_id(0).to(tl.int64)
+        node = tl.zeros([], tl.int64)
+        alive = node == 0
+        accepted = tl.zeros([], tl.int64)
+        for i in tl.static_range(STEPS):
+            at = b * NODES + node
+            choice = tl.load(Choice + at, mask=alive, other=-1)
+            found = alive & (choice >= 0)
+            child = tl.load(Children + at * K + tl.maximum(choice, 0), mask=found, other=-1)
+            token = tl.where(found, tl.load(Tokens + b * NODES + tl.maximum(child, 0), mask=found, other=0),
+                             tl.load(Final + at, mask=alive, other=-1))
+            logp = tl.load(LogP + b * lp_sb + node * lp_sn + tl.maximum(token, 0), mask=alive, other=0.0)
+            tl.store(Path + b * WIDTH + i, tl.where(alive, node, -1))
+            tl.store(OutTokens + b * WIDTH + i, tl.where(alive, token, -1))
+            tl.store(OutLogP + b * WIDTH + i, tl.where(alive, logp.to(tl.float32), 0.0))
+            if i > 0:
+                accepted += alive.to(tl.int64)
+            alive = found
+            node = tl.where(found, child, node)
+        tl.store(Accepted + b, accepted)
+        tl.store(Emitted + b, accepted + 1)
+
+
+def follow_q_path(choice: torch.Tensor, final: torch.Tensor, children: torch.Tensor, tokens: torch.Tensor,
+                  logprobs: torch.Tensor, max_depth: int):
+    """What `q_sampling._accept_q_every_node` makes of `verify_q_nodes`' (choice, final) in one launch, where
+    its torch operations (`acceptance.follow_accepted`, `along`, the gathers) were ~30: each row's accepted
+    path (the root, then the accepted nodes, -1 padded) [B, S + 2], accepted count and emitted count [B], the
+    emitted tokens [B, S + 2] (-1 padded) and their log-probs under logprobs [B, N + 1, V] (float32, 0 padded).
+    children [B, N + 1, K], tokens [B, N + 1] the tree's."""
+    batch, nodes = choice.shape
+    k = children.shape[-1]
+    width = max_depth + 2
+    if logprobs.stride(-1) != 1:
+        raise ValueError("follow_q_path reads logprobs' last dimension contiguously")
+    choice, final, children, tokens = (t.contiguous() for t in (choice, final, children, tokens))
+    device = choice.device
+    path = torch.empty(batch, width, dtype=torch.long, device=device)
+    out_tokens = torch.empty(batch, width, dtype=torch.long, device=device)
+    out_logprobs = torch.empty(batch, width, dtype=torch.float32, device=device)
+    counts = torch.empty(2, batch, dtype=torch.long, device=device)  # accepted, emitted: one allocation
+    with _on_device_of(choice):
+        _follow_q_path_kernel[(batch,)](
+            choice, final, children, tokens, logprobs, path, counts[0], counts[1], out_tokens, out_logprobs, nodes,
+            logprobs.stride(0), logprobs.stride(1), width, K=k, STEPS=width, num_warps=1)
+    return path, counts[0], out_tokens, out_logprobs, counts[1]
+
+
+if triton is not None:
+
+    @triton.jit
     def _expand_frontier_kernel(Tokens, Scores, Parents, PathTokens, PathFeatures, Frontier, ChildScores,
                                 ChildTokens, Hidden, NewFrontier, FrontierParent, Bias, NodeSlots, COUNT, FED,
                                 HIDDEN, first, feed_at, h_sb, h_sk, b_sb, b_sr, s_sb, WIDTH, K: tl.constexpr,

@@ -276,7 +276,7 @@ def sampler_of(forward: LeanForward):
     if forward.kernels != "triton":
         return drawing_with(None)
     return drawing_with(kernels.sample_from_logprobs, draft_kernels.draw_without_replacement,
-                        draft_kernels.verify_q_nodes, draft_kernels.expand_frontier)
+                        draft_kernels.verify_q_nodes, draft_kernels.expand_frontier, draft_kernels.follow_q_path)
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:

@@ -145,35 +145,44 @@ def _accept_q_every_node(tree: DraftTree, logprobs, drafts: DraftDistributions, 
     q, children and its depth's uniforms: so every node's test and final draw run at once, over [B (N + 1), V]
     (the verify's logits are that size already), and the walk then only follows the accepted children. The
     arithmetic of each node is the walk's, on the same uniforms: the same `Acceptance` (tested). On the Triton
-    kernels the node tests and final draws are one launch (models/draft_kernels.verify_q_nodes)."""
-    batch, nodes, vocab = logprobs.shape
-    depth = tree.max_depth
-    children = tree.children                                                        # [B, N + 1, K]
-    child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
-    fused = fused_draws().verify_q_nodes
-    if fused is not None and accept_rule is None and residual_rule is None:  # one launch (Triton kernels)
+    kernels the node tests and final draws are one launch (models/draft_kernels.verify_q_nodes), and the walk
+    along the accepted children another (draft_kernels.follow_q_path)."""
+    vocab = logprobs.shape[-1]
+    fused = fused_draws()
+    if fused.verify_q_nodes is not None and accept_rule is None and residual_rule is None:  # one launch
         if target_to_draft is None and draft_to_target is not None:
             target_to_draft = inverse_vocabulary(draft_to_target, vocab)
-        choice, final = fused(logprobs, drafts.dists, drafts.slot, target_to_draft, children, tree.tokens,
-                              tree.depths, uniforms.to(logprobs.device), greedy)
+        choice, final = fused.verify_q_nodes(logprobs, drafts.dists, drafts.slot, target_to_draft, tree.children,
+                                             tree.tokens, tree.depths, uniforms.to(logprobs.device), greedy)
     else:
-        choice, final = _verify_every_node(logprobs, drafts, draft_to_target, tree, child_tokens, greedy, uniforms,
-                                           accept_rule, residual_rule)
-    # what each node emits: its accepted child, or (the row stops there) its final draw; then one gather a depth
+        choice, final = _verify_every_node(logprobs, drafts, draft_to_target, tree, greedy, uniforms, accept_rule,
+                                           residual_rule)
+    if fused.follow_q_path is not None:
+        return Acceptance(*fused.follow_q_path(choice, final, tree.children, tree.tokens, logprobs, tree.max_depth))
+    return _follow_choices(tree, logprobs, choice, final)
+
+
+def _follow_choices(tree: DraftTree, logprobs, choice, final) -> Acceptance:
+    """The rows' walks once every node's choice (accepted child's position, -1: none) and final token [B, N + 1]
+    are known: what each node emits is its accepted child's token, or (the row stops there) its final token;
+    then one gather a depth (`follow_accepted`)."""
+    children = tree.children
+    child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
     found, picked = choice >= 0, choice.clamp(min=0)[..., None]
     node_next = torch.where(found, children.gather(2, picked)[..., 0], -1)
     node_tokens = torch.where(found, child_tokens.gather(2, picked)[..., 0], final)
-    path, through, accepted = follow_accepted(node_next, depth)
+    path, through, accepted = follow_accepted(node_next, tree.max_depth)
     tokens = along(through, node_tokens, -1)
     token_logprobs = along(through, logprobs.gather(2, node_tokens[..., None])[..., 0].float(), 0.0)
     return Acceptance(path, accepted, tokens, token_logprobs, accepted + 1)
 
 
-def _verify_every_node(logprobs, drafts: DraftDistributions, draft_to_target, tree: DraftTree, child_tokens, greedy,
-                       uniforms, accept_rule, residual_rule):
+def _verify_every_node(logprobs, drafts: DraftDistributions, draft_to_target, tree: DraftTree, greedy, uniforms,
+                       accept_rule, residual_rule):
     """Every node's children tested and its final draw made at once: (choice, final), each [B, N + 1]."""
     batch, nodes, vocab = logprobs.shape
     children = tree.children
+    child_tokens = tree.tokens.gather(1, children.clamp(min=0).flatten(1)).view_as(children)
     k, depth = children.shape[-1], tree.max_depth
     coins = uniforms.to(logprobs.device).view(batch, depth + 1, k + 1).gather(
         1, tree.depths[..., None].expand(-1, -1, k + 1))                          # a node's depth's uniforms
