@@ -810,3 +810,64 @@ def test_a_forward_on_triton_kernels_builds_its_bias_in_one_launch(monkeypatch):
         forward.use_kernels("torch")
         reference = forward.run(ids, cache.rows(0, 2), lengths, kv_len=32).logits
     assert calls and (fused - reference).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, rule="q"), SpecStrategy(4, 3, 12), SpecStrategy(1, 4, rule="q")],
+                         ids=str)
+def test_the_fused_tree_mask_is_the_ancestor_walk(strategy):
+    """`DraftTree.attention` on the Triton kernels (one launch) equals the torch walk up the ancestors for drafted
+    trees of both rules; control: the kernel walked one round short misses the deepest nodes' root."""
+    tree = q_tree_case(97, None, strategy)[0] if strategy.rule == "q" else None
+    if tree is None:
+        from tlt.speculative.tree import DraftTree
+        parents = torch.tensor([[-1, 0, 0, 0, 1, 1, 2, 4, 4, 7, 3, 3, 10]] * 2, device=DEVICE)
+        depths = torch.tensor([[0, 1, 1, 1, 2, 2, 2, 3, 3, 4, 2, 2, 3]] * 2, device=DEVICE)
+        tree = DraftTree(parents.clamp(min=0), parents, depths, torch.zeros(2, 13, 3, dtype=torch.long,
+                                                                           device=DEVICE), 4)
+    expected = tree.attention()
+    with drawing_with(tree_mask=draft_kernels.ancestor_mask):
+        fused = tree.attention()
+    assert fused.dtype == torch.bool and torch.equal(fused, expected)
+    if tree.max_depth > 1:
+        assert not torch.equal(draft_kernels.ancestor_mask(tree.parents, tree.max_depth - 1), expected)
+
+
+@pytest.mark.parametrize("moves", [True, False], ids=["tree", "chain"])
+def test_the_fused_commit_writes_what_write_slots_and_gather_written_write(moves):
+    """A verified tree's writes in one launch (`draft_kernels.commit_path`): every node's token and feature into
+    the slot data, the accepted path moved to the front of the written block in every layer's K and V (paths
+    with a node on another one's destination slot: moves in path order), the same cache bit for bit as the
+    torch writes, on rows in the middle of the cache, one of them at its capacity. Control: counts one short."""
+    spec = LeanForward(tiny_model("llama", layers=3)).spec
+    generator = torch.Generator().manual_seed(1)
+
+    def cache_case():  # the same random contents each time
+        filled = torch.Generator().manual_seed(7)
+        cache = KVCache(spec, 5, 24, device=DEVICE)
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=filled))
+        cache.add_slot_data("tokens", dtype=torch.long).copy_(torch.randint(0, 97, (5, 24), generator=filled))
+        cache.add_slot_data("features", (64,)).copy_(torch.randn(5, 24, 64, generator=filled))
+        return cache
+
+    nodes = 9
+    lengths = torch.tensor([0, 6, 24 - nodes], device=DEVICE)
+    tokens = torch.randint(0, 97, (3, nodes), generator=generator).to(DEVICE)
+    hidden = torch.randn(3, nodes, 64, generator=generator).to(DEVICE)
+    path = torch.tensor([[0, 2, 3, 7, -1], [0, 1, 5, -1, -1], [0, 4, 6, 8, -1]], device=DEVICE)
+    counts = torch.tensor([4, 3, 4], device=DEVICE)
+    reference, fused = cache_case(), cache_case()
+    rows = reference.rows(1, 3)
+    slots = lengths[:, None] + torch.arange(nodes, device=DEVICE)[None, :]
+    rows.write_slots("tokens", slots, tokens)
+    rows.write_slots("features", slots, hidden)
+    if moves:
+        rows.gather_written(lengths, path.clamp(min=0), counts)
+    draft_kernels.commit_path(fused.rows(1, 3), lengths, tokens, hidden, path if moves else None,
+                              counts if moves else None)
+    assert torch.equal(fused.kv, reference.kv)
+    for name in ("tokens", "features"):
+        assert torch.equal(fused.slot_data[name], reference.slot_data[name]), name
+    if moves:
+        short = cache_case()
+        draft_kernels.commit_path(short.rows(1, 3), lengths, tokens, hidden, path, counts - 1)
+        assert not torch.equal(short.kv, reference.kv)

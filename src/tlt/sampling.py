@@ -268,6 +268,8 @@ class FusedDraws(NamedTuple):
     verify_q_nodes: Callable | None = None       # models/draft_kernels.verify_q_nodes: a q tree's node tests
     expand_frontier: Callable | None = None      # models/draft_kernels.expand_frontier: a drafted depth's records
     follow_q_path: Callable | None = None        # models/draft_kernels.follow_q_path: a q tree's accepted path
+    tree_mask: Callable | None = None            # models/draft_kernels.ancestor_mask: a tree's attention mask
+    commit_path: Callable | None = None          # models/draft_kernels.commit_path: a verified tree's writes
 
 
 TORCH_DRAWS = FusedDraws()
@@ -275,10 +277,13 @@ _FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", d
 
 
 @contextlib.contextmanager
-def drawing_with(draw=None, without_replacement=None, verify_q_nodes=None, expand_frontier=None, follow_q_path=None):
+def drawing_with(draw=None, without_replacement=None, verify_q_nodes=None, expand_frontier=None, follow_q_path=None,
+                 tree_mask=None, commit_path=None):
     """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms), and the speculative
-    step's draws, q-tree tests, tree records and accepted paths the other kernels given (None: torch's)."""
-    token = _FUSED_DRAW.set(FusedDraws(draw, without_replacement, verify_q_nodes, expand_frontier, follow_q_path))
+    step's draws, q-tree tests, tree records, accepted paths, tree masks and writes the other kernels given
+    (None: torch's)."""
+    token = _FUSED_DRAW.set(FusedDraws(draw, without_replacement, verify_q_nodes, expand_frontier, follow_q_path,
+                                       tree_mask, commit_path))
     try:
         yield
     finally:

@@ -285,6 +285,110 @@ def verify_q_nodes(logprobs: torch.Tensor, dists: torch.Tensor, slot: torch.Tens
 if triton is not None:
 
     @triton.jit
+    def _commit_path_kernel(KV, SlotTokens, SlotFeatures, Lengths, Path, Counts, TreeTokens, Hidden,
+                            kv_s0, kv_s1, kv_sr, kv_sh, kv_ss, tok_sr, feat_sr, feat_ss, path_sb, h_sb, h_sn,
+                            LAYERS, KV_HEADS, NODES, WIDTH, CAPACITY, HIDDEN, HEAD_DIM: tl.constexpr,
+                            MOVE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+        # program (row b, plane): planes 0 .. 2 L Hkv - 1 move one (K or V, layer, KV head)'s path slots to the
+        # front of the written block; the last plane writes the slot data (every node's token and feature, the
+        # path's in front)
+        b = tl.program_id(0).to(tl.int64)
+        plane = tl.program_id(1)
+        base = tl.load(Lengths + b)
+        count = base * 0
+        if MOVE:
+            count = tl.load(Counts + b)
+        if plane < 2 * LAYERS * KV_HEADS:
+            if MOVE:
+                which = plane // (LAYERS * KV_HEADS)
+                layer = (plane // KV_HEADS) % LAYERS
+                head = plane % KV_HEADS
+                start = KV + which * kv_s0 + layer * kv_s1 + b * kv_sr + head * kv_sh
+                d = tl.arange(0, BLOCK_D)
+                # in path order: path[i] >= i (a node's index is at least its depth), so slot base + path[i] is
+                # never one an earlier move overwrote; each lane reads and writes its own d
+                for i in range(1, WIDTH):
+                    node = tl.load(Path + b * path_sb + i, mask=i < count, other=0)
+                    ok = (d < HEAD_DIM) & (d * 0 + i < count) & (d * 0 + base + i < CAPACITY)
+                    moved = tl.load(start + (base + node) * kv_ss + d, mask=ok)
+                    tl.store(start + (base + i) * kv_ss + d, moved, mask=ok)
+        else:
+            h = tl.arange(0, BLOCK_H)
+            for i in range(0, NODES):
+                node = i + 0 * base
+                if MOVE:
+                    node = tl.load(Path + b * path_sb + i, mask=i < count, other=i).to(tl.int64)
+                    node = tl.where(i < count, node, i)
+                slot = base + i
+                if slot < CAPACITY:
+                    tl.store(SlotTokens + b * tok_sr + slot, tl.load(TreeTokens + b * NODES + node))
+                    source = Hidden + b * h_sb + node * h_sn
+                    target = SlotFeatures + b * feat_sr + slot * feat_ss
+                    for h0 in range(0, HIDDEN, BLOCK_H):
+                        inside = h0 + h < HIDDEN
+                        tl.store(target + h0 + h, tl.load(source + h0 + h, mask=inside), mask=inside)
+
+
+def commit_path(rows, lengths: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, path: torch.Tensor | None,
+                counts: torch.Tensor | None) -> None:
+    """A verified tree's writes in one launch, where `CacheRows.write_slots` twice and `gather_written` took ~19
+    operations: every node's token and feature (tokens [B, N + 1], hidden [B, N + 1, H]) into the "tokens" and
+    "features" slot data at slots lengths + node of `rows` (a `CacheRows` whose slot data is exactly those
+    two), then, path [B, W] and counts [B] given, the first counts[b] nodes of the path moved to the front of
+    the written block in every layer's K and V and in the slot data (`gather_written`); nothing committed."""
+    cache = rows.cache
+    kv = cache.kv[:, :, rows.start:rows.start + rows.count]               # [2, L, B, Hkv, S, D]
+    slot_tokens, slot_features = rows.slots("tokens"), rows.slots("features")
+    batch, nodes = tokens.shape
+    if set(cache.slot_data) != {"tokens", "features"} or kv.stride(-1) != 1 or slot_features.stride(-1) != 1:
+        raise ValueError("commit_path writes a cache whose slot data is its tokens and features, each contiguous")
+    move = path is not None
+    tokens = tokens.contiguous()
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    path = path.contiguous() if move else tokens  # (a placeholder: unread without a move)
+    counts = counts.contiguous() if move else lengths
+    layers, kv_heads, dim = kv.shape[1], kv.shape[3], kv.shape[5]
+    with _on_device_of(tokens):
+        _commit_path_kernel[(batch, 2 * layers * kv_heads + 1)](
+            kv, slot_tokens, slot_features, lengths, path, counts, tokens, hidden,
+            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4), slot_tokens.stride(0),
+            slot_features.stride(0), slot_features.stride(1), path.stride(0), hidden.stride(0), hidden.stride(1),
+            layers, kv_heads, nodes, path.shape[1], kv.shape[4], hidden.shape[-1], HEAD_DIM=dim, MOVE=move,
+            BLOCK_D=triton.next_power_of_2(dim), BLOCK_H=min(1024, triton.next_power_of_2(hidden.shape[-1])),
+            num_warps=1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _ancestor_mask_kernel(Parents, Mask, NODES, DEPTH: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per (row b, node n): its mask row, itself and every ancestor (the root is its own parent)
+        row = tl.program_id(0).to(tl.int64)
+        b = row // NODES
+        node = row % NODES
+        cols = tl.arange(0, BLOCK)
+        visible = cols == node
+        for _ in tl.static_range(DEPTH):
+            node = tl.maximum(tl.load(Parents + b * NODES + node), 0)
+            visible = visible | (cols == node)
+        tl.store(Mask + row * NODES + cols, visible, mask=cols < NODES)
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """`DraftTree.attention` in one launch, where walking the nodes up one ancestor a round took ~14 operations:
+    [B, N + 1, N + 1] bool, each node sees itself and its ancestors; parents [B, N + 1] (-1 for the root)."""
+    batch, nodes = parents.shape
+    parents = parents.contiguous()
+    mask = torch.empty(batch, nodes, nodes, dtype=torch.bool, device=parents.device)
+    with _on_device_of(parents):
+        _ancestor_mask_kernel[(batch * nodes,)](parents, mask, nodes, DEPTH=max_depth,
+                                                BLOCK=triton.next_power_of_2(nodes), num_warps=1)
+    return mask
+
+
+if triton is not None:
+
+    @triton.jit
     def _follow_q_path_kernel(Choice, Final, Children, Tokens, LogP, Path, Accepted, Emitted, OutTokens, OutLogP,
                               NODES, lp_sb, lp_sn, WIDTH, K: tl.constexpr, STEPS: tl.constexpr):
         # one program per row: from the root, each node emits its accepted child's token and moves there, or

@@ -177,11 +177,17 @@ class SpeculativeDecoder:
         else:
             acceptance = accept(tree, logprobs, settings.greedy, inputs.uniforms, accept_rule=self.accept_rule,
                                 sync_free=sync_free)
+        moves = shape.strategy.branching > 1  # a chain's accepted path is its first nodes, already in place
+        commit = fused_draws().commit_path
+        if commit is not None:  # one launch (Triton kernels)
+            commit(target_rows, committed, tree.tokens, out.hidden, acceptance.path if moves else None,
+                   acceptance.emitted if moves else None)
+            return acceptance
         slots = committed[:, None] + torch.arange(tree.tokens.shape[1], device=committed.device)[None, :]
         target_rows.write_slots("tokens", slots, tree.tokens)
         target_rows.write_slots("features", slots, out.hidden)
-        if shape.strategy.branching > 1:  # a chain's accepted path is its first nodes, already in place
-            target_rows.gather_written(committed, acceptance.path.clamp(min=0), acceptance.accepted + 1)
+        if moves:
+            target_rows.gather_written(committed, acceptance.path.clamp(min=0), acceptance.emitted)
         return acceptance
 
     def feed_pairs(self, target_rows: CacheRows, draft_rows: CacheRows, pending: torch.Tensor,

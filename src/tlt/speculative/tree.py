@@ -38,11 +38,14 @@ class DraftTree:
         """[B, N + 1, N + 1] bool: each node sees itself and its ancestors (the tree mask for verification).
 
         Walks every node up one ancestor per round, S rounds (a node at depth d has d ancestors; the root is
-        its own parent, so finished walks stay there): S small kernels, whatever the tree's size. A chain's mask
-        is causal: two."""
+        its own parent, so finished walks stay there): S small kernels, whatever the tree's size; on the Triton
+        kernels one (`draft_kernels.ancestor_mask`). A chain's mask is causal: two."""
         batch, count = self.parents.shape
         if self.chain:
             return torch.ones(count, count, dtype=torch.bool, device=self.parents.device).tril().expand(batch, -1, -1)
+        fused = fused_draws().tree_mask
+        if fused is not None:
+            return fused(self.parents, self.max_depth)
         nodes = torch.arange(count, device=self.parents.device)
         visible = (nodes[:, None] == nodes[None, :]).expand(batch, -1, -1).clone()
         parent = self.parents.clamp(min=0)
