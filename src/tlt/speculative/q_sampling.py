@@ -35,7 +35,7 @@ import torch
 from tlt.models.eagle import inverse_vocabulary
 from tlt.sampling import RowSampling, fused_draws, processed_logprobs, sample_from_logprobs
 from tlt.speculative.acceptance import Acceptance, TreeWalk, along, follow_accepted
-from tlt.speculative.tree import Candidates, DraftTree
+from tlt.speculative.tree import Candidates, DraftTree, chain_tables
 
 
 @dataclass
@@ -49,8 +49,10 @@ class DraftDistributions:
     @classmethod
     def from_candidates(cls, candidates: Candidates, tree_nodes: int) -> "DraftDistributions":
         """Every candidate is kept in order (tree node = candidate id + 1, the root is node 0)."""
-        ids = torch.cat([node_ids for node_ids, _ in candidates.expanded], 1) + 1  # [B, E]
         dists = torch.cat([dist for _, dist in candidates.expanded], 1)
+        if candidates.chain:  # node d < S was expanded d-th: a constant table
+            return cls(dists, chain_tables(len(candidates.expanded), dists.shape[0], dists.device).dist_slots)
+        ids = torch.cat([node_ids for node_ids, _ in candidates.expanded], 1) + 1  # [B, E]
         batch, expanded = ids.shape
         slot = torch.full((batch, tree_nodes), -1, dtype=torch.long, device=ids.device)
         slot.scatter_(1, ids, torch.arange(expanded, device=ids.device).expand(batch, -1))

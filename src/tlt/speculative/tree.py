@@ -29,6 +29,7 @@ class DraftTree:
     children: torch.Tensor  # [B, N + 1, K] child indices in draft-score order, -1 padded
     max_depth: int          # the strategy's depth S: loops over depths never read the tensors above on the host
     chain: bool = False     # node d's only child is node d + 1 (branching 1): the mask is causal
+    causal: torch.Tensor | None = None  # a chain's causal mask [B, N + 1, N + 1] (`chain_tables`), when made
 
     @property
     def size(self) -> int:
@@ -41,6 +42,8 @@ class DraftTree:
         its own parent, so finished walks stay there): S small kernels, whatever the tree's size; on the Triton
         kernels one (`draft_kernels.ancestor_mask`). A chain's mask is causal: two."""
         batch, count = self.parents.shape
+        if self.causal is not None:
+            return self.causal
         if self.chain:
             return torch.ones(count, count, dtype=torch.bool, device=self.parents.device).tril().expand(batch, -1, -1)
         fused = fused_draws().tree_mask
@@ -68,6 +71,7 @@ class Candidates:
     parents: torch.Tensor
     expanded: list[tuple[torch.Tensor, torch.Tensor]]
     frontiers: list[torch.Tensor] | None = None
+    chain: bool = False  # branching 1: candidate d's parent is d - 1 and expansion d drew it
 
 
 def top_children(logits: torch.Tensor, k: int, depth: int):
@@ -166,20 +170,22 @@ def _draft_chain(drafter, root_hidden: torch.Tensor, cache: CacheRows, base_posi
     batch = root_hidden.shape[0]
     device = root_hidden.device
     base = base_positions.to(device)
+    # candidate d's parent, d - 1, is also the expansion that drew it (-1: the root): constants, no operations
+    nodes = chain_tables(strategy.depth, batch, device).parents[:, :-1]             # [B, S]: -1 .. S - 2
     scores, ids, dist = pick(drafter.draft_logits(root_hidden)[:, None], 1, 1)
-    tokens, all_scores = [drafter.to_target_ids(ids[:, 0])], [scores[:, 0]]
-    expanded = [] if dist is None else [(torch.full((batch, 1), -1, dtype=torch.long, device=device), dist)]
+    tokens, step_scores = [drafter.to_target_ids(ids[:, 0])], [scores[:, 0]]
+    expanded = [] if dist is None else [(nodes[:, :1], dist)]
     hidden = root_hidden[:, None]
     tables = drafter.chain_tables(cache, base, strategy.depth - 1, kv_len) if strategy.depth > 1 else None
     for depth in range(2, strategy.depth + 1):
         hidden = drafter.step(tokens[-1], hidden, cache, None, tables=tables.at(depth - 2))
         child_scores, child_ids, dist = pick(drafter.draft_logits(hidden), 1, depth)
         if dist is not None:
-            expanded.append((torch.full((batch, 1), depth - 2, dtype=torch.long, device=device), dist))
-        all_scores.append(all_scores[-1] + child_scores.reshape(batch, 1))
+            expanded.append((nodes[:, depth - 1:depth], dist))
+        step_scores.append(child_scores.reshape(batch, 1))
         tokens.append(drafter.to_target_ids(child_ids).reshape(batch, 1))
-    parents = torch.arange(-1, strategy.depth - 1, device=device).expand(batch, -1)
-    return Candidates(torch.cat(tokens, 1), torch.cat(all_scores, 1), parents, expanded)
+    # cumulative draft scores in one scan (a chain keeps every candidate: nothing ranks them)
+    return Candidates(torch.cat(tokens, 1), torch.cat(step_scores, 1).cumsum(1), nodes, expanded, chain=True)
 
 
 def select_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: SpecStrategy) -> DraftTree:
@@ -195,12 +201,38 @@ def select_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: Spe
 
 
 def _chain_tree(root_tokens: torch.Tensor, tokens: torch.Tensor, depth: int) -> DraftTree:
-    """`_best_tree` of a chain without sorting or tables: node d (depth d) has parent d - 1 and child d + 1."""
-    batch = root_tokens.shape[0]
-    nodes = torch.arange(depth + 1, device=root_tokens.device)
-    children = torch.where(nodes < depth, nodes + 1, -1)[None, :, None].expand(batch, -1, -1)
-    return DraftTree(torch.cat([root_tokens[:, None], tokens], 1), (nodes - 1).expand(batch, -1),
-                     nodes.expand(batch, -1), children, depth, chain=True)
+    """`_best_tree` of a chain without sorting: node d (depth d) has parent d - 1 and child d + 1, constant tables
+    (`chain_tables`); only the tokens are this step's."""
+    tables = chain_tables(depth, root_tokens.shape[0], root_tokens.device)
+    return DraftTree(torch.cat([root_tokens[:, None], tokens], 1), tables.parents, tables.depths, tables.children,
+                     depth, chain=True, causal=tables.causal)
+
+
+@dataclass
+class ChainConstants:
+    """What a chain of depth S looks like for B rows, whatever was drafted: node parents [B, S + 1] (-1 for the
+    root), depths [B, S + 1], children [B, S + 1, 1] (-1 for the leaf), its causal mask [B, S + 1, S + 1] and each
+    node's row in the drafts' distributions (node d < S: d; the leaf -1) [B, S + 1]. Contiguous, batch-sized:
+    the kernels that read them take them as they are."""
+
+    parents: torch.Tensor
+    depths: torch.Tensor
+    children: torch.Tensor
+    causal: torch.Tensor
+    dist_slots: torch.Tensor
+
+
+def chain_tables(depth: int, batch: int, device) -> ChainConstants:
+    def rows(table: torch.Tensor) -> torch.Tensor:
+        return table.expand(batch, *table.shape).contiguous()
+
+    def make() -> ChainConstants:
+        nodes = torch.arange(depth + 1, device=device)
+        inner = nodes < depth
+        return ChainConstants(rows(nodes - 1), rows(nodes), rows(torch.where(inner, nodes + 1, -1)[:, None]),
+                              rows(torch.ones(depth + 1, depth + 1, dtype=torch.bool, device=device).tril()),
+                              rows(torch.where(inner, nodes, -1)))
+    return step_constant(("chain", depth, batch), device, make)
 
 
 def _whole_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: SpecStrategy) -> DraftTree:
@@ -222,22 +254,30 @@ def _whole_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: Spe
                      depths.expand(batch, -1), children, strategy.depth)
 
 
-_WHOLE_TREE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_STEP_CONSTANTS: dict[tuple, object] = {}
+
+
+def step_constant(key: tuple, device, make):
+    """make(): tensors that depend on a step's shapes alone (a strategy, a batch size), made once per key and
+    device. A graph's warm-up runs make them before its capture, so they are constants of the captured step, not
+    operations (nor memory a graph's pool owns: nothing made during a capture or a compile is kept)."""
+    key = key + (str(device),)
+    value = _STEP_CONSTANTS.get(key)
+    if value is None:
+        value = make()
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not (capturing or torch.compiler.is_compiling()):
+            _STEP_CONSTANTS[key] = value
+    return value
 
 
 def _whole_tree_tables(depth: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(node depths [N + 1], children of each expansion's node [E, K]) of a whole tree: expansion e (the root,
-    then frontier slot by slot, depth by depth) drew candidates e K .. e K + K - 1. Made once per shape and device
-    (a graph's warm-up run makes them before its capture: constants, not step operations)."""
-    key = (depth, k, str(device))
-    tables = _WHOLE_TREE_TABLES.get(key)
-    if tables is None:
+    then frontier slot by slot, depth by depth) drew candidates e K .. e K + K - 1."""
+    def make():
         ids = torch.arange(k + (depth - 1) * k * k, device=device)
-        tables = F.pad(candidate_depths(ids, k), (1, 0)), (ids + 1).view(-1, k)
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if not (capturing or torch.compiler.is_compiling()):  # memory a graph's pool owns is not kept
-            _WHOLE_TREE_TABLES[key] = tables
-    return tables
+        return F.pad(candidate_depths(ids, k), (1, 0)), (ids + 1).view(-1, k)
+    return step_constant(("whole tree", depth, k), device, make)
 
 
 def _best_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: SpecStrategy) -> DraftTree:
