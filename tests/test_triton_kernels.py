@@ -605,6 +605,7 @@ def test_the_fused_q_node_tests_accept_what_the_torch_tests_accept(vocab, draft_
     """Every node's recursive rejection sampling and final residual draw in one launch, and the walk along the
     accepted children in another: the same accepted paths, tokens and log-probs as the torch node tests and
     walk, field for field, with either kernel alone or both."""
+    from tlt.speculative.decoder import pack
     from tlt.speculative.q_sampling import accept_q
 
     tree, logprobs, drafts, mapping, greedy, uniforms = q_tree_case(vocab, draft_vocab, strategy)
@@ -616,6 +617,8 @@ def test_the_fused_q_node_tests_accept_what_the_torch_tests_accept(vocab, draft_
             fused = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
         for field in ("path", "accepted", "tokens", "logprobs", "emitted"):
             assert torch.equal(getattr(fused, field), getattr(expected, field)), (field, sorted(kernels_used))
+        if "follow_q_path" in kernels_used:  # packed for the host by the same launch
+            assert torch.equal(fused.packed, pack(expected)) and expected.packed is None
     assert 0 < int(expected.accepted.sum()) < expected.accepted.numel() * strategy.depth  # accepts and rejects
 
 
@@ -871,3 +874,31 @@ def test_the_fused_commit_writes_what_write_slots_and_gather_written_write(moves
         short = cache_case()
         draft_kernels.commit_path(short.rows(1, 3), lengths, tokens, hidden, path, counts - 1)
         assert not torch.equal(short.kv, reference.kv)
+
+
+def test_the_fused_catch_up_inputs_are_the_torch_gathers():
+    """The drafter's catch-up inputs in one launch (`draft_kernels.gather_pairs`): the same tokens (the pending
+    token as x_committed), features and last-pair indices as the torch gathers, for rows with nothing, some and
+    a full width missing, one near the cache's end (padding pairs read clamped). Control: the kernel fed the
+    committed lengths one short misses the pending token."""
+    from tlt.speculative.decoder import _pairs
+
+    generator = torch.Generator().manual_seed(2)
+    cache = KVCache(LeanForward(tiny_model("llama")).spec, 5, 20, device=DEVICE)
+    cache.add_slot_data("tokens", dtype=torch.long).copy_(torch.randint(0, 97, (5, 20), generator=generator))
+    cache.add_slot_data("features", (64,)).copy_(torch.randn(5, 20, 64, generator=generator))
+    rows = cache.rows(1, 4)
+    seen = torch.tensor([0, 5, 3, 17], device=DEVICE)
+    committed = torch.tensor([4, 5, 6, 19], device=DEVICE)
+    until, width = committed.clone(), 4
+    pending = torch.tensor([90, 91, 92, 93], device=DEVICE)
+    pair = seen[:, None] + torch.arange(width, device=DEVICE)[None, :]
+    expected = _pairs(rows, pending, committed, seen, until, pair)
+    got = draft_kernels.gather_pairs(rows.slots("tokens"), rows.slots("features"), pending, committed, seen, until,
+                                     width)
+    for name, a, b in zip(("tokens", "features", "last"), got, expected):
+        assert torch.equal(a, b), name
+    assert (got[0] == pending[:, None]).any(1)[[0, 2, 3]].all()  # the pending token sits at x_committed
+    short = draft_kernels.gather_pairs(rows.slots("tokens"), rows.slots("features"), pending, committed - 1, seen,
+                                       until, width)
+    assert not torch.equal(short[0], expected[0])

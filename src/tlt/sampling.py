@@ -270,6 +270,7 @@ class FusedDraws(NamedTuple):
     follow_q_path: Callable | None = None        # models/draft_kernels.follow_q_path: a q tree's accepted path
     tree_mask: Callable | None = None            # models/draft_kernels.ancestor_mask: a tree's attention mask
     commit_path: Callable | None = None          # models/draft_kernels.commit_path: a verified tree's writes
+    gather_pairs: Callable | None = None         # models/draft_kernels.gather_pairs: the drafter's catch-up inputs
 
 
 TORCH_DRAWS = FusedDraws()
@@ -278,12 +279,12 @@ _FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", d
 
 @contextlib.contextmanager
 def drawing_with(draw=None, without_replacement=None, verify_q_nodes=None, expand_frontier=None, follow_q_path=None,
-                 tree_mask=None, commit_path=None):
+                 tree_mask=None, commit_path=None, gather_pairs=None):
     """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms), and the speculative
-    step's draws, q-tree tests, tree records, accepted paths, tree masks and writes the other kernels given
-    (None: torch's)."""
+    step's draws, q-tree tests, tree records, accepted paths, tree masks, writes and catch-up inputs the other
+    kernels given (None: torch's)."""
     token = _FUSED_DRAW.set(FusedDraws(draw, without_replacement, verify_q_nodes, expand_frontier, follow_q_path,
-                                       tree_mask, commit_path))
+                                       tree_mask, commit_path, gather_pairs))
     try:
         yield
     finally:

@@ -285,6 +285,53 @@ def verify_q_nodes(logprobs: torch.Tensor, dists: torch.Tensor, slot: torch.Tens
 if triton is not None:
 
     @triton.jit
+    def _gather_pairs_kernel(SlotTokens, SlotFeatures, Pending, Committed, Seen, Until, Tokens, Features, Last,
+                             tok_sr, feat_sr, feat_ss, WIDTH, LIMIT, HIDDEN, BLOCK_H: tl.constexpr):
+        # program (row b, pair w): pair i = seen + w is (x_{i+1}, f_i), x_committed the pending token; reads past
+        # the cache clamped (pairs past a row's `until` are padding)
+        b = tl.program_id(0).to(tl.int64)
+        w = tl.program_id(1)
+        seen = tl.load(Seen + b)
+        pair = seen + w
+        following = tl.load(SlotTokens + b * tok_sr + tl.minimum(pair + 1, LIMIT))
+        token = tl.where(pair + 1 == tl.load(Committed + b), tl.load(Pending + b), following)
+        tl.store(Tokens + b * WIDTH + w, token)
+        source = SlotFeatures + b * feat_sr + tl.minimum(pair, LIMIT) * feat_ss
+        target = Features + (b * WIDTH + w) * HIDDEN
+        h = tl.arange(0, BLOCK_H)
+        for h0 in range(0, HIDDEN, BLOCK_H):
+            inside = h0 + h < HIDDEN
+            tl.store(target + h0 + h, tl.load(source + h0 + h, mask=inside), mask=inside)
+        if w == 0:  # the pair whose output is the tree's root
+            tl.store(Last + b, tl.maximum(tl.load(Until + b) - seen - 1, 0))
+
+
+def gather_pairs(slot_tokens: torch.Tensor, slot_features: torch.Tensor, pending: torch.Tensor,
+                 committed: torch.Tensor, seen: torch.Tensor, until: torch.Tensor, width: int):
+    """The drafter's catch-up inputs in one launch (`SpeculativeDecoder.feed_pairs`, where they took ~13
+    operations): pairs [seen, seen + width) of each row's "tokens" / "features" slot data [B, S] / [B, S, H]
+    as (tokens [B, W], features [B, W, H]), the pending token [B] as x_committed, and the index of each row's
+    last pair, until - seen - 1 (at least 0) [B]."""
+    batch, capacity = slot_tokens.shape
+    hidden = slot_features.shape[-1]
+    if slot_features.stride(-1) != 1:
+        raise ValueError("gather_pairs reads the features' last dimension contiguously")
+    device = slot_tokens.device
+    tokens = torch.empty(batch, width, dtype=slot_tokens.dtype, device=device)
+    features = torch.empty(batch, width, hidden, dtype=slot_features.dtype, device=device)
+    last = torch.empty(batch, dtype=torch.long, device=device)
+    pending, committed, seen, until = (t.contiguous() for t in (pending, committed, seen, until))
+    with _on_device_of(slot_tokens):
+        _gather_pairs_kernel[(batch, width)](
+            slot_tokens, slot_features, pending, committed, seen, until, tokens, features, last,
+            slot_tokens.stride(0), slot_features.stride(0), slot_features.stride(1), width, capacity - 1, hidden,
+            BLOCK_H=min(1024, triton.next_power_of_2(hidden)), num_warps=1)
+    return tokens, features, last
+
+
+if triton is not None:
+
+    @triton.jit
     def _commit_path_kernel(KV, SlotTokens, SlotFeatures, Lengths, Path, Counts, TreeTokens, Hidden,
                             kv_s0, kv_s1, kv_sr, kv_sh, kv_ss, tok_sr, feat_sr, feat_ss, path_sb, h_sb, h_sn,
                             LAYERS, KV_HEADS, NODES, WIDTH, CAPACITY, HIDDEN, HEAD_DIM: tl.constexpr,
@@ -390,9 +437,10 @@ if triton is not None:
 
     @triton.jit
     def _follow_q_path_kernel(Choice, Final, Children, Tokens, LogP, Path, Accepted, Emitted, OutTokens, OutLogP,
-                              NODES, lp_sb, lp_sn, WIDTH, K: tl.constexpr, STEPS: tl.constexpr):
+                              Packed, NODES, lp_sb, lp_sn, WIDTH, K: tl.constexpr, STEPS: tl.constexpr):
         # one program per row: from the root, each node emits its accepted child's token and moves there, or
-        # emits its final token and stops (then -1 / 0.0 to the end)
+        # emits its final token and stops (then -1 / 0.0 to the end); the same in float64 into the row of the
+        # step's one host transfer (tokens, log-probs, path, accepted: `decoder.pack`'s layout)
         b = tl.program_id(0).to(tl.int64)
         node = tl.zeros([], tl.int64)
         alive = node == 0
@@ -405,24 +453,32 @@ if triton is not None:
             token = tl.where(found, tl.load(Tokens + b * NODES + tl.maximum(child, 0), mask=found, other=0),
                              tl.load(Final + at, mask=alive, other=-1))
             logp = tl.load(LogP + b * lp_sb + node * lp_sn + tl.maximum(token, 0), mask=alive, other=0.0)
-            tl.store(Path + b * WIDTH + i, tl.where(alive, node, -1))
-            tl.store(OutTokens + b * WIDTH + i, tl.where(alive, token, -1))
-            tl.store(OutLogP + b * WIDTH + i, tl.where(alive, logp.to(tl.float32), 0.0))
+            path, token, logp = tl.where(alive, node, -1), tl.where(alive, token, -1), \
+                tl.where(alive, logp.to(tl.float32), 0.0)
+            tl.store(Path + b * WIDTH + i, path)
+            tl.store(OutTokens + b * WIDTH + i, token)
+            tl.store(OutLogP + b * WIDTH + i, logp)
+            packed = Packed + b * (3 * WIDTH + 1)
+            tl.store(packed + i, token.to(tl.float64))
+            tl.store(packed + WIDTH + i, logp.to(tl.float64))
+            tl.store(packed + 2 * WIDTH + i, path.to(tl.float64))
             if i > 0:
                 accepted += alive.to(tl.int64)
             alive = found
             node = tl.where(found, child, node)
         tl.store(Accepted + b, accepted)
         tl.store(Emitted + b, accepted + 1)
+        tl.store(Packed + b * (3 * WIDTH + 1) + 3 * WIDTH, accepted.to(tl.float64))
 
 
 def follow_q_path(choice: torch.Tensor, final: torch.Tensor, children: torch.Tensor, tokens: torch.Tensor,
                   logprobs: torch.Tensor, max_depth: int):
     """What `q_sampling._accept_q_every_node` makes of `verify_q_nodes`' (choice, final) in one launch, where
     its torch operations (`acceptance.follow_accepted`, `along`, the gathers) were ~30: each row's accepted
-    path (the root, then the accepted nodes, -1 padded) [B, S + 2], accepted count and emitted count [B], the
-    emitted tokens [B, S + 2] (-1 padded) and their log-probs under logprobs [B, N + 1, V] (float32, 0 padded).
-    children [B, N + 1, K], tokens [B, N + 1] the tree's."""
+    path (the root, then the accepted nodes, -1 padded) [B, S + 2], accepted count [B], the emitted tokens
+    [B, S + 2] (-1 padded), their log-probs under logprobs [B, N + 1, V] (float32, 0 padded), the emitted count
+    [B], and all of it packed for the host (`decoder.pack`, whose 5 operations it saves): an `Acceptance`'s
+    fields. children [B, N + 1, K], tokens [B, N + 1] the tree's."""
     batch, nodes = choice.shape
     k = children.shape[-1]
     width = max_depth + 2
@@ -434,11 +490,12 @@ def follow_q_path(choice: torch.Tensor, final: torch.Tensor, children: torch.Ten
     out_tokens = torch.empty(batch, width, dtype=torch.long, device=device)
     out_logprobs = torch.empty(batch, width, dtype=torch.float32, device=device)
     counts = torch.empty(2, batch, dtype=torch.long, device=device)  # accepted, emitted: one allocation
+    packed = torch.empty(batch, 3 * width + 1, dtype=torch.float64, device=device)
     with _on_device_of(choice):
         _follow_q_path_kernel[(batch,)](
-            choice, final, children, tokens, logprobs, path, counts[0], counts[1], out_tokens, out_logprobs, nodes,
-            logprobs.stride(0), logprobs.stride(1), width, K=k, STEPS=width, num_warps=1)
-    return path, counts[0], out_tokens, out_logprobs, counts[1]
+            choice, final, children, tokens, logprobs, path, counts[0], counts[1], out_tokens, out_logprobs,
+            packed, nodes, logprobs.stride(0), logprobs.stride(1), width, K=k, STEPS=width, num_warps=1)
+    return path, counts[0], out_tokens, out_logprobs, counts[1], packed
 
 
 if triton is not None:

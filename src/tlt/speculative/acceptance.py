@@ -25,6 +25,7 @@ class Acceptance:
     tokens: torch.Tensor        # [B, S + 1] emitted tokens: accepted nodes' tokens then the final token, -1 padded
     logprobs: torch.Tensor      # [B, S + 1] the target's processed log-prob of each emitted token
     emitted: torch.Tensor       # [B] = accepted + 1
+    packed: torch.Tensor | None = None  # `decoder.pack` of the above, when a kernel wrote it with them
 
 
 def accept(tree: DraftTree, logprobs: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor,

@@ -198,14 +198,13 @@ class SpeculativeDecoder:
         caller commits it); returns the drafter's output at pair until - 1 [B, H] (this step's tree root)."""
         device = pending.device
         pair = seen[:, None] + torch.arange(width, device=device)[None, :]           # [B, W] pair index i
-        features = target_rows.slots("features")
-        limit = features.shape[1] - 1  # pairs past a row's `until` are padding: clamp their reads
-        next_slot = (pair + 1).clamp(max=limit)
-        tokens = target_rows.slots("tokens").gather(1, next_slot)
-        tokens = torch.where(pair + 1 == committed[:, None], pending[:, None], tokens)
-        features = features.gather(1, pair.clamp(max=limit)[:, :, None].expand(-1, -1, features.shape[-1]))
+        fused = fused_draws().gather_pairs
+        if fused is not None:  # one launch (Triton kernels)
+            tokens, features, last = fused(target_rows.slots("tokens"), target_rows.slots("features"), pending,
+                                           committed, seen, until, width)
+        else:
+            tokens, features, last = _pairs(target_rows, pending, committed, seen, until, pair)
         hidden = self.drafter.step(tokens, features, draft_rows, pair, lengths=seen, kv_len=draft_kv)
-        last = (until - seen - 1).clamp(min=0)
         return hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
 
     # the host part ---------------------------------------------------------------------------------------------
@@ -239,8 +238,21 @@ class SpeculativeDecoder:
         return acceptance
 
 
+def _pairs(target_rows: CacheRows, pending, committed, seen, until, pair):
+    """`feed_pairs`' inputs: pair i is (x_{i+1}, f_i) of the slot data, x_committed the pending token, and the
+    index of each row's last pair (`draft_kernels.gather_pairs` in one launch)."""
+    features = target_rows.slots("features")
+    limit = features.shape[1] - 1  # pairs past a row's `until` are padding: clamp their reads
+    tokens = target_rows.slots("tokens").gather(1, (pair + 1).clamp(max=limit))
+    tokens = torch.where(pair + 1 == committed[:, None], pending[:, None], tokens)
+    features = features.gather(1, pair.clamp(max=limit)[:, :, None].expand(-1, -1, features.shape[-1]))
+    return tokens, features, (until - seen - 1).clamp(min=0)
+
+
 def pack(acceptance: Acceptance) -> torch.Tensor:
     """[B, 3 * (S + 2) + 1] float64: tokens, log-probs, path, accepted — one tensor, one transfer (ids < 2^53)."""
+    if acceptance.packed is not None:
+        return acceptance.packed
     return torch.cat([acceptance.tokens.double(), acceptance.logprobs.double(), acceptance.path.double(),
                       acceptance.accepted.double()[:, None]], 1)
 
