@@ -95,7 +95,7 @@ def count_triton_launches() -> None:
                                      "_silu_and_mul_kernel", "_sample_kernel", "_attention_bias_kernel")),
                           (draft_kernels, ("_draw_kernel", "_verify_q_nodes_kernel", "_expand_frontier_kernel",
                                            "_follow_q_path_kernel", "_ancestor_mask_kernel", "_commit_path_kernel",
-                                           "_gather_pairs_kernel"))):
+                                           "_gather_pairs_kernel", "_whole_tree_kernel"))):
         for name in names:
             setattr(module, name, CountedLaunches(name.strip("_").removesuffix("_kernel"), getattr(module, name)))
 

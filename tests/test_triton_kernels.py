@@ -902,3 +902,42 @@ def test_the_fused_catch_up_inputs_are_the_torch_gathers():
     short = draft_kernels.gather_pairs(rows.slots("tokens"), rows.slots("features"), pending, committed - 1, seen,
                                        until, width)
     assert not torch.equal(short[0], expected[0])
+
+
+@pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, rule="q"), SpecStrategy(2, 4, rule="q"),
+                                      SpecStrategy(1, 3, rule="q"), SpecStrategy(4, 3, 30)], ids=str)
+def test_the_fused_whole_tree_tables_are_the_torch_tables(strategy):
+    """A whole tree's node tables in one launch (`draft_kernels.whole_tree`): the same expansions, children and
+    parents as the torch scatters, for drafted q trees (depth 1 included) and a target-only tree that keeps every
+    candidate. Control: frontier ids one off give other children."""
+    from test_acceptance_exactness import BigramDrafter
+    from tlt.speculative.tree import draft_tree, whole_tree_layout
+
+    generator = torch.Generator().manual_seed(3)
+    drafter = BigramDrafter((torch.randn(60, 60, generator=generator) * 3).to(DEVICE))
+    root = torch.randint(0, 60, (5,), generator=generator).float()[:, None].to(DEVICE)
+    pick = {}
+    if strategy.rule == "q":
+        from tlt.sampling import RowSampling
+        from tlt.speculative.q_sampling import sampling_pick
+        settings = RowSampling.from_params([SamplingParams(temperature=1.0)] * 5, DEVICE)
+        pick = dict(pick=sampling_pick(settings, torch.rand(5, strategy.tree_size, generator=generator).to(DEVICE)))
+    candidates = draft_tree(drafter, root, None, torch.zeros(5, dtype=torch.long, device=DEVICE), strategy, **pick)
+    assert candidates.branching == strategy.branching
+    expected = whole_tree_layout(candidates)
+    candidates.layout = None
+    with drawing_with(whole_tree=draft_kernels.whole_tree):
+        fused = whole_tree_layout(candidates)
+    for field in ("slot", "children", "parents"):
+        assert torch.equal(getattr(fused, field), getattr(expected, field)), field
+    if strategy.rule == "q":  # the q distributions' slots come from the same tables, K read off the candidates
+        from tlt.speculative.q_sampling import DraftDistributions
+        candidates.layout = None
+        with drawing_with(whole_tree=draft_kernels.whole_tree):
+            slot = DraftDistributions.from_candidates(candidates, strategy.tree_size + 1).slot
+        assert torch.equal(slot, expected.slot) and torch.equal(candidates.layout.children, expected.children)
+    if candidates.frontiers:
+        ids = torch.cat(candidates.frontiers, 1)
+        _, off, _ = draft_kernels.whole_tree((ids + 1) % ids.max().clamp(min=1), candidates.parents,
+                                             strategy.branching)
+        assert not torch.equal(off, expected.children)

@@ -271,6 +271,7 @@ class FusedDraws(NamedTuple):
     tree_mask: Callable | None = None            # models/draft_kernels.ancestor_mask: a tree's attention mask
     commit_path: Callable | None = None          # models/draft_kernels.commit_path: a verified tree's writes
     gather_pairs: Callable | None = None         # models/draft_kernels.gather_pairs: the drafter's catch-up inputs
+    whole_tree: Callable | None = None           # models/draft_kernels.whole_tree: a whole tree's node tables
 
 
 TORCH_DRAWS = FusedDraws()
@@ -279,12 +280,12 @@ _FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", d
 
 @contextlib.contextmanager
 def drawing_with(draw=None, without_replacement=None, verify_q_nodes=None, expand_frontier=None, follow_q_path=None,
-                 tree_mask=None, commit_path=None, gather_pairs=None):
+                 tree_mask=None, commit_path=None, gather_pairs=None, whole_tree=None):
     """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms), and the speculative
-    step's draws, q-tree tests, tree records, accepted paths, tree masks, writes and catch-up inputs the other
-    kernels given (None: torch's)."""
+    step's draws, q-tree tests, tree records, accepted paths, tree masks and tables, writes and catch-up inputs
+    the other kernels given (None: torch's)."""
     token = _FUSED_DRAW.set(FusedDraws(draw, without_replacement, verify_q_nodes, expand_frontier, follow_q_path,
-                                       tree_mask, commit_path, gather_pairs))
+                                       tree_mask, commit_path, gather_pairs, whole_tree))
     try:
         yield
     finally:

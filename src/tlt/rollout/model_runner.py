@@ -277,7 +277,8 @@ def sampler_of(forward: LeanForward):
         return drawing_with(None)
     return drawing_with(kernels.sample_from_logprobs, draft_kernels.draw_without_replacement,
                         draft_kernels.verify_q_nodes, draft_kernels.expand_frontier, draft_kernels.follow_q_path,
-                        draft_kernels.ancestor_mask, draft_kernels.commit_path, draft_kernels.gather_pairs)
+                        draft_kernels.ancestor_mask, draft_kernels.commit_path, draft_kernels.gather_pairs,
+                        draft_kernels.whole_tree)
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:

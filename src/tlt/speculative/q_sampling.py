@@ -35,7 +35,7 @@ import torch
 from tlt.models.eagle import inverse_vocabulary
 from tlt.sampling import RowSampling, fused_draws, processed_logprobs, sample_from_logprobs
 from tlt.speculative.acceptance import Acceptance, TreeWalk, along, follow_accepted
-from tlt.speculative.tree import Candidates, DraftTree, chain_tables
+from tlt.speculative.tree import Candidates, DraftTree, chain_tables, whole_tree_layout
 
 
 @dataclass
@@ -52,6 +52,8 @@ class DraftDistributions:
         dists = torch.cat([dist for _, dist in candidates.expanded], 1)
         if candidates.chain:  # node d < S was expanded d-th: a constant table
             return cls(dists, chain_tables(len(candidates.expanded), dists.shape[0], dists.device).dist_slots)
+        if candidates.frontiers is not None and candidates.tokens.shape[1] + 1 == tree_nodes:  # a whole tree
+            return cls(dists, whole_tree_layout(candidates).slot)
         ids = torch.cat([node_ids for node_ids, _ in candidates.expanded], 1) + 1  # [B, E]
         batch, expanded = ids.shape
         slot = torch.full((batch, tree_nodes), -1, dtype=torch.long, device=ids.device)

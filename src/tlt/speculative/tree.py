@@ -72,6 +72,12 @@ class Candidates:
     expanded: list[tuple[torch.Tensor, torch.Tensor]]
     frontiers: list[torch.Tensor] | None = None
     chain: bool = False  # branching 1: candidate d's parent is d - 1 and expansion d drew it
+    layout: "TreeLayout | None" = None  # `whole_tree_layout`, once made
+
+    @property
+    def branching(self) -> int:
+        """K of a tree: its frontiers' width, or (depth 1: no frontier) the root's children, every candidate."""
+        return self.frontiers[0].shape[1] if self.frontiers else self.tokens.shape[1]
 
 
 def top_children(logits: torch.Tensor, k: int, depth: int):
@@ -239,19 +245,47 @@ def _whole_tree(root_tokens: torch.Tensor, candidates: Candidates, strategy: Spe
     """`_best_tree` when every candidate is kept (a q-sampling tree always is): node = candidate + 1, and the
     children of an expanded node are the K consecutive candidates its expansion drew, in draw order (which is
     best draft score first under the target-only rule: `top_children` returns them sorted). So no sort and no
-    ranking: the expanded nodes (the root, then each depth's frontier) get their children in one scatter, from
-    tables that depend on S and K alone."""
-    tokens, parents = candidates.tokens, candidates.parents
-    batch, count = tokens.shape
-    k = strategy.branching
-    depths, child_nodes = _whole_tree_tables(strategy.depth, k, tokens.device)
-    frontiers = candidates.frontiers                                          # node ids [B, E], the root (0) first
-    expanded = F.pad(torch.cat(frontiers, 1) + 1, (1, 0)) if frontiers else \
-        torch.zeros(batch, 1, dtype=torch.long, device=tokens.device)
-    children = torch.full((batch, count + 1, k), -1, dtype=torch.long, device=tokens.device)
-    children.scatter_(1, expanded[:, :, None].expand(-1, -1, k), child_nodes.expand(batch, -1, -1))
-    return DraftTree(torch.cat([root_tokens[:, None], tokens], 1), F.pad(parents, (1, 0), value=-2) + 1,
-                     depths.expand(batch, -1), children, strategy.depth)
+    ranking: `whole_tree_layout`."""
+    layout = whole_tree_layout(candidates)
+    depths, _ = _whole_tree_tables(strategy.depth, strategy.branching, root_tokens.device)
+    return DraftTree(torch.cat([root_tokens[:, None], candidates.tokens], 1), layout.parents,
+                     depths.expand(root_tokens.shape[0], -1), layout.children, strategy.depth)
+
+
+@dataclass
+class TreeLayout:
+    """A whole tree's node tables: slot [B, N + 1] each node's expansion (its row among the drawn distributions,
+    -1 for a leaf), children [B, N + 1, K], parents [B, N + 1] (-1 for the root)."""
+
+    slot: torch.Tensor
+    children: torch.Tensor
+    parents: torch.Tensor
+
+
+def whole_tree_layout(candidates: Candidates) -> TreeLayout:
+    """The node tables of a tree that keeps every candidate (node = candidate + 1), made once per drafted tree
+    (the tree and its q distributions both read them): the expanded nodes, the root then each depth's frontier,
+    get their children in one scatter from tables that depend on S and K alone. On the Triton kernels one
+    launch (`draft_kernels.whole_tree`)."""
+    if candidates.layout is not None:
+        return candidates.layout
+    frontiers, parents, k = candidates.frontiers, candidates.parents, candidates.branching
+    frontier_ids = torch.cat(frontiers, 1) if frontiers else None                  # candidate ids [B, F]
+    fused = fused_draws().whole_tree
+    if fused is not None:
+        candidates.layout = TreeLayout(*fused(frontier_ids, parents, k))
+        return candidates.layout
+    batch, count = parents.shape
+    depth = 1 + (count - k) // (k * k)
+    _, child_nodes = _whole_tree_tables(depth, k, parents.device)
+    expanded = F.pad(frontier_ids + 1, (1, 0)) if frontier_ids is not None else \
+        torch.zeros(batch, 1, dtype=torch.long, device=parents.device)             # node ids [B, E], the root first
+    slot = torch.full((batch, count + 1), -1, dtype=torch.long, device=parents.device)
+    slot.scatter_(1, expanded, torch.arange(expanded.shape[1], device=parents.device).expand(batch, -1))
+    children = torch.full((batch, count + 1, k), -1, dtype=torch.long, device=parents.device)
+    children.scatter_(1, expanded[:, :, None].expand(-1, -1, k), child_nodes[:expanded.shape[1]].expand(batch, -1, -1))
+    candidates.layout = TreeLayout(slot, children, F.pad(parents, (1, 0), value=-2) + 1)
+    return candidates.layout
 
 
 _STEP_CONSTANTS: dict[tuple, object] = {}
