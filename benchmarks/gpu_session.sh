@@ -48,6 +48,12 @@
 #   plus what its line names. The warmed drafter travels in the working tree (benchmarks/drafters/, 8.4 MB). After
 #   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
+# Eighth session (2026-11-27, no GPU): the rest of the SD step's bookkeeping fused (5 more draft_kernels launches,
+# tree rows as views, RoPE from a table): S6K2q 501 -> 344 operations, S5K1q 418 -> 317, the decode forward
+# 232 -> 224 (step_ops.json `eighth_session_kernels`; docs/benchmarks.md §9 "Eighth session"). None of it has run
+# on a GPU. Next: the seventh session's plan below, unchanged (call 1 `triton-tests tests` first: the new kernels'
+# tests compiled on CUDA and the lossless test through graphs on them), with `spec` at SPEC_ARMS including S5K1q
+# and S6K2q, and `spec-greedy` on the q arms too (greedy rows of a q arm take the fused path).
 # Seventh session (2026-11-27, an H200): plan T ran (81 + 17 tests passed; Triton step 1.06 ms at batch 1, SD 1.26x
 # T=1; *_h200.json), then tail and update; the Triton kernels are now the CUDA default (rollout.kernels=auto).
 # After the device calls (CPU-counted only): the drafter's norm folded, split attention merged in its own launch,
@@ -120,9 +126,10 @@ THROUGHPUT_BATCHES=${THROUGHPUT_BATCHES:-1,64}     # throughput: batch sizes
 # committed drafter: tau 3.12 on one prompt set, 2.16 on another (S4K2q 2.52 / 2.18; docs/benchmarks.md §2), its
 # verify too dear there to win; a GPU verifies 22 tokens for about the price of one
 SPEC_ARMS=${SPEC_ARMS:-S3K1N3,S4K2N8,S5K1q,S4K2q,S6K2q}
-# spec-greedy (T=0: argmax drafts, target-only): greedy tau at batch 1 on the CPU with the committed drafter:
-# S5K1N5 2.42, S6K2N12 2.95, S6K3N20 3.26 (4 x 128 tokens); #13 asks >= 2.5x
-SPEC_GREEDY_ARMS=${SPEC_GREEDY_ARMS:-S5K1N5,S4K2N8,S6K2N12,S6K3N20}
+# spec-greedy (T=0: argmax drafts): greedy tau at batch 1 on the CPU with the committed drafter: S5K1N5 2.42,
+# S6K2N12 2.95, S6K3N20 3.26 (4 x 128 tokens); #13 asks >= 2.5x. The q arms draft the same argmax chains and
+# trees for greedy rows through the fused kernels (eighth session: S5K1q / S6K2q steps of 317 / 344 operations)
+SPEC_GREEDY_ARMS=${SPEC_GREEDY_ARMS:-S6K2N12,S6K3N20,S5K1q,S6K2q}
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET))
 # The files carry the card they were measured on: *_h100.json on an H100, *_h200.json on an H200 (a plain device
