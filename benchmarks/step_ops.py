@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
 
-from tlt.models import draft_kernels, kernels, load_model  # noqa: E402
+from tlt.models import draft_kernels, kernels, load_model, tree_kernels  # noqa: E402
 from tlt.models.kv_cache import KVCache  # noqa: E402
 from tlt.models.lean_forward import LeanForward  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
@@ -93,9 +93,9 @@ class CountedLaunches:
 def count_triton_launches() -> None:
     for module, names in ((kernels, ("_rope_and_store_kernel", "_attention_kernel", "_combine_kernel",
                                      "_silu_and_mul_kernel", "_sample_kernel", "_attention_bias_kernel")),
-                          (draft_kernels, ("_draw_kernel", "_verify_q_nodes_kernel", "_expand_frontier_kernel",
-                                           "_follow_q_path_kernel", "_ancestor_mask_kernel", "_commit_path_kernel",
-                                           "_gather_pairs_kernel", "_whole_tree_kernel"))):
+                          (draft_kernels, ("_draw_kernel", "_verify_q_nodes_kernel", "_expand_frontier_kernel")),
+                          (tree_kernels, ("_follow_q_path_kernel", "_ancestor_mask_kernel", "_commit_path_kernel",
+                                          "_gather_pairs_kernel", "_whole_tree_kernel"))):
         for name in names:
             setattr(module, name, CountedLaunches(name.strip("_").removesuffix("_kernel"), getattr(module, name)))
 

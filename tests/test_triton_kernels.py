@@ -13,7 +13,7 @@ from conftest import assert_parted_only_at_near_ties, random_prompts, tiny_model
 
 from tlt.errors import RequestError
 from tlt.models import KVCache, LeanForward
-from tlt.models import draft_kernels, kernels
+from tlt.models import draft_kernels, kernels, tree_kernels
 from tlt.models.eagle import DrafterError, EagleDrafter
 from tlt.models.lean_forward import (apply_rope, attention_mask, grouped_attention_bias, grouped_query_attention,
                                      resolve_kernels, signed_sin)
@@ -611,8 +611,8 @@ def test_the_fused_q_node_tests_accept_what_the_torch_tests_accept(vocab, draft_
     tree, logprobs, drafts, mapping, greedy, uniforms = q_tree_case(vocab, draft_vocab, strategy)
     expected = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
     for kernels_used in (dict(verify_q_nodes=draft_kernels.verify_q_nodes),
-                         dict(follow_q_path=draft_kernels.follow_q_path),
-                         dict(verify_q_nodes=draft_kernels.verify_q_nodes, follow_q_path=draft_kernels.follow_q_path)):
+                         dict(follow_q_path=tree_kernels.follow_q_path),
+                         dict(verify_q_nodes=draft_kernels.verify_q_nodes, follow_q_path=tree_kernels.follow_q_path)):
         with drawing_with(**kernels_used):
             fused = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
         for field in ("path", "accepted", "tokens", "logprobs", "emitted"):
@@ -630,7 +630,7 @@ def test_the_q_node_comparison_can_fail():
     strategy = SpecStrategy(3, 2, rule="q")
     tree, logprobs, drafts, mapping, greedy, uniforms = q_tree_case(300, 200, strategy)
     expected = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
-    with drawing_with(verify_q_nodes=draft_kernels.verify_q_nodes, follow_q_path=draft_kernels.follow_q_path):
+    with drawing_with(verify_q_nodes=draft_kernels.verify_q_nodes, follow_q_path=tree_kernels.follow_q_path):
         shifted = accept_q(tree, logprobs, drafts, mapping, greedy, (uniforms + 0.05) % 1, sync_free=True)
     assert not torch.equal(shifted.tokens, expected.tokens)
 
@@ -638,7 +638,7 @@ def test_the_q_node_comparison_can_fail():
         choice = choice.clone()
         first = (choice[:, 0] >= 0).nonzero()[0, 0]
         choice[first, 0] = -1  # the root of one accepting row rejects all
-        return draft_kernels.follow_q_path(choice, *args)
+        return tree_kernels.follow_q_path(choice, *args)
 
     with drawing_with(verify_q_nodes=draft_kernels.verify_q_nodes, follow_q_path=dropping_one):
         dropped = accept_q(tree, logprobs, drafts, mapping, greedy, uniforms, sync_free=True)
@@ -828,16 +828,16 @@ def test_the_fused_tree_mask_is_the_ancestor_walk(strategy):
         tree = DraftTree(parents.clamp(min=0), parents, depths, torch.zeros(2, 13, 3, dtype=torch.long,
                                                                            device=DEVICE), 4)
     expected = tree.attention()
-    with drawing_with(tree_mask=draft_kernels.ancestor_mask):
+    with drawing_with(tree_mask=tree_kernels.ancestor_mask):
         fused = tree.attention()
     assert fused.dtype == torch.bool and torch.equal(fused, expected)
     if tree.max_depth > 1:
-        assert not torch.equal(draft_kernels.ancestor_mask(tree.parents, tree.max_depth - 1), expected)
+        assert not torch.equal(tree_kernels.ancestor_mask(tree.parents, tree.max_depth - 1), expected)
 
 
 @pytest.mark.parametrize("moves", [True, False], ids=["tree", "chain"])
 def test_the_fused_commit_writes_what_write_slots_and_gather_written_write(moves):
-    """A verified tree's writes in one launch (`draft_kernels.commit_path`): every node's token and feature into
+    """A verified tree's writes in one launch (`tree_kernels.commit_path`): every node's token and feature into
     the slot data, the accepted path moved to the front of the written block in every layer's K and V (paths
     with a node on another one's destination slot: moves in path order), the same cache bit for bit as the
     torch writes, on rows in the middle of the cache, one of them at its capacity. Control: counts one short."""
@@ -865,19 +865,19 @@ def test_the_fused_commit_writes_what_write_slots_and_gather_written_write(moves
     rows.write_slots("features", slots, hidden)
     if moves:
         rows.gather_written(lengths, path.clamp(min=0), counts)
-    draft_kernels.commit_path(fused.rows(1, 3), lengths, tokens, hidden, path if moves else None,
+    tree_kernels.commit_path(fused.rows(1, 3), lengths, tokens, hidden, path if moves else None,
                               counts if moves else None)
     assert torch.equal(fused.kv, reference.kv)
     for name in ("tokens", "features"):
         assert torch.equal(fused.slot_data[name], reference.slot_data[name]), name
     if moves:
         short = cache_case()
-        draft_kernels.commit_path(short.rows(1, 3), lengths, tokens, hidden, path, counts - 1)
+        tree_kernels.commit_path(short.rows(1, 3), lengths, tokens, hidden, path, counts - 1)
         assert not torch.equal(short.kv, reference.kv)
 
 
 def test_the_fused_catch_up_inputs_are_the_torch_gathers():
-    """The drafter's catch-up inputs in one launch (`draft_kernels.gather_pairs`): the same tokens (the pending
+    """The drafter's catch-up inputs in one launch (`tree_kernels.gather_pairs`): the same tokens (the pending
     token as x_committed), features and last-pair indices as the torch gathers, for rows with nothing, some and
     a full width missing, one near the cache's end (padding pairs read clamped). Control: the kernel fed the
     committed lengths one short misses the pending token."""
@@ -894,12 +894,12 @@ def test_the_fused_catch_up_inputs_are_the_torch_gathers():
     pending = torch.tensor([90, 91, 92, 93], device=DEVICE)
     pair = seen[:, None] + torch.arange(width, device=DEVICE)[None, :]
     expected = _pairs(rows, pending, committed, seen, until, pair)
-    got = draft_kernels.gather_pairs(rows.slots("tokens"), rows.slots("features"), pending, committed, seen, until,
+    got = tree_kernels.gather_pairs(rows.slots("tokens"), rows.slots("features"), pending, committed, seen, until,
                                      width)
     for name, a, b in zip(("tokens", "features", "last"), got, expected):
         assert torch.equal(a, b), name
     assert (got[0] == pending[:, None]).any(1)[[0, 2, 3]].all()  # the pending token sits at x_committed
-    short = draft_kernels.gather_pairs(rows.slots("tokens"), rows.slots("features"), pending, committed - 1, seen,
+    short = tree_kernels.gather_pairs(rows.slots("tokens"), rows.slots("features"), pending, committed - 1, seen,
                                        until, width)
     assert not torch.equal(short[0], expected[0])
 
@@ -907,7 +907,7 @@ def test_the_fused_catch_up_inputs_are_the_torch_gathers():
 @pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, rule="q"), SpecStrategy(2, 4, rule="q"),
                                       SpecStrategy(1, 3, rule="q"), SpecStrategy(4, 3, 30)], ids=str)
 def test_the_fused_whole_tree_tables_are_the_torch_tables(strategy):
-    """A whole tree's node tables in one launch (`draft_kernels.whole_tree`): the same expansions, children and
+    """A whole tree's node tables in one launch (`tree_kernels.whole_tree`): the same expansions, children and
     parents as the torch scatters, for drafted q trees (depth 1 included) and a target-only tree that keeps every
     candidate. Control: frontier ids one off give other children."""
     from test_acceptance_exactness import BigramDrafter
@@ -926,18 +926,18 @@ def test_the_fused_whole_tree_tables_are_the_torch_tables(strategy):
     assert candidates.branching == strategy.branching
     expected = whole_tree_layout(candidates)
     candidates.layout = None
-    with drawing_with(whole_tree=draft_kernels.whole_tree):
+    with drawing_with(whole_tree=tree_kernels.whole_tree):
         fused = whole_tree_layout(candidates)
     for field in ("slot", "children", "parents"):
         assert torch.equal(getattr(fused, field), getattr(expected, field)), field
     if strategy.rule == "q":  # the q distributions' slots come from the same tables, K read off the candidates
         from tlt.speculative.q_sampling import DraftDistributions
         candidates.layout = None
-        with drawing_with(whole_tree=draft_kernels.whole_tree):
+        with drawing_with(whole_tree=tree_kernels.whole_tree):
             slot = DraftDistributions.from_candidates(candidates, strategy.tree_size + 1).slot
         assert torch.equal(slot, expected.slot) and torch.equal(candidates.layout.children, expected.children)
     if candidates.frontiers:
         ids = torch.cat(candidates.frontiers, 1)
-        _, off, _ = draft_kernels.whole_tree((ids + 1) % ids.max().clamp(min=1), candidates.parents,
+        _, off, _ = tree_kernels.whole_tree((ids + 1) % ids.max().clamp(min=1), candidates.parents,
                                              strategy.branching)
         assert not torch.equal(off, expected.children)

@@ -267,11 +267,11 @@ class FusedDraws(NamedTuple):
     without_replacement: Callable | None = None  # q_sampling.draw_without_replacement(logq, uniforms, greedy)
     verify_q_nodes: Callable | None = None       # models/draft_kernels.verify_q_nodes: a q tree's node tests
     expand_frontier: Callable | None = None      # models/draft_kernels.expand_frontier: a drafted depth's records
-    follow_q_path: Callable | None = None        # models/draft_kernels.follow_q_path: a q tree's accepted path
-    tree_mask: Callable | None = None            # models/draft_kernels.ancestor_mask: a tree's attention mask
-    commit_path: Callable | None = None          # models/draft_kernels.commit_path: a verified tree's writes
-    gather_pairs: Callable | None = None         # models/draft_kernels.gather_pairs: the drafter's catch-up inputs
-    whole_tree: Callable | None = None           # models/draft_kernels.whole_tree: a whole tree's node tables
+    follow_q_path: Callable | None = None        # models/tree_kernels.follow_q_path: a q tree's accepted path
+    tree_mask: Callable | None = None            # models/tree_kernels.ancestor_mask: a tree's attention mask
+    commit_path: Callable | None = None          # models/tree_kernels.commit_path: a verified tree's writes
+    gather_pairs: Callable | None = None         # models/tree_kernels.gather_pairs: the drafter's catch-up inputs
+    whole_tree: Callable | None = None           # models/tree_kernels.whole_tree: a whole tree's node tables
 
 
 TORCH_DRAWS = FusedDraws()

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from tlt.errors import RequestError
-from tlt.models import draft_kernels, kernels
+from tlt.models import draft_kernels, kernels, tree_kernels
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
 from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity, pack_tokens
@@ -276,9 +276,9 @@ def sampler_of(forward: LeanForward):
     if forward.kernels != "triton":
         return drawing_with(None)
     return drawing_with(kernels.sample_from_logprobs, draft_kernels.draw_without_replacement,
-                        draft_kernels.verify_q_nodes, draft_kernels.expand_frontier, draft_kernels.follow_q_path,
-                        draft_kernels.ancestor_mask, draft_kernels.commit_path, draft_kernels.gather_pairs,
-                        draft_kernels.whole_tree)
+                        draft_kernels.verify_q_nodes, draft_kernels.expand_frontier, tree_kernels.follow_q_path,
+                        tree_kernels.ancestor_mask, tree_kernels.commit_path, tree_kernels.gather_pairs,
+                        tree_kernels.whole_tree)
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:

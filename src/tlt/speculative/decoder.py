@@ -240,7 +240,7 @@ class SpeculativeDecoder:
 
 def _pairs(target_rows: CacheRows, pending, committed, seen, until, pair):
     """`feed_pairs`' inputs: pair i is (x_{i+1}, f_i) of the slot data, x_committed the pending token, and the
-    index of each row's last pair (`draft_kernels.gather_pairs` in one launch)."""
+    index of each row's last pair (`tree_kernels.gather_pairs` in one launch)."""
     features = target_rows.slots("features")
     limit = features.shape[1] - 1  # pairs past a row's `until` are padding: clamp their reads
     tokens = target_rows.slots("tokens").gather(1, (pair + 1).clamp(max=limit))

@@ -150,7 +150,7 @@ def _accept_q_every_node(tree: DraftTree, logprobs, drafts: DraftDistributions, 
     (the verify's logits are that size already), and the walk then only follows the accepted children. The
     arithmetic of each node is the walk's, on the same uniforms: the same `Acceptance` (tested). On the Triton
     kernels the node tests and final draws are one launch (models/draft_kernels.verify_q_nodes), and the walk
-    along the accepted children another (draft_kernels.follow_q_path)."""
+    along the accepted children another (tree_kernels.follow_q_path)."""
     vocab = logprobs.shape[-1]
     fused = fused_draws()
     if fused.verify_q_nodes is not None and accept_rule is None and residual_rule is None:  # one launch

@@ -40,7 +40,7 @@ class DraftTree:
 
         Walks every node up one ancestor per round, S rounds (a node at depth d has d ancestors; the root is
         its own parent, so finished walks stay there): S small kernels, whatever the tree's size; on the Triton
-        kernels one (`draft_kernels.ancestor_mask`). A chain's mask is causal: two."""
+        kernels one (`tree_kernels.ancestor_mask`). A chain's mask is causal: two."""
         batch, count = self.parents.shape
         if self.causal is not None:
             return self.causal
@@ -266,7 +266,7 @@ def whole_tree_layout(candidates: Candidates) -> TreeLayout:
     """The node tables of a tree that keeps every candidate (node = candidate + 1), made once per drafted tree
     (the tree and its q distributions both read them): the expanded nodes, the root then each depth's frontier,
     get their children in one scatter from tables that depend on S and K alone. On the Triton kernels one
-    launch (`draft_kernels.whole_tree`)."""
+    launch (`tree_kernels.whole_tree`)."""
     if candidates.layout is not None:
         return candidates.layout
     frontiers, parents, k = candidates.frontiers, candidates.parents, candidates.branching
