@@ -279,13 +279,11 @@ _FUSED_DRAW: contextvars.ContextVar = contextvars.ContextVar("tlt_fused_draw", d
 
 
 @contextlib.contextmanager
-def drawing_with(draw=None, without_replacement=None, verify_q_nodes=None, expand_frontier=None, follow_q_path=None,
-                 tree_mask=None, commit_path=None, gather_pairs=None, whole_tree=None):
+def drawing_with(draw=None, **kernels: Callable):
     """Within this block (this thread), `sample_from_logprobs` calls draw(logprobs, uniforms), and the speculative
     step's draws, q-tree tests, tree records, accepted paths, tree masks and tables, writes and catch-up inputs
-    the other kernels given (None: torch's)."""
-    token = _FUSED_DRAW.set(FusedDraws(draw, without_replacement, verify_q_nodes, expand_frontier, follow_q_path,
-                                       tree_mask, commit_path, gather_pairs, whole_tree))
+    go through the kernels named (`FusedDraws`' fields; the others: torch's)."""
+    token = _FUSED_DRAW.set(FusedDraws(draw, **kernels))
     try:
         yield
     finally:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tlt.models import kernels
+from tlt.models.constants import made_once
 from tlt.models.kv_cache import CacheRows
 from tlt.models.spec import ModelSpec
 
@@ -411,15 +412,11 @@ class LeanForward:
         rotary = self.decoder.rotary_emb
         if getattr(rotary, "rope_type", "default") in BATCH_DEPENDENT_ROPE or torch.compiler.is_compiling():
             return None
-        key = (str(device), dtype)
-        table = self._rope_tables.get(key)
-        if table is None:
-            positions = torch.arange(self.spec.max_positions, device=device)[None]
-            cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), positions)
-            table = torch.cat([cos[0], signed_sin(sin[0])], -1)
-            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                self._rope_tables[key] = table  # (memory a graph's pool owns is not kept: the warm-up made it)
-        return table
+        def make() -> torch.Tensor:
+            cos, sin = rotary(torch.empty(0, dtype=dtype, device=device),
+                              torch.arange(self.spec.max_positions, device=device)[None])
+            return torch.cat([cos[0], signed_sin(sin[0])], -1)
+        return made_once(self._rope_tables, (str(device), dtype), make)
 
     def layer(self, layer, index: int, residual: torch.Tensor, normed: torch.Tensor | None, cos, sin,
               cache: CacheRows, slots: torch.Tensor, bias: torch.Tensor, *, rows: torch.Tensor | None = None,

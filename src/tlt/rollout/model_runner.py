@@ -275,10 +275,11 @@ def sampler_of(forward: LeanForward):
     its graph)."""
     if forward.kernels != "triton":
         return drawing_with(None)
-    return drawing_with(kernels.sample_from_logprobs, draft_kernels.draw_without_replacement,
-                        draft_kernels.verify_q_nodes, draft_kernels.expand_frontier, tree_kernels.follow_q_path,
-                        tree_kernels.ancestor_mask, tree_kernels.commit_path, tree_kernels.gather_pairs,
-                        tree_kernels.whole_tree)
+    return drawing_with(kernels.sample_from_logprobs, without_replacement=draft_kernels.draw_without_replacement,
+                        verify_q_nodes=draft_kernels.verify_q_nodes, expand_frontier=draft_kernels.expand_frontier,
+                        follow_q_path=tree_kernels.follow_q_path, tree_mask=tree_kernels.ancestor_mask,
+                        commit_path=tree_kernels.commit_path, gather_pairs=tree_kernels.gather_pairs,
+                        whole_tree=tree_kernels.whole_tree)
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tlt.models.constants import made_once
 from tlt.models.kv_cache import CacheRows
 from tlt.sampling import fused_draws
 from tlt.speculative.strategy import SpecStrategy
@@ -293,16 +294,9 @@ _STEP_CONSTANTS: dict[tuple, object] = {}
 
 def step_constant(key: tuple, device, make):
     """make(): tensors that depend on a step's shapes alone (a strategy, a batch size), made once per key and
-    device. A graph's warm-up runs make them before its capture, so they are constants of the captured step, not
-    operations (nor memory a graph's pool owns: nothing made during a capture or a compile is kept)."""
-    key = key + (str(device),)
-    value = _STEP_CONSTANTS.get(key)
-    if value is None:
-        value = make()
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if not (capturing or torch.compiler.is_compiling()):
-            _STEP_CONSTANTS[key] = value
-    return value
+    device (`made_once`: a graph's warm-up makes them before its capture, so they are constants of the captured
+    step, not operations)."""
+    return made_once(_STEP_CONSTANTS, key + (str(device),), make)
 
 
 def _whole_tree_tables(depth: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
