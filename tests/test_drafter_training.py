@@ -1,14 +1,16 @@
 """Training the drafter on a tiny target's features lowers its loss and raises τ measured by the SD engine."""
 
+import dataclasses
 import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import markov_model, random_prompts
-from tlt.drafter.buffer import FeatureBuffer
+from tlt.drafter.buffer import FeatureBuffer, pack_pairs
 from tlt.drafter.features import collect_features
-from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+from tlt.drafter.trainer import ROWS_PER_MICRO_STEP, DrafterTrainConfig, DrafterTrainer
 from tlt.models import LeanForward
 from tlt.models.eagle import DrafterError, EagleDrafter
 from tlt.rollout.engine import RolloutEngine
@@ -80,6 +82,90 @@ def test_micro_steps_accumulate_the_whole_batch_gradient(setup):
         trainer._step()
         grads.append(torch.cat([p.grad.reshape(-1) for p in drafter.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts the operations that, on CUDA, read the device back to the host (a sync): a tensor's value
+    (float(), item(), int()), nonzero, and indexing by a boolean mask (it reads the mask's count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+        self.on_host = False  # set while the trainer works on host tensors (packing, moving them to the device)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if self.on_host:
+            return func(*args, **(kwargs or {}))
+        boolean_index = name == "aten.index.Tensor" and any(
+            torch.is_tensor(i) and i.dtype == torch.bool for i in args[1])
+        if "_local_scalar_dense" in name or "nonzero" in name or boolean_index:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def one_step_reads(trainer) -> list[str]:
+    """The device reads of one optimizer step's micro-steps (the optimizer's own update left out: on the CPU,
+    AdamW reads its step count, which CUDA's fused AdamW keeps on the device)."""
+    trainer.optimizer.step = lambda: None
+    to_device = trainer._to_device
+
+    def moved(rows):  # host work: the rows are packed, their shares and valid indices taken, on the host
+        reads.on_host = True
+        try:
+            return to_device(rows)
+        finally:
+            reads.on_host = False
+    trainer._to_device = moved
+    with DeviceReads() as reads:
+        record = trainer._step()
+    assert record is not None and record["loss"] > 0
+    return reads.reads
+
+
+def test_a_drafter_step_reads_nothing_from_the_device_until_its_metrics(setup):
+    """On one GPU the drafter trains on a thread beside the decode loop, which waits for the GIL each time the
+    thread holds it: a read per metric and micro-step (6) and the boolean masks' counts (3) were syncs that
+    stalled the thread between its launches. The shares and valid positions now come from the host-side rows,
+    the metrics are read once at the step's end (tolist, not dispatched)."""
+    model, buffer = setup
+    config = DrafterTrainConfig(entries_per_step=8, row_length=16, rows_per_micro_step=1)
+    trainer = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer, config)
+    assert one_step_reads(trainer) == []
+
+    class FloatMetrics(DrafterTrainer):  # negative control: a loss that reads its metrics as it goes
+        def loss(self, batch, *, noise=True):
+            loss, parts = super().loss(batch, noise=noise)
+            return loss, {key: float(value) for key, value in parts.items()}
+    control = FloatMetrics(EagleDrafter(model.config).attach(model), buffer, config)
+    assert len(one_step_reads(control)) >= 6 * 2  # six metrics a micro-step, two micro-steps or more
+
+    masked = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer, config)
+    to_device = masked._to_device
+    masked._to_device = lambda rows: dataclasses.replace(to_device(rows), valid_index=None)  # boolean masks
+    assert "aten.index.Tensor" in one_step_reads(masked)
+
+
+def test_the_valid_pairs_by_index_are_the_boolean_masks(setup):
+    model, buffer = setup
+    torch.manual_seed(1)
+    drafter = EagleDrafter(model.config).attach(model)
+    trainer = DrafterTrainer(drafter, buffer, DrafterTrainConfig(row_length=16))
+    rows = trainer._to_device(pack_pairs(buffer.sample(5), 16))
+    assert rows.valid_index is not None and not bool(rows.valid.all())  # padding to skip
+    by_mask = dataclasses.replace(rows, valid_index=None)
+    for tensor in (rows.target_features, rows.input_tokens):
+        assert torch.equal(rows.at_valid(tensor), by_mask.at_valid(tensor))
+    assert trainer.loss(rows, noise=False)[1] == trainer.loss(by_mask, noise=False)[1]
+
+
+def test_micro_steps_by_device(setup):
+    model, buffer = setup
+    trainer = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer)
+    assert trainer._rows_per_micro_step() == ROWS_PER_MICRO_STEP["cpu"] == 2
+    assert ROWS_PER_MICRO_STEP["cuda"] > ROWS_PER_MICRO_STEP["cpu"]
+    assert DrafterTrainer(EagleDrafter(model.config).attach(model), buffer,
+                          DrafterTrainConfig(rows_per_micro_step=5))._rows_per_micro_step() == 5
 
 
 def test_a_stop_inside_a_step_drops_it_without_an_update(setup):
@@ -376,7 +462,7 @@ def test_warmup_refuses_bad_settings_and_outs_before_sampling(tmp_path, monkeypa
     """These trained nothing (steps -1, lr 0), the wrong thing (a negative ce weight maximizes the cross-entropy)
     or the full vocabulary (draft_vocab -5) without a word; an --out that is a file, or an --init whose optimizer
     state is cut short, failed with a traceback only after the minutes of sampling."""
-    from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+    from tlt.drafter.trainer import ROWS_PER_MICRO_STEP, DrafterTrainConfig, DrafterTrainer
     from tlt.drafter.warmup import WarmupConfig, warmup
     from tlt.errors import TltError
     from tlt.tasks.synthetic import TargetTokenTask

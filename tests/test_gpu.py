@@ -8,6 +8,7 @@ tie-aware rule of docs/architecture.md: two decodings may part only where the mo
 within bf16 rounding of each other.
 """
 
+import time
 import warnings
 
 import pytest
@@ -390,6 +391,39 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
     # the untrained starting drafter serves no SD step: a sample served by any version was served by one the
     # tail trainer published during this rollout (swapped in mid-rollout); several such: samples_hot_swapped
     assert max(metrics["drafter_versions_per_sample"]) > 0 and metrics["tail_train_share"] > 0, seen
+
+
+def test_a_cuda_tail_collects_device_clones_and_trains_on_them_with_fused_adamw():
+    """On CUDA the decode loop hands each finished sample to the tail trainer as device clones (no host copy
+    there): the buffer must hold the values as they were handed, even when the engine overwrites the rows at
+    once; the trainer's step (fused AdamW, host-packed rows through pinned memory) trains on them."""
+    from tlt.drafter.buffer import FeatureBuffer
+    from tlt.drafter.tail_trainer import TailTrainer
+    from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+
+    model = tiny_model("llama").to(CUDA)
+    drafter = EagleDrafter(model.config).attach(model)
+    trainer = DrafterTrainer(drafter, FeatureBuffer(100_000), DrafterTrainConfig(entries_per_step=2, row_length=16))
+    assert trainer.optimizer.defaults["fused"]
+    tail = TailTrainer(trainer, lambda final: 0, publish_every=1, device=CUDA)
+    collect = tail.collect(step=2)
+    rows = torch.randn(4, 12, model.config.hidden_size, device=CUDA)
+    tokens = torch.randint(4, 90, (4, 12), device=CUDA)
+    handed = [(tokens[r].cpu(), rows[r].cpu()) for r in range(4)]
+    for r in range(4):
+        collect(tokens[r], rows[r])
+    rows.zero_(), tokens.zero_()  # the engine reuses the rows at once
+    before = [p.detach().clone() for p in drafter.parameters()]
+    tail.start()
+    while tail.trainer.steps < 2 and tail.running and tail._report.error is None:
+        time.sleep(0.01)
+    report = tail.stop()
+    assert report.error is None and report.trained_steps >= 2
+    stored = list(tail.buffer.entries)
+    assert len(stored) == 4 and all(e.step == 2 and e.features.device.type == "cpu" for e in stored)
+    for entry, (want_tokens, want_features) in zip(stored, handed):
+        assert torch.equal(entry.tokens, want_tokens) and torch.equal(entry.features, want_features)
+    assert any(not torch.equal(a, b) for a, b in zip(before, drafter.parameters()))
 
 
 def test_the_training_head_under_bf16_autocast_is_the_fp32_head_on_cuda():

@@ -1,6 +1,7 @@
 """Tail training: a lone worker trains its drafter beside its own rollout's long tail, on the rollout's features."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -135,6 +136,35 @@ def test_tail_trainer_stopped_before_any_feature_trains_nothing_and_keeps_late_f
     feed(tail.collect(step=0), count=2)
     assert tail.stop().started_s is None  # never started: the queued features still reach the buffer
     assert len(tail.buffer) == 2
+
+
+def test_the_tail_loads_its_starting_state_on_its_own_thread_before_it_trains():
+    """The worker's `_spot_state` (the latest version and optimizer state into the training copy: copies to the
+    device) ran in the decode loop when the tail began; it is `start(prepare=...)`'s now, on the trainer's
+    thread, first."""
+    tail, _ = tail_trainer()
+    feed(tail.collect(step=1))
+    seen = []
+    tail.start(prepare=lambda: seen.append((threading.current_thread().name, tail.trainer.steps)))
+    while tail.trainer.steps < 1 and tail.running:
+        time.sleep(0.01)
+    report = tail.stop()
+    assert seen == [("tlt-tail-trainer", 0)] and report.error is None and report.trained_steps >= 1
+    tail.start()  # a later tail without one: nothing left from the last
+    assert tail._prepare is None
+    tail.stop()
+
+
+def test_a_failing_prepare_trains_nothing_and_releases_the_rollout():
+    def broken():
+        raise RuntimeError("no version on the hub")
+    tail, versions = tail_trainer()
+    feed(tail.collect(step=0))
+    tail.start(prepare=broken)
+    tail._thread.join(timeout=60)
+    report = tail.stop()
+    assert report.error == "RuntimeError: no version on the hub"
+    assert report.trained_steps == 0 and versions == [] and tail.trainer.steps == 0
 
 
 def test_a_failing_tail_trainer_reports_the_error_and_releases_the_rollout():

@@ -229,8 +229,9 @@ class RolloutWorker:
         self._peak_rows = max(self._peak_rows, engine.running_rows)
         if (self.tail is not None and not self.tail.running
                 and in_long_tail(engine.running_rows, engine.waiting_samples, self._peak_rows)):
-            self._spot_state()  # the latest version and optimizer state (a restored checkpoint's, the first time)
-            self.tail.start()
+            # the latest version and optimizer state (a restored checkpoint's, the first time), loaded by the
+            # training thread: the decode loop goes on meanwhile
+            self.tail.start(prepare=self._spot_state)
 
     def _sync_drafter(self, engine, force: bool = False) -> None:
         self._last_poll = time.time()
@@ -259,11 +260,11 @@ class RolloutWorker:
                         "than run.draft_vocab makes): worker %d goes on with it instead of the %s it built", size,
                         self.rank, "whole vocabulary" if ours is None else f"{ours.shape[0]} tokens")
         vocab = None if theirs is None else theirs.cpu()
+        if self.tail is not None and self.tail.running:  # first: its thread uses the training objects
+            self.tail.stop()  # (not at a rollout's start, where a resume refits: its thread starts in the tail)
         self.drafter = EagleDrafter(self.drafter.config, vocab).attach(self.replica.model)
         self._spot = None  # the training copy is made again, over the same vocabulary
         if self.tail is not None:
-            if self.tail.running:  # (not at a rollout's start, where a resume refits: its thread starts in the tail)
-                self.tail.stop()
             self.tail = self._tail_trainer()
 
     def publish_initial_drafter(self) -> int:

@@ -45,6 +45,14 @@ class PackedPairs:
     positions: torch.Tensor       # [R, L] position within its document
     attention_mask: torch.Tensor  # [R, L, L] bool: same document and causal
     valid: torch.Tensor           # [R, L] bool: a real pair (False = padding)
+    valid_index: torch.Tensor | None = None  # [N] long: the real pairs' flat indices (row-major), when known
+
+    def at_valid(self, tensor: torch.Tensor) -> torch.Tensor:
+        """tensor [R, L, ...] at the real pairs, in row-major order: `tensor[valid]`, by index when the indices
+        came from the host (a boolean mask on CUDA reads its count back: a host sync)."""
+        if self.valid_index is None:
+            return tensor[self.valid]
+        return tensor.flatten(0, 1).index_select(0, self.valid_index)
 
 
 class FeatureBuffer:

@@ -81,26 +81,39 @@ class TailTrainer:
         self._report = TailReport()
         self._stream = None  # the side CUDA stream, made on first use
         self._switch_interval: float | None = None  # the process's, while start() has set CUDA's
+        self._prepare: Callable[[], object] | None = None  # start()'s, run on the training thread
 
     # -- the decode loop's side (main thread) -------------------------------------------------------------
 
     def collect(self, step: int):
         """The `collect_features` callback for a rollout of RL step `step`: queues each finished sample's
-        features (copied to the host, so the engine may reuse its cache row at once)."""
+        features. On the CPU they are copied at once (on a CPU fp32 engine they are views of cache rows, which
+        the engine hands to the next admitted rows before the training thread reads them: samples trained on
+        others' data). On CUDA they are cloned on the device, in the decode stream's order, and copied to the
+        host by the training thread: a copy to the host here waited for the GPU in the decode loop, once per
+        finished sample, in the spot mode only."""
         def add(tokens: torch.Tensor, features: torch.Tensor) -> None:
-            # copy=True: on a CPU fp32 engine .to() returns views of the cache rows, which the engine hands to
-            # the next admitted rows before the training thread reads them (samples trained on others' data)
-            self._incoming.put((tokens.to("cpu", copy=True), features.to("cpu", torch.float32, copy=True), step))
+            if features.is_cuda:
+                tokens, features = tokens.clone(), features.clone()
+                cloned = torch.cuda.Event()
+                cloned.record()  # on the decode stream, after the clones
+                self._incoming.put((tokens, features, step, cloned))
+                return
+            self._incoming.put((tokens.to("cpu", copy=True), features.to("cpu", torch.float32, copy=True), step,
+                                None))
         return add
 
     @property
     def running(self) -> bool:
         return self._thread is not None
 
-    def start(self) -> None:
-        """Start training on the background thread (no-op when already running)."""
+    def start(self, prepare: Callable[[], object] | None = None) -> None:
+        """Start training on the background thread (no-op when already running). `prepare`, if given, runs
+        first on that thread (e.g. loading the latest drafter version and optimizer state into the training
+        copy: copies the decode loop would otherwise wait for); if it fails, this tail trains nothing."""
         if self._thread is not None:
             return
+        self._prepare = prepare
         self._stop.clear()
         self._report = TailReport(started_s=time.time())
         if self.device.type == "cuda":
@@ -133,6 +146,8 @@ class TailTrainer:
         history = []
         try:
             with self._side_stream():
+                if self._prepare is not None:
+                    self._prepare()
                 while not self._stop.is_set():
                     self._drain()
                     if not len(self.buffer):
@@ -158,10 +173,12 @@ class TailTrainer:
     def _drain(self) -> None:
         while True:
             try:
-                tokens, features, step = self._incoming.get_nowait()
+                tokens, features, step, cloned = self._incoming.get_nowait()
             except queue.Empty:
                 return
-            self.buffer.add(tokens, features, step)
+            if cloned is not None:  # device clones (collect on CUDA): read them after the decode stream made them
+                torch.cuda.current_stream(features.device).wait_event(cloned)
+            self.buffer.add(tokens, features, step)  # copies to the host
 
     @contextlib.contextmanager
     def _side_stream(self):

@@ -22,6 +22,11 @@ from tlt.files import write_whole
 from tlt.models.eagle import DrafterError
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
+# Packed rows per micro-step by device type: 2 on the CPU, where one is tens of milliseconds and a stop request
+# waits for it; 8 on CUDA, where one is a few milliseconds and a micro-step's launches are what a spot-training
+# thread takes the GIL from the decode loop for (4x fewer; ~1 GB of activations with an 8192-token draft vocabulary).
+ROWS_PER_MICRO_STEP = {"cpu": 2, "cuda": 8}
+
 OPTIMIZER_FILE = "drafter_optimizer.safetensors"
 TRAINER_FILE = "drafter_trainer.json"  # optimizer steps and the optimizer state's layout
 
@@ -39,15 +44,19 @@ class DrafterTrainConfig:
     feature_noise: float = 0.0      # uniform noise on input features (EAGLE's robustness trick), as a fraction
     entries_per_step: int = 8       # samples drawn from the buffer per optimizer step
     row_length: int = 256           # pairs per packed row
-    rows_per_micro_step: int = 2    # packed rows per forward/backward; a stop request is honored between them
+    rows_per_micro_step: int | None = None  # packed rows per forward/backward; a stop request is honored between
+                                            # them. None: by device (ROWS_PER_MICRO_STEP)
     seed: int = 0
 
 
 class DrafterTrainer:
     def __init__(self, drafter, buffer: FeatureBuffer, config: DrafterTrainConfig = DrafterTrainConfig()):
         self.drafter, self.buffer, self.config = drafter, buffer, config
-        self.optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=config.lr,
-                                           betas=config.betas, weight_decay=config.weight_decay)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        # fused on CUDA: one kernel for every parameter's update, where foreach launches several
+        fused = bool(params) and all(p.is_cuda for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay, fused=fused or None)
         self.steps = 0
         self._generator = torch.Generator().manual_seed(config.seed)
 
@@ -70,32 +79,40 @@ class DrafterTrainer:
     def _step(self, stop: Callable[[], bool] | None = None) -> dict | None:
         """One optimizer step over `entries_per_step` buffer entries, accumulated over micro-steps of a few
         packed rows; each micro-step's mean loss is weighted by its share of pairs, so the gradient equals the
-        whole batch's."""
+        whole batch's. One host read per step (the metrics, at its end): the shares come from the packed rows on
+        the host, and on CUDA the step's launches are all a spot-training thread needs the GIL for (each read
+        held the decode loop's next step back: drafter/tail_trainer.py)."""
         started = time.perf_counter()
         self.drafter.train()
-        batch = self._to_device(pack_pairs(self.buffer.sample(self.config.entries_per_step), self.config.row_length))
-        total = int(batch.valid.sum())
+        packed = pack_pairs(self.buffer.sample(self.config.entries_per_step), self.config.row_length)
+        pairs_per_row = packed.valid.sum(dim=1).tolist()  # on the host, where the rows were packed
+        total = max(1, sum(pairs_per_row))
+        size = max(1, self._rows_per_micro_step())
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for rows in _row_chunks(batch, self.config.rows_per_micro_step):
+        sums: dict = {}
+        for first, rows in _row_chunks(packed, size):
             if stop is not None and stop():
                 self.optimizer.zero_grad(set_to_none=True)
                 self.drafter.eval()
                 return None
-            share = int(rows.valid.sum()) / max(1, total)
+            share = sum(pairs_per_row[first:first + size]) / total
             if share == 0:
                 continue
-            loss, parts = self.loss(rows)
+            loss, parts = self.loss(self._to_device(rows))
             (loss * share).backward()
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + value * share
-        parts = sums
         if self.config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.drafter.eval()
         self.steps += 1
-        return {**parts, "step": self.steps, "step_s": time.perf_counter() - started}
+        return {**_to_floats(sums), "step": self.steps, "step_s": time.perf_counter() - started}
+
+    def _rows_per_micro_step(self) -> int:
+        if self.config.rows_per_micro_step is not None:
+            return self.config.rows_per_micro_step
+        return ROWS_PER_MICRO_STEP.get(self.drafter.fc.weight.device.type, ROWS_PER_MICRO_STEP["cpu"])
 
     def loss(self, batch: PackedPairs, *, noise: bool = True):
         cfg = self.config
@@ -104,12 +121,12 @@ class DrafterTrainer:
             scale = features.abs().mean() * cfg.feature_noise
             features = features + (torch.rand(features.shape, generator=self._generator) * 2 - 1).to(features) * scale
         predicted = self.drafter(batch.input_tokens, features, batch.positions, batch.attention_mask)
-        valid = batch.valid
-        feature_loss = F.smooth_l1_loss(predicted[valid], batch.target_features[valid])
-        draft_logits = self.drafter.draft_logits(predicted[valid])
+        predicted, target_features = batch.at_valid(predicted), batch.at_valid(batch.target_features)
+        feature_loss = F.smooth_l1_loss(predicted, target_features)
+        draft_logits = self.drafter.draft_logits(predicted)
         scale = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0  # greedy rollouts: the untempered p
         with torch.no_grad():
-            target_probs = torch.softmax(self.drafter.draft_logits(batch.target_features[valid]) * scale, dim=-1)
+            target_probs = torch.softmax(self.drafter.draft_logits(target_features) * scale, dim=-1)
         ce = -(target_probs * torch.log_softmax(draft_logits * scale, dim=-1)).sum(-1).mean()
         loss = cfg.feature_weight * feature_loss + cfg.ce_weight * ce
         with torch.no_grad():
@@ -119,9 +136,9 @@ class DrafterTrainer:
             # target-only accepts the drafted token with p(argmax q); q-sampling with sum_x min(p(x), q(x))
             accept_target = target_probs.gather(-1, drafted[:, None]).mean()
             accept_q = torch.minimum(target_probs, torch.softmax(draft_logits.detach() * scale, -1)).sum(-1).mean()
-        return loss, {"loss": float(loss.detach()), "feature_loss": float(feature_loss.detach()),
-                      "ce": float(ce.detach()), "top1": float(agreement),
-                      "accept_target_only": float(accept_target), "accept_q": float(accept_q)}
+        # tensors, not floats: each float() was a host read per micro-step (see _step)
+        return loss, {"loss": loss.detach(), "feature_loss": feature_loss.detach(), "ce": ce.detach(),
+                      "top1": agreement, "accept_target_only": accept_target, "accept_q": accept_q}
 
     # -- evaluation -------------------------------------------------------------------------------------------
 
@@ -133,13 +150,24 @@ class DrafterTrainer:
         deeper drafts included, see tlt.drafter.chain."""
         self.drafter.eval()
         batch = self._to_device(pack_pairs(entries, self.config.row_length))
-        return self.loss(batch, noise=False)[1]
+        return _to_floats(self.loss(batch, noise=False)[1])
 
     def _to_device(self, batch: PackedPairs) -> PackedPairs:
+        """The packed rows on the drafter's device and dtype. To CUDA through pinned memory, asynchronously:
+        a copy from pageable memory holds the calling thread until it lands."""
         device, dtype = self.drafter.fc.weight.device, self.drafter.fc.weight.dtype
-        return PackedPairs(batch.input_tokens.to(device), batch.input_features.to(device, dtype),
-                           batch.target_features.to(device, dtype), batch.positions.to(device),
-                           batch.attention_mask.to(device), batch.valid.to(device))
+        valid_index = batch.valid.reshape(-1).nonzero().squeeze(1)  # on the host (`PackedPairs.at_valid`)
+        if device.type != "cuda":
+            return PackedPairs(batch.input_tokens.to(device), batch.input_features.to(device, dtype),
+                               batch.target_features.to(device, dtype), batch.positions.to(device),
+                               batch.attention_mask.to(device), batch.valid.to(device), valid_index.to(device))
+
+        def move(tensor: torch.Tensor, to_dtype=None) -> torch.Tensor:
+            moved = tensor.pin_memory().to(device, non_blocking=True)
+            return moved if to_dtype is None else moved.to(to_dtype)  # converted on the device
+        return PackedPairs(move(batch.input_tokens), move(batch.input_features, dtype),
+                           move(batch.target_features, dtype), move(batch.positions), move(batch.attention_mask),
+                           move(batch.valid), move(valid_index))
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -211,8 +239,18 @@ def save_trainer_state(directory: str | Path, state: dict) -> None:
     write_whole(directory / TRAINER_FILE, lambda path: path.write_text(text))
 
 
+def _to_floats(parts: dict) -> dict:
+    """Metric values as floats, the tensors among them read from the device at once (one host read)."""
+    names = [key for key, value in parts.items() if torch.is_tensor(value)]
+    if not names:
+        return {key: float(value) for key, value in parts.items()}
+    values = torch.stack([parts[key].detach().float().reshape(()) for key in names]).tolist()
+    return {**{key: float(value) for key, value in parts.items() if key not in names}, **dict(zip(names, values))}
+
+
 def _row_chunks(batch: PackedPairs, size: int):
+    """(index of the first row, the next `size` rows) over the batch."""
     for start in range(0, batch.valid.shape[0], max(1, size)):
         part = slice(start, start + size)
-        yield PackedPairs(batch.input_tokens[part], batch.input_features[part], batch.target_features[part],
-                          batch.positions[part], batch.attention_mask[part], batch.valid[part])
+        yield start, PackedPairs(batch.input_tokens[part], batch.input_features[part], batch.target_features[part],
+                                 batch.positions[part], batch.attention_mask[part], batch.valid[part])
