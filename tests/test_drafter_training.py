@@ -462,7 +462,7 @@ def test_warmup_refuses_bad_settings_and_outs_before_sampling(tmp_path, monkeypa
     """These trained nothing (steps -1, lr 0), the wrong thing (a negative ce weight maximizes the cross-entropy)
     or the full vocabulary (draft_vocab -5) without a word; an --out that is a file, or an --init whose optimizer
     state is cut short, failed with a traceback only after the minutes of sampling."""
-    from tlt.drafter.trainer import ROWS_PER_MICRO_STEP, DrafterTrainConfig, DrafterTrainer
+    from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
     from tlt.drafter.warmup import WarmupConfig, warmup
     from tlt.errors import TltError
     from tlt.tasks.synthetic import TargetTokenTask
