@@ -84,6 +84,16 @@ def overlap_slowdown(history: dict) -> list[float]:
     return out
 
 
+def phase_seconds(timeline: dict) -> dict:
+    """Seconds per interval kind (rollout, rollout_sd, logprobs, update, ...) of a step's timeline, its workers
+    summed."""
+    seconds: dict = {}
+    for worker in timeline.get("workers", []):
+        for interval in worker["intervals"]:
+            seconds[interval["kind"]] = seconds.get(interval["kind"], 0.0) + interval["end"] - interval["start"]
+    return {kind: round(value, 4) for kind, value in seconds.items()}
+
+
 def summarize(history: dict) -> dict:
     spot, frozen = history["spot"], history["frozen"]
     ratios = [s["step_s"] / f["step_s"] for s, f in zip(spot, frozen)]
@@ -102,6 +112,9 @@ def summarize(history: dict) -> dict:
         "overhead_ratio_median": round(statistics.median(ratios), 4) if ratios else None,
         "median_step_s": {name: round(median(runs, "step_s"), 2) for name, runs in history.items() if runs},
         "timelines_spot": [m["timeline"] for m in spot],
+        # each phase's seconds per step in both modes: where a spot step's extra time goes (the H200's 1.18x
+        # was 0.03-0.2 s of rollout and ~0.06-0.13 s after it, which its spot timelines alone could not place)
+        "phase_s": {name: [phase_seconds(m["timeline"]) for m in runs] for name, runs in history.items()},
         "tail_train_share": [round(m.get("tail_train_share", 0.0), 4) for m in spot],
         "tail_stop_s": [round(m.get("tail_stop_s", 0.0), 4) for m in spot],
         "rollout_ratio_per_step": [round(s["rollout_s"] / f["rollout_s"], 4) for s, f in zip(spot, frozen)],

@@ -27,6 +27,18 @@ def test_spot_training_modes_load(device, lone_worker, temperature):
         assert load_config(None, overrides).rollout.temperature == temperature
 
 
+def test_spot_training_places_each_modes_seconds_by_phase():
+    timeline = {"workers": [{"intervals": [{"kind": "rollout", "start": 0.0, "end": 0.25},
+                                           {"kind": "rollout_sd", "start": 0.25, "end": 1.0},
+                                           {"kind": "update", "start": 1.0, "end": 1.5}]},
+                            {"intervals": [{"kind": "rollout", "start": 0.0, "end": 0.5}]}]}
+    assert spot_training.phase_seconds(timeline) == {"rollout": 0.75, "rollout_sd": 0.75, "update": 0.5}
+    step = {"step_s": 1.5, "rollout_s": 1.0, "response_lengths": [3], "spot_train_steps": 0, "spot_train_share": 0,
+            "idle_fraction": 0, "drafter_version": 0, "samples_hot_swapped": 0, "timeline": timeline}
+    summary = spot_training.summarize({"spot": [step], "frozen": [step]})
+    assert summary["phase_s"]["frozen"] == [{"rollout": 0.75, "rollout_sd": 0.75, "update": 0.5}]
+
+
 @pytest.mark.parametrize("argv", [[], ["--replay"], ["--device", "cuda", "--max-new-tokens", "1024"],
                                   ["--device", "cuda", "--replay", "--workers", "1"]])
 def test_e2e_modes_load(argv):
