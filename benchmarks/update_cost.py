@@ -5,7 +5,10 @@ of a 1.4 s RL step, for tens of milliseconds of kernels. This times `phases.upda
 clipping, AdamW: the real path, with the run's autocast and truncated-IS weights) of a replica of the default
 run on synthetic steps of that shape, in one process, the variants taking turns step by step:
 
-  default       as a run updates: a new padded length every micro-batch (cuDNN's attention off on CUDA)
+  default       as a run updates: a new padded length every micro-batch (cuDNN's attention off on CUDA); on
+                CUDA under the automatic token budget (optim.micro_batch_tokens=auto: 4 rows at the longest
+                possible length, filled with as many shorter rows as fit)
+  rows_4        micro-batches of 4 rows whatever their lengths (optim.micro_batch_tokens=0: the default before)
   cudnn_on      the same with torch's default attention choice (cuDNN first for masked bf16 SDPA on Hopper,
                 which builds an execution plan per new shape): what the update cost before 2026-11-27
   same_shapes   one step's lengths again and again (every per-shape cache warm)
@@ -66,10 +69,9 @@ def timed_update(replica: PolicyReplica, batch: phases.StepBatch, device: torch.
     return time.perf_counter() - started
 
 
-def with_micro_batch(replica: PolicyReplica, size: int) -> PolicyReplica:
-    """The same replica (model, optimizer) updating in micro-batches of `size`."""
-    config = dataclasses.replace(replica.config, optim=dataclasses.replace(replica.config.optim,
-                                                                            micro_batch_size=size))
+def with_micro_batches(replica: PolicyReplica, **optim) -> PolicyReplica:
+    """The same replica (model, optimizer) updating with other optim.micro_batch_* settings."""
+    config = dataclasses.replace(replica.config, optim=dataclasses.replace(replica.config.optim, **optim))
     return dataclasses.replace(replica, config=config)
 
 
@@ -84,7 +86,9 @@ def main(argv=None) -> dict:
     config = load_config(None, ["run.speculative=off", "run.workers=1", f"model.device={args.device}"])
     replica = PolicyReplica.build(config)  # cuDNN's attention off on CUDA, as every replica
     cuda = device.type == "cuda"
-    variants = {"default": replica, "same_shapes": replica, "micro_batch_16": with_micro_batch(replica, 16)}
+    variants = {"default": replica, "rows_4": with_micro_batches(replica, micro_batch_tokens=0),
+                "same_shapes": replica,
+                "micro_batch_16": with_micro_batches(replica, micro_batch_size=16, micro_batch_tokens=0)}
     if cuda:
         variants["cudnn_on"] = replica
     results = {"command": " ".join(["python benchmarks/update_cost.py", *(argv or sys.argv[1:])]),

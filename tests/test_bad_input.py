@@ -248,6 +248,8 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("rollout.max_batch_size=0", "rollout.max_batch_size must be >= 1"),
     ("rollout.samples_per_prompt=1", "samples_per_prompt must be >= 2"), ("task.name=csv", "task.name"),
     ("optim.lr=0", "optim.lr must be > 0"), ("run.workers=0", "run.workers must be an integer >= 1"),
+    ("optim.micro_batch_tokens=-1", "optim.micro_batch_tokens must be auto or an integer >= 0 (0 = off), got -1"),
+    ("optim.micro_batch_tokens=lots", "optim.micro_batch_tokens must be auto or an integer >= 0"),
     ("run.speculative=adaptive run.spot_training=false", "run.speculative=adaptive needs run.drafter"),
     ("rollout.top_k=-1", "rollout.top_k must be >= 0"), ("grpo.clip_high=-0.1", "grpo.clip_high must be >= 0"),
     ("rollout.max_new_tokens=0", "rollout.max_new_tokens must be >= 1"), ("run.steps=-1", "run.steps must be >= 1"),

@@ -49,15 +49,26 @@ def test_engine_sees_the_updated_weights_without_a_copy(tmp_path):
     assert engine_tokens == hf
 
 
-def test_micro_batching_does_not_change_the_update(tmp_path):
+@pytest.mark.parametrize("micro", [{"optim.micro_batch_size": 3}, {"optim.micro_batch_tokens": 40}],
+                         ids=["rows", "token-budget"])
+def test_micro_batching_does_not_change_the_update(tmp_path, monkeypatch, micro):
+    from tlt.rl import phases
+
     one = make_trainer(tmp_path / "a", **{"optim.micro_batch_size": 32})
-    many = make_trainer(tmp_path / "b", **{"optim.micro_batch_size": 3})
+    many = make_trainer(tmp_path / "b", **micro)
+    grouped = []
+    group = phases.micro_batches
+    monkeypatch.setattr(phases, "micro_batches", lambda config, packed: grouped.append(group(config, packed))
+                        or grouped[-1])
     # SGD: the update is the accumulated gradient itself (Adam's first step is ~lr * sign(grad), which would
     # turn float-rounding differences of near-zero gradients into full-size differences)
     for trainer in (one, many):
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
     one.train_step()
+    assert all(len(groups) == 1 for groups in grouped)
+    grouped.clear()
     many.train_step()
+    assert grouped and all(len(groups) > 1 for groups in grouped)
     for a, b in zip(one.model.parameters(), many.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
     assert any(not torch.equal(a, b) for a, b in zip(one.model.parameters(), tiny_model('llama', vocab_size=16).parameters()))

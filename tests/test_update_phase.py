@@ -4,6 +4,8 @@ Each check compares against the way the phase ran before (a separate no-grad old
 [B, L, V] logits), written out here as the reference, on tiny random models and a fixed rollout.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from conftest import tiny_model
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.models import LoadedModel, ModelSpec
 from tlt.rl.actor import ActorOutput, ChunkedTokenLogprobs, PackedSamples, token_logprobs
+from tlt.rl import phases
 from tlt.rl.config import load_config
 from tlt.rl.phases import no_grad_logprobs
 from tlt.rl.rewards import Reward
@@ -260,6 +263,38 @@ def test_micro_batches_group_rows_of_similar_length(tmp_path, rollout):
     assert sorted(order) == list(range(len(result.samples))) and [len(g) for g in groups] == [5, 5, 2]
     lengths = [packed.prompt_lengths[r] + packed.response_lengths[r] for r in order]
     assert lengths == sorted(lengths, reverse=True)  # longest first: less padding per micro-batch
+
+
+def test_micro_batches_under_a_token_budget_fill_it_longest_first(tmp_path, rollout):
+    examples, result = rollout
+    trainer = make_trainer(tmp_path)
+    packed = trainer.score(examples, result).packed
+    lengths = [p + r for p, r in zip(packed.prompt_lengths, packed.response_lengths)]
+    for budget in (1, max(lengths), 2 * max(lengths) + 1, 3 * min(lengths), 10**9):
+        config = dataclasses.replace(trainer.config, optim=dataclasses.replace(trainer.config.optim,
+                                                                                micro_batch_tokens=budget))
+        groups = phases.micro_batches(config, packed)
+        order = [row for group in groups for row in group]
+        assert sorted(order) == list(range(len(lengths)))
+        assert [lengths[r] for r in order] == sorted(lengths, reverse=True)
+        for group, following in zip(groups, groups[1:] + [None]):
+            padded = len(group) * max(lengths[r] for r in group)
+            assert padded <= budget or len(group) == 1  # (a row longer than the budget goes alone)
+            if following is not None:  # greedy: the next row would not have fit
+                assert (len(group) + 1) * lengths[group[0]] > budget
+    assert len(groups) == 1  # the last budget takes them all
+
+
+def test_the_automatic_token_budget_is_the_configured_worst_case_on_cuda_only():
+    from tlt.rl.config import load_config
+
+    config = load_config(None, ["optim.micro_batch_size=4", "rollout.max_new_tokens=100"])
+    assert config.optim.micro_batch_tokens == "auto"
+    assert phases.micro_batch_token_budget(config, [7, 30, 12], "cuda") == 4 * (30 + 100)
+    assert phases.micro_batch_token_budget(config, [7, 30, 12], "cpu") is None  # micro_batch_size rows
+    off = load_config(None, ["optim.micro_batch_tokens=0"])
+    assert phases.micro_batch_token_budget(off, [7], "cuda") is None
+    assert phases.micro_batch_token_budget(load_config(None, ["optim.micro_batch_tokens=512"]), [7], "cpu") == 512
 
 
 # -- the drafter's features ------------------------------------------------------------------------------------

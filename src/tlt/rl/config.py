@@ -99,6 +99,11 @@ class OptimConfig:
     weight_decay: float = 0.0      # AdamW decay of the weight matrices (norm weights and biases never decay)
     betas: tuple[float, float] = (0.9, 0.99)
     micro_batch_size: int = 4      # sequences per forward/backward; gradients accumulate over the step
+    micro_batch_tokens: int | str = "auto"  # or group sequences by padded tokens (rows x the longest row) up to
+                                   # this budget, a longer row alone: 0 = off (micro_batch_size rows). "auto":
+                                   # on CUDA, micro_batch_size rows at the longest possible length (the batch's
+                                   # longest prompt + rollout.max_new_tokens: the memory the worst case already
+                                   # takes), so short rows share a micro-batch; off on the CPU
     grad_clip: float = 1.0         # max global grad norm (0 = off)
     schedule: str = "constant"     # lr per RL step: "constant" or "cosine" (to lr * min_lr_ratio), both after a
                                    # linear warm-up of warmup_steps
@@ -278,6 +283,10 @@ def validate(config: TrainConfig) -> TrainConfig:
     _at_least("optim.weight_decay", optim.weight_decay, 0)
     _check(all(0 <= b < 1 for b in optim.betas), f"optim.betas must each be in [0, 1), got {list(optim.betas)}")
     _at_least("optim.micro_batch_size", optim.micro_batch_size, 1)
+    _check(optim.micro_batch_tokens == "auto" or (isinstance(optim.micro_batch_tokens, int)
+                                                  and not isinstance(optim.micro_batch_tokens, bool)
+                                                  and optim.micro_batch_tokens >= 0),
+           f"optim.micro_batch_tokens must be auto or an integer >= 0 (0 = off), got {optim.micro_batch_tokens!r}")
     _at_least("optim.grad_clip", optim.grad_clip, 0)
     check_choice("optim.schedule", optim.schedule, SCHEDULES)
     _at_least("optim.warmup_steps", optim.warmup_steps, 0)

@@ -42,7 +42,7 @@ MEANING_RUN_KEYS = ("seed",)
 # the gradient (up to float summation order).
 OPERATIONAL_KEYS = ("task.eval_every", "rollout.cuda_graphs", "rollout.compile", "rollout.kernels",
                     "optim.grad_checkpointing",
-                    "model.device", "rollout.max_batch_size", "optim.micro_batch_size")
+                    "model.device", "rollout.max_batch_size", "optim.micro_batch_size", "optim.micro_batch_tokens")
 
 
 class RunDirError(TltError):
