@@ -23,8 +23,9 @@
 #                                                                  -> speculative_h100_compiled{,_greedy}.json (#13)
 #   tail        spot_training.py --lone-worker, overhead (greedy, 2 steps)      -> spot_training_h100.json (#15)
 #   tail-tau    spot_training.py --lone-worker, tau vs frozen (TAU_STEPS steps) -> spot_training_tau_h100.json (#15)
-#   update      update_cost.py: one policy update of 16 samples (~1,450 tokens) as a run does it, with cuDNN's
-#               attention, with one shape repeated, with micro-batch 16; a full GC  -> update_cost_h100.json (#15)
+#   update      update_cost.py: one policy update of 16 samples (~1,450 tokens) as a run does it (token budget),
+#               in rows of 4 (the default before), with cuDNN's attention, with one shape repeated, with
+#               micro-batch 16; a full GC                                       -> update_cost_h100.json (#15)
 #   head        head_precision.py: the training head in fp32 (outside autocast) vs bf16, forward + backward of
 #               16 x 1024 tokens at SmolLM2's head                               -> head_precision_h100.json
 #   e2e         e2e.py --replay (equal work), seed 0                            -> e2e_replay_h100.json (#15)
@@ -48,6 +49,12 @@
 #   plus what its line names. The warmed drafter travels in the working tree (benchmarks/drafters/, 8.4 MB). After
 #   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
+# Ninth session (2026-11-27, no GPU): the single-GPU tail trainer asks less of the decode loop (no host copy per
+# finished sample, its starting state loaded on its thread, a drafter step without device reads until its end,
+# 8-row micro-steps and fused AdamW on CUDA: tail_step_ops.json, 1301 -> 456 operations and 78 -> 0 reads a step),
+# and the update's micro-batches take a token budget on CUDA (optim.micro_batch_tokens=auto). Neither has run on a
+# GPU: `update tail` (plan B's call 3) measures both (update_cost's default vs rows_4; spot_training's phase_s
+# places the spot mode's extra seconds), after call 1 `triton-tests tests` (tests: the new CUDA tail test).
 # Eighth session (2026-11-27, no GPU): the rest of the SD step's bookkeeping fused (5 more draft_kernels launches,
 # tree rows as views, RoPE from a table): S6K2q 501 -> 344 operations, S5K1q 418 -> 317, the decode forward
 # 232 -> 224 (step_ops.json `eighth_session_kernels`; docs/benchmarks.md §9 "Eighth session"). None of it has run
