@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
 
+from tlt.drafter import trainer as trainer_module  # noqa: E402
 from tlt.drafter.buffer import FeatureBuffer  # noqa: E402
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer  # noqa: E402
 from tlt.models import load_model  # noqa: E402
@@ -100,8 +101,20 @@ def count_step(trainer: DrafterTrainer) -> dict:
         # torch's foreach AdamW reads its step counts: host tensors on CUDA too (no sync); fused keeps them there
         updates["reads"] = sum(counter.reads.values()) - reads
     trainer._to_device, trainer.optimizer.step, trainer.loss = on_host, counted_update, counted_loss
-    with counter:
-        trainer._step()
+    pack = trainer_module.pack_pairs
+
+    def packed_on_host(*args, **kwargs):  # the rows are packed from host tensors: no launch on any device
+        counter.on_host = True
+        try:
+            return pack(*args, **kwargs)
+        finally:
+            counter.on_host = False
+    trainer_module.pack_pairs = packed_on_host
+    try:
+        with counter:
+            trainer._step()
+    finally:
+        trainer_module.pack_pairs = pack
     total = sum(counter.operations.values())
     return {"micro_steps": len(micro_steps), "rows": sum(micro_steps), "operations": total,
             "forward_backward_operations": total - updates["operations"], "update_operations": updates["operations"],

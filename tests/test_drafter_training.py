@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import markov_model, random_prompts
 from tlt.drafter.buffer import FeatureBuffer, pack_pairs
 from tlt.drafter.features import collect_features
-from tlt.drafter.trainer import ROWS_PER_MICRO_STEP, DrafterTrainConfig, DrafterTrainer
+from tlt.drafter.trainer import (CPU_ROWS_PER_MICRO_STEP, DrafterTrainConfig, DrafterTrainer,
+                                 rows_per_micro_step)
 from tlt.models import LeanForward
 from tlt.models.eagle import DrafterError, EagleDrafter
 from tlt.rollout.engine import RolloutEngine
@@ -159,13 +160,38 @@ def test_the_valid_pairs_by_index_are_the_boolean_masks(setup):
     assert trainer.loss(rows, noise=False)[1] == trainer.loss(by_mask, noise=False)[1]
 
 
-def test_micro_steps_by_device(setup):
+def test_micro_steps_by_device_and_draft_vocabulary(setup):
     model, buffer = setup
     trainer = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer)
-    assert trainer._rows_per_micro_step() == ROWS_PER_MICRO_STEP["cpu"] == 2
-    assert ROWS_PER_MICRO_STEP["cuda"] > ROWS_PER_MICRO_STEP["cpu"]
+    assert trainer._rows_per_micro_step() == CPU_ROWS_PER_MICRO_STEP == 2
+    assert rows_per_micro_step("cuda", 256, 8192) == 8  # the default draft vocabulary
+    assert rows_per_micro_step("cuda", 64, 8192) == 8  # (at most 8 however short the rows)
+    assert rows_per_micro_step("cuda", 256, 16384) == 4
+    assert rows_per_micro_step("cuda", 256, 49152) == rows_per_micro_step("cuda", 256, 151936) == 1
     assert DrafterTrainer(EagleDrafter(model.config).attach(model), buffer,
                           DrafterTrainConfig(rows_per_micro_step=5))._rows_per_micro_step() == 5
+
+
+def test_a_loaded_optimizer_state_keeps_this_trainers_kernel_choice(setup, tmp_path):
+    """torch's load_state_dict takes the saver's fused/foreach flags with its moments: a state saved by a CPU
+    (foreach) trainer turned a CUDA trainer's fused AdamW off for the rest of the run (found by review). The
+    fused trainer is made on the CPU here (torch's fused AdamW runs there too)."""
+    model, buffer = setup
+    saver = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer, DrafterTrainConfig(row_length=16))
+    saver.train_steps(1)
+    saver.save(tmp_path)
+    fused = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer, DrafterTrainConfig(row_length=16))
+    params = [p for p in fused.drafter.parameters() if p.requires_grad]
+    fused.optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    raw = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    raw.load_state_dict(DrafterTrainer.saved_state(tmp_path)["optimizer"])
+    assert not raw.param_groups[0]["fused"]  # what torch does alone
+    fused.load_optimizer(tmp_path)
+    assert all(group["fused"] for group in fused.optimizer.param_groups)
+    steps = [fused.optimizer.state[p]["step"] for p in params]
+    assert all(step.dtype == torch.float32 and step.device == p.device for step, p in zip(steps, params))
+    fused.train_steps(1)  # the fused kernel takes the loaded moments
+    assert float(fused.optimizer.state[params[0]]["step"]) == 2
 
 
 def test_a_stop_inside_a_step_drops_it_without_an_update(setup):

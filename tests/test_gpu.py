@@ -393,10 +393,11 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
     assert max(metrics["drafter_versions_per_sample"]) > 0 and metrics["tail_train_share"] > 0, seen
 
 
-def test_a_cuda_tail_collects_device_clones_and_trains_on_them_with_fused_adamw():
-    """On CUDA the decode loop hands each finished sample to the tail trainer as device clones (no host copy
-    there): the buffer must hold the values as they were handed, even when the engine overwrites the rows at
-    once; the trainer's step (fused AdamW, host-packed rows through pinned memory) trains on them."""
+def test_a_cuda_tail_collects_features_on_a_copy_stream_and_trains_on_them_with_fused_adamw():
+    """On CUDA the decode loop hands each finished sample to the tail trainer as device clones copied to pinned
+    host memory on a copy stream (no host sync there): the buffer must hold the values as they were handed, even
+    while the decode stream is still busy and when the engine overwrites the rows at once; the trainer's step
+    (fused AdamW, host-packed rows through pinned memory) trains on them."""
     from tlt.drafter.buffer import FeatureBuffer
     from tlt.drafter.tail_trainer import TailTrainer
     from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
@@ -410,9 +411,11 @@ def test_a_cuda_tail_collects_device_clones_and_trains_on_them_with_fused_adamw(
     rows = torch.randn(4, 12, model.config.hidden_size, device=CUDA)
     tokens = torch.randint(4, 90, (4, 12), device=CUDA)
     handed = [(tokens[r].cpu(), rows[r].cpu()) for r in range(4)]
+    torch.cuda._sleep(100_000_000)  # the decode stream busy for a while: clones and copies must wait for it
     for r in range(4):
         collect(tokens[r], rows[r])
     rows.zero_(), tokens.zero_()  # the engine reuses the rows at once
+    assert tail._incoming.qsize() == 4
     before = [p.detach().clone() for p in drafter.parameters()]
     tail.start()
     while tail.trainer.steps < 2 and tail.running and tail._report.error is None:

@@ -155,6 +155,19 @@ def test_the_tail_loads_its_starting_state_on_its_own_thread_before_it_trains():
     tail.stop()
 
 
+def test_features_queued_after_the_threads_last_drain_reach_the_buffer_at_stop():
+    """The longest samples finish last, often after the training thread last looked at its queue: stop() drains
+    what is left (it did only for a tail that never started; on CUDA they then waited through the update)."""
+    tail, _ = tail_trainer()
+    gate = threading.Event()
+    tail.start(prepare=gate.wait)  # the thread is busy until the gate opens
+    feed(tail.collect(step=4), count=3)
+    threading.Timer(0.2, gate.set).start()
+    report = tail.stop()  # the thread sees the stop as soon as its prepare returns, before any drain
+    assert report.error is None and report.trained_steps == 0
+    assert len(tail.buffer) == 3 and tail.buffer.steps() == [4]
+
+
 def test_a_failing_prepare_trains_nothing_and_releases_the_rollout():
     def broken():
         raise RuntimeError("no version on the hub")

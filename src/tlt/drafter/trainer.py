@@ -22,10 +22,14 @@ from tlt.files import write_whole
 from tlt.models.eagle import DrafterError
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
-# Packed rows per micro-step by device type: 2 on the CPU, where one is tens of milliseconds and a stop request
-# waits for it; 8 on CUDA, where one is a few milliseconds and a micro-step's launches are what a spot-training
-# thread takes the GIL from the decode loop for (4x fewer; ~1 GB of activations with an 8192-token draft vocabulary).
-ROWS_PER_MICRO_STEP = {"cpu": 2, "cuda": 8}
+# Packed rows per micro-step: 2 on the CPU, where one is tens of milliseconds and a stop request waits for it. On
+# CUDA one is a few milliseconds and its launches are what a spot-training thread takes the GIL from the decode
+# loop for, so as many rows as keep a micro-step's logits within CUDA_LOGITS_PER_MICRO_STEP (8 rows of 256 pairs
+# over the default 8,192-token draft vocabulary, ~1 GB of activations; 1 row over a 49k or 152k vocabulary,
+# whose logits and their softmaxes would otherwise take gigabytes beside the rollout).
+CPU_ROWS_PER_MICRO_STEP = 2
+CUDA_LOGITS_PER_MICRO_STEP = 8 * 256 * 8192
+CUDA_MAX_ROWS_PER_MICRO_STEP = 8
 
 OPTIMIZER_FILE = "drafter_optimizer.safetensors"
 TRAINER_FILE = "drafter_trainer.json"  # optimizer steps and the optimizer state's layout
@@ -45,7 +49,7 @@ class DrafterTrainConfig:
     entries_per_step: int = 8       # samples drawn from the buffer per optimizer step
     row_length: int = 256           # pairs per packed row
     rows_per_micro_step: int | None = None  # packed rows per forward/backward; a stop request is honored between
-                                            # them. None: by device (ROWS_PER_MICRO_STEP)
+                                            # them. None: by device and draft vocabulary (`rows_per_micro_step`)
     seed: int = 0
 
 
@@ -58,7 +62,7 @@ class DrafterTrainer:
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay, fused=fused or None)
         self.steps = 0
-        self._generator = torch.Generator().manual_seed(config.seed)
+        self._noise_generators: dict[str, torch.Generator] = {}  # by device: noise drawn where the features are
 
     # -- training ---------------------------------------------------------------------------------------------
 
@@ -112,14 +116,26 @@ class DrafterTrainer:
     def _rows_per_micro_step(self) -> int:
         if self.config.rows_per_micro_step is not None:
             return self.config.rows_per_micro_step
-        return ROWS_PER_MICRO_STEP.get(self.drafter.fc.weight.device.type, ROWS_PER_MICRO_STEP["cpu"])
+        mapping = self.drafter.draft_to_target
+        vocab = self.drafter.config.vocab_size if mapping is None else mapping.shape[0]
+        return rows_per_micro_step(self.drafter.fc.weight.device.type, self.config.row_length, vocab)
+
+    def _noise_generator(self, device: torch.device) -> torch.Generator:
+        """The feature noise's generator on `device`, seeded from the config (on a GPU, noise drawn on the host
+        was copied from pageable memory every micro-step: a sync)."""
+        key = str(device)
+        if key not in self._noise_generators:
+            self._noise_generators[key] = torch.Generator(device=device).manual_seed(self.config.seed)
+        return self._noise_generators[key]
 
     def loss(self, batch: PackedPairs, *, noise: bool = True):
         cfg = self.config
         features = batch.input_features
         if noise and cfg.feature_noise > 0:  # training only: a held-out score is of the drafter as it serves
             scale = features.abs().mean() * cfg.feature_noise
-            features = features + (torch.rand(features.shape, generator=self._generator) * 2 - 1).to(features) * scale
+            uniform = torch.rand(features.shape, generator=self._noise_generator(features.device),
+                                 device=features.device, dtype=features.dtype)
+            features = features + (uniform * 2 - 1) * scale
         predicted = self.drafter(batch.input_tokens, features, batch.positions, batch.attention_mask)
         predicted, target_features = batch.at_valid(predicted), batch.at_valid(batch.target_features)
         feature_loss = F.smooth_l1_loss(predicted, target_features)
@@ -191,9 +207,14 @@ class DrafterTrainer:
             raise DrafterError(f"{directory}: its optimizer state does not fit the drafter "
                                f"({first_line(error)})") from None
         # the moments and step count carry on; the hyperparameters are this trainer's (load_state_dict brought
-        # the saved run's lr, betas and weight decay, and run.drafter_lr was silently ignored)
+        # the saved run's lr, betas and weight decay, and run.drafter_lr was silently ignored), and so is the
+        # kernel choice: it brought the saver's fused/foreach too (a state saved on the CPU turned a CUDA
+        # trainer's fused AdamW off for the rest of the run)
+        kernels = {key: self.optimizer.defaults[key] for key in ("fused", "foreach")}
         for group in self.optimizer.param_groups:
-            group.update(lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay)
+            group.update(lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay,
+                         **kernels)
+        _place_step_counts(self.optimizer)
         self.steps = state["steps"]
 
     @staticmethod
@@ -212,6 +233,18 @@ class DrafterTrainer:
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, a safetensors file cut short
             raise DrafterError(f"{directory}: cannot read the drafter's optimizer state ({OPTIMIZER_FILE}, "
                                f"{TRAINER_FILE}): {type(error).__name__}: {first_line(error)}") from None
+
+
+def _place_step_counts(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter's step count where its group's kernel reads it: on the parameter's device for fused (or
+    capturable) AdamW, a host scalar otherwise (load_state_dict placed it by the saver's choice)."""
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused")) or bool(group.get("capturable"))
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if torch.is_tensor(state.get("step")):
+                device = param.device if on_device else torch.device("cpu")
+                state["step"] = state["step"].to(device=device, dtype=torch.float32)
 
 
 def _check_moment_shapes(optimizer: torch.optim.Optimizer) -> None:
@@ -237,6 +270,14 @@ def save_trainer_state(directory: str | Path, state: dict) -> None:
     write_whole(directory / OPTIMIZER_FILE, lambda path: save_file(tensors, str(path)))
     text = json.dumps({"steps": state["steps"], "optimizer": meta})
     write_whole(directory / TRAINER_FILE, lambda path: path.write_text(text))
+
+
+def rows_per_micro_step(device_type: str, row_length: int, draft_vocab: int) -> int:
+    """Packed rows per micro-step by default (see CUDA_LOGITS_PER_MICRO_STEP)."""
+    if device_type != "cuda":
+        return CPU_ROWS_PER_MICRO_STEP
+    fits = CUDA_LOGITS_PER_MICRO_STEP // max(1, row_length * draft_vocab)
+    return max(1, min(CUDA_MAX_ROWS_PER_MICRO_STEP, fits))
 
 
 def _to_floats(parts: dict) -> dict:
