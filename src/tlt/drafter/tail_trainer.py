@@ -118,7 +118,8 @@ class TailTrainer:
         with torch.cuda.stream(copies):
             for target, source in zip(host, (tokens, features)):
                 target.copy_(source, non_blocking=True)
-                source.record_stream(copies)  # its memory goes back to the pool only after the copy has read it
+                if source.is_cuda:  # its memory goes back to the pool only after the copy has read it
+                    source.record_stream(copies)
             landed = torch.cuda.Event()
             landed.record(copies)
         return (*host, landed)
