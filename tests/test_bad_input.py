@@ -252,11 +252,14 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("optim.micro_batch_tokens=lots", "optim.micro_batch_tokens must be auto or an integer >= 0"),
     ("run.speculative=adaptive run.spot_training=false", "run.speculative=adaptive needs run.drafter"),
     ("rollout.top_k=-1", "rollout.top_k must be >= 0"), ("grpo.clip_high=-0.1", "grpo.clip_high must be >= 0"),
+    ("rollout.top_k=1", "rollout.top_k=1 samples greedily: the samples of one prompt are identical"),
     ("rollout.max_new_tokens=0", "rollout.max_new_tokens must be >= 1"), ("run.steps=-1", "run.steps must be >= 1"),
     # nan passes every range check (comparisons are false) and an unchecked field took it into the rewards;
     # an empty run.out_dir (e.g. an unset shell variable) wrote the run into the current directory
     ("task.format_reward=nan", "task.format_reward must be a finite number, got nan"),
-    ("run.drafter_lr=inf", "run.drafter_lr must be a finite number"), ("run.out_dir=", "run.out_dir must not be empty")])
+    ("run.drafter_lr=inf", "run.drafter_lr must be a finite number"), ("run.out_dir=", "run.out_dir must not be empty"),
+    # accepted, and the run's files (and an --overwrite's deletions) went to the top of / (found by QA)
+    ("run.out_dir=/", "run.out_dir=/ is the filesystem root"), ("run.out_dir=~", "is your home directory: a run writes its files at the top")])
 def test_config_errors_come_before_anything_loads(tmp_path, capfd, override, expected):
     """model.path points nowhere: had anything loaded first, the error would be about the model. (A dotted
     task.reward, which the loader reads, passes this gate: `pkg.module.function` as well as `pkg.module:function`.)"""

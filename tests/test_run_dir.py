@@ -107,6 +107,54 @@ def test_sigterm_is_handled_as_ctrl_c(tmp_path, monkeypatch, capsys):
     assert signal.getsignal(signal.SIGTERM) == handler  # given back
 
 
+def test_held_interrupts_raise_at_the_end_of_the_block_and_yield_to_its_own_error():
+    import signal
+
+    from tlt.interrupts import held_interrupts
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with held_interrupts():
+            signal.raise_signal(signal.SIGINT)
+            done.append("the rest of the block")
+    assert done == ["the rest of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(OSError, match="disk full"):  # the block's own failure is the one reported
+        with held_interrupts():
+            signal.raise_signal(signal.SIGINT)
+            raise OSError("disk full")
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "control-not-held"])
+def test_a_stop_just_after_a_step_still_checkpoints_that_step(tmp_path, monkeypatch, capsys, held):
+    """A SIGTERM that came while a finished step was being logged (its metrics line printed, its timeline drawn)
+    ended the run before the step's checkpoint was written: the step was in metrics.jsonl and lost (found by
+    QA). The step's bookkeeping now completes first. Control: without the hold, no checkpoint."""
+    import contextlib
+    import os
+    import signal
+
+    from tlt import cli
+    from tlt.distributed import run as run_module
+
+    class SignallingLine(str):  # the step's metrics line: printed before its checkpoint is written
+        def format(self, **values):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return "step line"
+
+    monkeypatch.setattr(run_module, "METRICS_LINE", SignallingLine(run_module.METRICS_LINE))
+    if not held:
+        monkeypatch.setattr(run_module, "held_interrupts", contextlib.nullcontext)
+    trainer = make_trainer(tmp_path, **{"run.steps": 3, "run.checkpoint_every": 1})
+    monkeypatch.setattr(cli, "_run_command", lambda args: train(trainer.config, trainer=trainer))
+    handler = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["report", str(tmp_path)]) == 143  # (the command is stood in for)
+    assert signal.getsignal(signal.SIGTERM) == handler
+    assert (tmp_path / "step-000001").is_dir() == held
+    assert metric_steps(tmp_path) == [1]
+    assert "interrupted after 1 completed step(s)" in capsys.readouterr().out
+
+
 def test_overwrite_killed_before_its_first_checkpoint_is_undone_by_the_next_start(tmp_path):
     """A SIGKILL leaves the old run in RUN/.replaced: the next tlt train puts it back, then decides as usual."""
     run(tmp_path, steps=2)

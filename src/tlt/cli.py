@@ -87,9 +87,27 @@ def main(argv=None) -> int:
     except TltError as error:
         print(f"tlt: error: {error}", file=sys.stderr)
         return 2
+    except (OSError, _safetensors_error()) as error:
+        # a full disk, a read-only mount or a missing permission met while a command writes its results (tlt
+        # train says which checkpoint it kept; the other commands had only a traceback to say it)
+        print(f"tlt: error: {_io_error_text(error)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was saved is said by the command; no traceback
         print("tlt: terminated (SIGTERM)" if signals else "tlt: interrupted", file=sys.stderr)
         return 143 if signals else 130
+
+
+def _safetensors_error() -> type[Exception]:
+    from safetensors import SafetensorError
+
+    return SafetensorError
+
+
+def _io_error_text(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{error.strerror}"
+    return f"cannot write the results: {error}"
 
 
 class Terminated(KeyboardInterrupt):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from tlt.errors import TltError
@@ -52,3 +53,20 @@ def refuse_a_file_in_the_way(directory: Path, option: str, error: type[TltError]
             if not existing.is_dir():
                 raise error(f"{option} {directory}: {existing} is a file, not a directory")
             return
+
+
+def refuse_an_unwritable_place(directory: Path, option: str, error: type[TltError] = TltError) -> None:
+    """As `refuse_a_file_in_the_way`, and the nearest existing directory (`directory` itself, or the one its
+    missing parts would be made in) must take a file: a read-only mount or a missing permission fails now, not
+    after the sampling or training whose results would be written there. Nothing is created."""
+    directory = Path(directory)
+    refuse_a_file_in_the_way(directory, option, error)
+    existing = next((path for path in (directory, *directory.parents) if path.exists()), None)
+    if existing is None:
+        return
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise error(f"{option} {directory}: cannot write in {existing} ({exc.strerror})") from None
+

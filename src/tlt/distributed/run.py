@@ -13,6 +13,7 @@ from tlt.distributed.placement import resolve
 from tlt.drafter.export import EXPORTABLE, drafter_model_type
 from tlt.files import write_whole
 from tlt.metrics.logger import open_metrics_logger
+from tlt.interrupts import held_interrupts
 from tlt.metrics.timeline import drop_timelines_after, save_timeline
 from tlt.rl.checkpoint import checkpoint_step, latest_checkpoint, prune_checkpoints, read_state
 from tlt.rl.config import TrainConfig, validate
@@ -165,36 +166,44 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
             metrics = trainer.train_step()
         finally:
             status.stop()
-        logger.log(trainer.step, metrics)
+        with held_interrupts():  # the step's metrics, timeline and checkpoint all written before a stop
+            failed_steps = _finish_step(config, trainer, run_dir, console, logger, metrics, failed_steps)
         history.append(metrics)
-        console.print(METRICS_LINE.format(step=trainer.step, **metrics))
-        if metrics.get("reward_failures"):
-            samples = config.rollout.prompts_per_step * config.rollout.samples_per_prompt
-            console.print(f"      warning: the reward function failed on {metrics['reward_failures']} of {samples} "
-                          f"samples (scored 0)")
-            failed_steps = failed_steps + 1 if metrics["reward_failures"] >= samples else 0
-        else:
-            failed_steps = 0
-        if metrics.get("train/tokens") == 0:  # (only grpo.mask_truncated can leave none)
-            console.print(f"      warning: every response was cut at rollout.max_new_tokens="
-                          f"{config.rollout.max_new_tokens} and grpo.mask_truncated drops them: this step trained "
-                          f"on 0 tokens (raise the budget, or set grpo.mask_truncated=false)")
-        if "eval_accuracy" in metrics:
-            console.print(EVAL_LINE.format(**metrics))
-        if getattr(trainer, "last_timeline", None) is not None:
-            save_timeline(run_dir, trainer.last_timeline)
-            version = metrics.get("drafter_version")
-            console.print(_workers_line(metrics, version) if version is not None else IDLE_LINE.format(**metrics))
-        every = config.run.checkpoint_every
-        if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
-            trainer.save(run_dir)
-            discard_replaced(run_dir)  # the new run can be resumed now: the one --overwrite replaced goes
-            prune_checkpoints(run_dir, config.run.keep_checkpoints)
         if failed_steps >= FAILED_REWARD_STEPS:
             raise RewardError(f"the reward function {config.task.reward} failed on every sample of {failed_steps} "
                               f"steps in a row (its first error is in the log): a bug in it, not hard samples; "
                               f"fix it and continue with --resume")
     return history
+
+
+def _finish_step(config, trainer, run_dir: Path, console, logger, metrics: dict, failed_steps: int) -> int:
+    """Log, print and (when due) checkpoint the step just trained; returns the steps in a row whose every reward
+    failed."""
+    logger.log(trainer.step, metrics)
+    console.print(METRICS_LINE.format(step=trainer.step, **metrics))
+    if metrics.get("reward_failures"):
+        samples = config.rollout.prompts_per_step * config.rollout.samples_per_prompt
+        console.print(f"      warning: the reward function failed on {metrics['reward_failures']} of {samples} "
+                      f"samples (scored 0)")
+        failed_steps = failed_steps + 1 if metrics["reward_failures"] >= samples else 0
+    else:
+        failed_steps = 0
+    if metrics.get("train/tokens") == 0:  # (only grpo.mask_truncated can leave none)
+        console.print(f"      warning: every response was cut at rollout.max_new_tokens="
+                      f"{config.rollout.max_new_tokens} and grpo.mask_truncated drops them: this step trained "
+                      f"on 0 tokens (raise the budget, or set grpo.mask_truncated=false)")
+    if "eval_accuracy" in metrics:
+        console.print(EVAL_LINE.format(**metrics))
+    if getattr(trainer, "last_timeline", None) is not None:
+        save_timeline(run_dir, trainer.last_timeline)
+        version = metrics.get("drafter_version")
+        console.print(_workers_line(metrics, version) if version is not None else IDLE_LINE.format(**metrics))
+    every = config.run.checkpoint_every
+    if (every and trainer.step % every == 0) or trainer.step == config.run.steps:
+        trainer.save(run_dir)
+        discard_replaced(run_dir)  # the new run can be resumed now: the one --overwrite replaced goes
+        prune_checkpoints(run_dir, config.run.keep_checkpoints)
+    return failed_steps
 
 
 class _PhaseStatus:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from tlt.errors import TltError
-from tlt.files import refuse_a_file_in_the_way, share_as_umask
+from tlt.files import refuse_an_unwritable_place, share_as_umask
 from tlt.models.eagle import EagleDrafter, read_target_config
 
 ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
@@ -52,7 +52,7 @@ def check_export_out(out: str | Path, overwrite: bool = False) -> None:
     earlier export's and `overwrite` says so. Never a model directory, whose config and weights would be replaced
     by the one-layer draft's (--overwrite included: an earlier export carries EXPORT_MARK in its config)."""
     out = Path(out)
-    refuse_a_file_in_the_way(out, "--out", ExportError)
+    refuse_an_unwritable_place(out, "--out", ExportError)
     held = [name for name in EXPORT_FILES if (out / name).exists()]
     if not held:
         return

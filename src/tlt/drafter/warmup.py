@@ -22,7 +22,7 @@ from tlt.drafter.features import collect_features
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
 from tlt.drafter.vocabulary import DEFAULT_DRAFT_VOCAB, frequent_tokens, limits_vocab
 from tlt.errors import TltError
-from tlt.files import refuse_a_file_in_the_way
+from tlt.files import refuse_an_unwritable_place
 from tlt.lr_schedule import lr_factor
 from tlt.models.eagle import CONFIG_FILE as DRAFTER_CONFIG_FILE, EagleDrafter
 from tlt.models.loading import eos_token_ids
@@ -184,7 +184,7 @@ def _tau_text(tau: float | None) -> str:
 
 
 def check_out(out: Path, init: str | None, overwrite: bool) -> None:
-    refuse_a_file_in_the_way(out, "--out")
+    refuse_an_unwritable_place(out, "--out")
     if (out / "config.json").exists():  # a model's directory (or an export's): the drafter would be mixed into it
         raise TltError(f"{out} holds a config.json (a model's directory?): a drafter goes into a directory of its "
                        f"own; choose another --out")

@@ -231,6 +231,7 @@ def validate(config: TrainConfig) -> TrainConfig:
             _check(not isinstance(value, float) or math.isfinite(value),
                    f"{section.name}.{item.name} must be a finite number, got {value}")
     _check(bool(run.out_dir.strip()), "run.out_dir must not be empty (it would be the current directory)")
+    _check_not_a_shared_directory(run.out_dir)
     _check(-(2 ** 63) <= run.seed < 2 ** 63, f"run.seed must fit in 64 bits (what torch seeds with), got {run.seed}")
     _check_device(config.model.device)
     check_choice("task.name", task.name, TASK_NAMES)
@@ -257,6 +258,8 @@ def validate(config: TrainConfig) -> TrainConfig:
            f"{rollout.temperature}: logits divided by less overflow float32")
     _check(0 < rollout.top_p <= 1, f"rollout.top_p must be in (0, 1], got {rollout.top_p}")
     _at_least("rollout.top_k", rollout.top_k, 0)
+    _check(rollout.top_k != 1, "rollout.top_k=1 samples greedily: the samples of one prompt are identical, so every "
+           "GRPO advantage would be 0 (use 0 for no top-k, or at least 2)")
     check_choice("rollout.dtype", rollout.dtype, ROLLOUT_DTYPES)
     check_choice("rollout.compile", rollout.compile, ROLLOUT_COMPILE)
     check_choice("rollout.kernels", rollout.kernels, KERNEL_CHOICES)
@@ -359,6 +362,17 @@ def tail_training_active(run: RunConfig, workers: int) -> bool:
     if run.speculative == "off" or not run.spot_training or workers != 1:
         return False
     return run.tail_training != "off"
+
+
+def _check_not_a_shared_directory(out_dir: str) -> None:
+    """A run writes config.json, metrics.jsonl, step-*/, final/ and more at the top of run.out_dir, and
+    --overwrite clears them: `/` and the home directory were accepted (found by QA), the run's files spread
+    among the system's or the user's own."""
+    path = Path(out_dir).expanduser().resolve()
+    what = ("the filesystem root" if path == Path(path.anchor) else
+            "your home directory" if path == Path.home().resolve() else None)
+    _check(what is None, f"run.out_dir={out_dir} is {what}: a run writes its files at the top of its directory (and "
+           f"--overwrite clears them); give it a directory of its own, e.g. {Path(out_dir) / 'runs' / 'my_run'}")
 
 
 def _check(ok: bool, message: str) -> None:

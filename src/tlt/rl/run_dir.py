@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from tlt.errors import TltError
-from tlt.files import refuse_a_file_in_the_way, write_whole
+from tlt.files import refuse_an_unwritable_place, write_whole
 from tlt.models.loading import is_default_source
 from tlt.rl.checkpoint import checkpoint_dirs, checkpoint_step, latest_checkpoint, read_state, recover_retired
 from tlt.rl.config import PATH_KEYS, TrainConfig
@@ -282,7 +282,7 @@ def _recover_replaced(run_dir: Path) -> None:
 
 
 def _make(run_dir: Path) -> None:
-    refuse_a_file_in_the_way(run_dir, "cannot use run.out_dir", RunDirError)  # names the file, maybe a parent
+    refuse_an_unwritable_place(run_dir, "cannot use run.out_dir", RunDirError)  # names the file, maybe a parent
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
