@@ -1,15 +1,15 @@
 """What one drafter optimizer step costs the thread that runs it beside the decode loop: operations and device reads.
 
 On one GPU the drafter trains on a thread beside the rollout's tail (drafter/tail_trainer.py). That thread holds
-Python's GIL for each kernel it launches and for the Python between them; the decode loop, whose replayed step
-is a few launches and one read, waits for the GIL each time it wants it back. On the H200 (seventh session) the
-decoding a tail trainer overlapped ran 19% slower (#15: <= 3%). So this counts, on the CPU, what a step asks of
-its thread: the ATen operations it dispatches (one launch each on CUDA; views and allocations not counted) and
-the reads of device values outside the update (float()/item(), nonzero, boolean-mask indexing: each a sync on
-CUDA, where the thread waits and then must win the GIL back), in the default model's shape (random weights, SmolLM2-135M: hidden
-576, draft vocabulary 8192) on eight samples of mixed lengths. The host's own work (packing the rows, moving
-them) is left out: it is Python and CPU tensors on every device. The optimizer's update is counted apart, for
-torch's foreach AdamW (what the thread used) and the fused one (what a CUDA trainer now makes).
+Python's GIL for each kernel it launches and for the Python between them; the decode loop, whose replayed step is a
+few launches and one read, waits for the GIL each time it wants it back. On the H200 (seventh session) the decoding
+a tail trainer overlapped ran 19% slower (#15: <= 3%). So this counts, on the CPU, what a step asks of its thread:
+the ATen operations it dispatches (one launch each on CUDA; views and allocations not counted) and the reads of
+device values outside the update (float()/item(), nonzero, boolean-mask indexing: each a sync on CUDA, where the
+thread waits and then must win the GIL back), in the default model's shape (random weights, SmolLM2-135M: hidden
+576, draft vocabulary 8192) on eight samples of mixed lengths. The host's own work (packing the rows, moving them)
+is left out: it is Python and CPU tensors on every device. The optimizer's update is counted apart, for torch's
+foreach AdamW (what the thread used) and the fused one (what a CUDA trainer now makes).
 
     python benchmarks/tail_step_ops.py --label this --json benchmarks/results/tail_step_ops.json
     PYTHONPATH=<a checkout of another commit>/src python benchmarks/tail_step_ops.py --label <name> --json ...

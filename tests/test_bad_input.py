@@ -259,7 +259,8 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("task.format_reward=nan", "task.format_reward must be a finite number, got nan"),
     ("run.drafter_lr=inf", "run.drafter_lr must be a finite number"), ("run.out_dir=", "run.out_dir must not be empty"),
     # accepted, and the run's files (and an --overwrite's deletions) went to the top of / (found by QA)
-    ("run.out_dir=/", "run.out_dir=/ is the filesystem root"), ("run.out_dir=~", "is your home directory: a run writes its files at the top")])
+    ("run.out_dir=/", "run.out_dir=/ is the filesystem root"),
+    ("run.out_dir=~", "is your home directory: a run writes its files at the top")])
 def test_config_errors_come_before_anything_loads(tmp_path, capfd, override, expected):
     """model.path points nowhere: had anything loaded first, the error would be about the model. (A dotted
     task.reward, which the loader reads, passes this gate: `pkg.module.function` as well as `pkg.module:function`.)"""
