@@ -107,6 +107,17 @@ def test_sigterm_is_handled_as_ctrl_c(tmp_path, monkeypatch, capsys):
     assert signal.getsignal(signal.SIGTERM) == handler  # given back
 
 
+def test_resume_of_files_no_tlt_run_wrote_does_not_advise_overwrite(tmp_path):
+    """--resume said 'start over with --overwrite', which then refused the same directory (found by QA)."""
+    (tmp_path / "final").mkdir()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    config = load_config(None, [f"run.out_dir={tmp_path}"]).to_dict()
+    with pytest.raises(RunDirError, match="it holds no tlt run .*set another run.out_dir, or move its files"):
+        prepare_run_dir(tmp_path, config, resume=True, overwrite=False)
+    with pytest.raises(RunDirError, match="but no tlt run"):
+        prepare_run_dir(tmp_path, config, resume=False, overwrite=True)
+
+
 def test_held_interrupts_raise_at_the_end_of_the_block_and_yield_to_its_own_error():
     import signal
 

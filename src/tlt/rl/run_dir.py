@@ -210,6 +210,8 @@ def check_resumable(run_dir: Path) -> None:
 
 def _start_instead(run_dir: Path) -> str:
     """What to do instead of --resume: a run that died before its first checkpoint can only start over."""
+    if holds_run(run_dir) and not (run_dir / "config.json").exists():  # not a tlt run's: --overwrite refuses it
+        return "it holds no tlt run (no config.json of one): set another run.out_dir, or move its files"
     if holds_run(run_dir):
         return "its run ended before its first checkpoint: start over with --overwrite, or set another run.out_dir"
     return "run without --resume to start a new run there"
