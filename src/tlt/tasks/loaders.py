@@ -50,13 +50,11 @@ def load_examples(path: str | Path, prompt_field: str = "question", answer_field
         raise DatasetError(f"dataset not found: {path}")
     if path.is_dir():
         raise DatasetError(f"{path} is a directory: give one .jsonl or .parquet file")
-    if path.suffix.lower() == ".parquet":
-        records = _parquet_records(path)
-    elif path.suffix.lower() in (".jsonl", ".json"):
-        records = _jsonl_records(path)
-    else:
-        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
-    return records_to_examples(records, prompt_field, answer_field, str(path))
+    if path.suffix.lower() == ".parquet":  # a table: its records are rows (a parquet error said "line 1")
+        return records_to_examples(_parquet_records(path), prompt_field, answer_field, str(path), unit="row")
+    if path.suffix.lower() in (".jsonl", ".json"):
+        return records_to_examples(_jsonl_records(path), prompt_field, answer_field, str(path))
+    raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
 
 
 def check_format(name: str, path: str | Path) -> None:
