@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from tlt.errors import RequestError
+from tlt.errors import RequestError, TltError
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.request import Request
 from tlt.sampling import SamplingParams
@@ -529,3 +529,17 @@ def test_a_second_generate_on_a_busy_engine_is_refused(engine):
     with pytest.raises(RequestError, match="this engine is already generating"):
         engine.generate([Request([5, 6], params=params)], between_steps=nested)
     assert len(engine.generate([Request([5, 6], params=params)]).samples[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("size", [100, 4096])
+def test_a_gguf_cut_short_anywhere_is_said_to_be(tmp_path, size):
+    """Cut inside its header, a GGUF failed with numpy's 'unpack_from requires a buffer of at least 101 bytes'
+    and no hint (found by QA); cut after it, with the reshape error that already had one."""
+    from tlt.models import load_model
+    from tlt.models.default_model import find_or_download_gguf
+
+    cut = tmp_path / "cut.gguf"
+    with open(find_or_download_gguf(), "rb") as whole:
+        cut.write_bytes(whole.read(size))
+    with pytest.raises(TltError, match=r"cannot read GGUF .*cut\.gguf: .*likely cut short"):
+        load_model(str(cut))

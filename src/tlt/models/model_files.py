@@ -154,7 +154,7 @@ def gguf_error(path: Path, error: Exception) -> str:
     """One line for a GGUF that does not read. The GGUF reader maps tensors over the file, so one cut short
     fails as a numpy reshape or mmap error: said as what it likely is."""
     reason = first_line(error)
-    if any(word in reason for word in ("reshape", "mmap", "buffer is smaller", "beyond the end")):
+    if any(word in reason for word in ("reshape", "mmap", "buffer is smaller", "beyond the end", "requires a buffer")):
         reason += f" (the file, {path.stat().st_size} bytes, is likely cut short: download or copy it again)"
     return f"cannot read GGUF {path}: {reason}"
 
