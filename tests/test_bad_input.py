@@ -543,3 +543,17 @@ def test_a_gguf_cut_short_anywhere_is_said_to_be(tmp_path, size):
         cut.write_bytes(whole.read(size))
     with pytest.raises(TltError, match=r"cannot read GGUF .*cut\.gguf: .*likely cut short"):
         load_model(str(cut))
+
+
+def test_a_drafter_config_transformers_refuses_is_named_with_its_reason(tmp_path):
+    """transformers' validation says why on the line after 'Class validation error for validator ...:', and
+    only that first line was quoted (found by QA)."""
+    from tlt.models.eagle import CONFIG_FILE, DrafterError, EagleDrafter
+
+    model = tiny_model("llama")
+    EagleDrafter(model.config).attach(model).save(tmp_path)
+    meta = json.loads((tmp_path / CONFIG_FILE).read_text())
+    meta["target_config"].update(hidden_size=1024, num_attention_heads=9)
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(DrafterError, match=r"cannot read the drafter \(.*not a multiple of the number of attention"):
+        EagleDrafter.load(tmp_path, model)

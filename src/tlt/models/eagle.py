@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tlt.errors import TltError
+from tlt.errors import TltError, first_line
 from tlt.files import write_whole
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import (LeanForward, aligned_span, grouped_attention_bias,
@@ -376,8 +376,9 @@ class EagleDrafter(nn.Module):
             config = AutoConfig.for_model(settings.pop("model_type"), **settings)
             tensors = load_file(str(directory / WEIGHTS_FILE))
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, corrupt safetensors
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise DrafterError(f"{directory}: cannot read the drafter ({type(error).__name__}: {first})") from None
+            # first_line: transformers' config validation puts its reason on the line after "...validator X:"
+            raise DrafterError(f"{directory}: cannot read the drafter ({type(error).__name__}: "
+                               f"{first_line(error)})") from None
         vocab = tensors.get("draft_to_target")
         if "draft_vocab_size" in meta and meta["draft_vocab_size"] != (None if vocab is None else int(vocab.shape[0])):
             # a weights file without its draft vocabulary loaded as a full-vocabulary drafter, every draft wrong
