@@ -557,3 +557,48 @@ def test_a_drafter_config_transformers_refuses_is_named_with_its_reason(tmp_path
     (tmp_path / CONFIG_FILE).write_text(json.dumps(meta))
     with pytest.raises(DrafterError, match=r"cannot read the drafter \(.*not a multiple of the number of attention"):
         EagleDrafter.load(tmp_path, model)
+
+
+@pytest.mark.parametrize("failure", ["disk full", "safetensors"])
+def test_a_command_that_cannot_write_its_results_says_so_in_one_line(capfd, monkeypatch, failure):
+    """Outside `tlt train` (which names the checkpoint it kept), a full disk or a read-only mount met while
+    writing ended in a traceback: export, warm-up, report, verify's --json (found by QA)."""
+    from safetensors import SafetensorError
+
+    from tlt import cli
+
+    def fail(args):
+        if failure == "safetensors":
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise OSError(28, "No space left on device", "out/report/curves.png")
+    monkeypatch.setattr(cli, "_run_command", fail)
+    code = cli.main(["report", "somewhere"])
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    expected = ("cannot write the results: Error while serializing" if failure == "safetensors"
+                else "out/report/curves.png: No space left on device")
+    assert_one_line(code, err, expected)
+
+
+@pytest.mark.parametrize("option", ["warmup", "export", "run"])
+def test_an_unwritable_out_is_refused_before_any_work(tmp_path, option):
+    """A read-only place failed only when the results were written: a warm-up's sampling and training lost.
+    (/proc takes no file, even from root, whom permission bits would not stop.)"""
+    from pathlib import Path
+
+    from tlt.drafter.export import check_export_out
+    from tlt.drafter.warmup import check_out
+    from tlt.rl.config import load_config
+    from tlt.rl.run_dir import prepare_run_dir
+
+    out = Path("/proc/tlt-nowhere/drafter")
+    with pytest.raises(TltError, match=r"cannot write in /proc \("):
+        if option == "warmup":
+            check_out(out, None, False)
+        elif option == "export":
+            check_export_out(out)
+        else:
+            config = load_config(None, [f"run.out_dir={out}"]).to_dict()
+            prepare_run_dir(out, config, resume=False, overwrite=False)
+    assert not out.parent.exists()
+    check_out(tmp_path / "fresh" / "drafter", None, False)  # a writable place passes, and nothing is made
+    assert not (tmp_path / "fresh").exists()
