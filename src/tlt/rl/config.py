@@ -369,8 +369,12 @@ def _check_not_a_shared_directory(out_dir: str) -> None:
     --overwrite clears them: `/` and the home directory were accepted (found by QA), the run's files spread
     among the system's or the user's own."""
     path = Path(out_dir).expanduser().resolve()
+    try:
+        home = Path.home().resolve()
+    except (RuntimeError, KeyError):  # no home directory known (no HOME, no passwd entry)
+        home = None
     what = ("the filesystem root" if path == Path(path.anchor) else
-            "your home directory" if path == Path.home().resolve() else None)
+            "your home directory" if path == home else None)
     _check(what is None, f"run.out_dir={out_dir} is {what}: a run writes its files at the top of its directory (and "
            f"--overwrite clears them); give it a directory of its own, e.g. {Path(out_dir) / 'runs' / 'my_run'}")
 
