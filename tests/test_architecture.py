@@ -10,6 +10,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "tlt"
 # floor of each top-level module or package of src/tlt (docs/architecture.md, "Packages")
 FLOORS = {"__init__": 0, "errors": 0,
           "files": 0.5, "threads": 0.5,  # helpers every floor uses (atomic writes, thread budgets); they raise errors
+          "interrupts": 0.5,  # signals held over a block that must complete (a step's checkpoint)
           "models": 1,
           "sampling": 2, "optimizer_state": 2, "lr_schedule": 2,
           "speculative": 3,
