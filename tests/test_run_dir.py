@@ -163,7 +163,9 @@ def test_a_stop_just_after_a_step_still_checkpoints_that_step(tmp_path, monkeypa
     assert signal.getsignal(signal.SIGTERM) == handler
     assert (tmp_path / "step-000001").is_dir() == held
     assert metric_steps(tmp_path) == [1]
-    assert "interrupted after 1 completed step(s)" in capsys.readouterr().out
+    output = capsys.readouterr()
+    assert "interrupted after 1 completed step(s)" in output.out
+    assert ("tlt: stopping once step 1 is logged (and checkpointed" in output.err) == held
 
 
 def test_overwrite_killed_before_its_first_checkpoint_is_undone_by_the_next_start(tmp_path):

@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def held_interrupts():
+def held_interrupts(notice: str | None = None):
     """Ctrl-C (SIGINT) and SIGTERM received inside the block are held and raised again when it ends, to the
     handlers in place before it (KeyboardInterrupt, `tlt`'s SIGTERM handling): a run stopped just after a step
     finished lost that step (its metrics logged, its checkpoint not written). Not when the block fails: its
-    own error is the one to report. Only the main thread may set handlers; elsewhere this holds nothing."""
+    own error is the one to report. Only the main thread may set handlers; elsewhere this holds nothing.
+    `notice`, if given, is printed to stderr when the first signal is held (a large checkpoint takes a while)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     held: list[int] = []
 
     def hold(signum, frame):
+        if notice is not None and not held:
+            print(notice, file=sys.stderr, flush=True)
         held.append(signum)
 
     previous = {signum: signal.signal(signum, hold) for signum in HELD_SIGNALS}

@@ -166,7 +166,9 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
             metrics = trainer.train_step()
         finally:
             status.stop()
-        with held_interrupts():  # the step's metrics, timeline and checkpoint all written before a stop
+        # the step's metrics, timeline and checkpoint all written before a stop
+        notice = f"tlt: stopping once step {trainer.step} is logged (and checkpointed, when one is due)"
+        with held_interrupts(notice):
             failed_steps = _finish_step(config, trainer, run_dir, console, logger, metrics, failed_steps)
         history.append(metrics)
         if failed_steps >= FAILED_REWARD_STEPS:
