@@ -51,7 +51,7 @@
 #
 # Ninth session (2026-11-27, no GPU): the single-GPU tail trainer asks less of the decode loop (no host copy per
 # finished sample, its starting state loaded on its thread, a drafter step without device reads until its end,
-# 8-row micro-steps and fused AdamW on CUDA: tail_step_ops.json, 1180 -> 335 operations and 78 -> 0 reads a step),
+# 8-row micro-steps and fused AdamW on CUDA: tail_step_ops.json, 1180 -> 341 operations and 78 -> 0 reads a step),
 # and the update's micro-batches take a token budget on CUDA (optim.micro_batch_tokens=auto). Neither has run on a
 # GPU: `update tail` (plan B's call 3) measures both (update_cost's default vs rows_4; spot_training's phase_s
 # places the spot mode's extra seconds), after call 1 `triton-tests tests` (tests: the new CUDA tail test).

@@ -11,6 +11,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "tlt"
 FLOORS = {"__init__": 0, "errors": 0,
           "files": 0.5, "threads": 0.5,  # helpers every floor uses (atomic writes, thread budgets); they raise errors
           "interrupts": 0.5,  # signals held over a block that must complete (a step's checkpoint)
+          "device_values": 0.5,  # metrics read from the device at once
           "models": 1,
           "sampling": 2, "optimizer_state": 2, "lr_schedule": 2,
           "speculative": 3,

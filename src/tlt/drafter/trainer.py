@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pairs
+from tlt.device_values import metrics_to_host
 from tlt.errors import first_line
 from tlt.files import write_whole
 from tlt.models.eagle import DrafterError
@@ -111,7 +112,7 @@ class DrafterTrainer:
         self.optimizer.step()
         self.drafter.eval()
         self.steps += 1
-        return {**_to_floats(sums), "step": self.steps, "step_s": time.perf_counter() - started}
+        return {**metrics_to_host([sums])[0], "step": self.steps, "step_s": time.perf_counter() - started}
 
     def _rows_per_micro_step(self) -> int:
         if self.config.rows_per_micro_step is not None:
@@ -166,20 +167,17 @@ class DrafterTrainer:
         deeper drafts included, see tlt.drafter.chain."""
         self.drafter.eval()
         batch = self._to_device(pack_pairs(entries, self.config.row_length))
-        return _to_floats(self.loss(batch, noise=False)[1])
+        return metrics_to_host([self.loss(batch, noise=False)[1]])[0]
 
     def _to_device(self, batch: PackedPairs) -> PackedPairs:
         """The packed rows on the drafter's device and dtype. To CUDA through pinned memory, asynchronously:
         a copy from pageable memory holds the calling thread until it lands."""
         device, dtype = self.drafter.fc.weight.device, self.drafter.fc.weight.dtype
         valid_index = batch.valid.reshape(-1).nonzero().squeeze(1)  # on the host (`PackedPairs.at_valid`)
-        if device.type != "cuda":
-            return PackedPairs(batch.input_tokens.to(device), batch.input_features.to(device, dtype),
-                               batch.target_features.to(device, dtype), batch.positions.to(device),
-                               batch.attention_mask.to(device), batch.valid.to(device), valid_index.to(device))
+        pinned = device.type == "cuda"
 
         def move(tensor: torch.Tensor, to_dtype=None) -> torch.Tensor:
-            moved = tensor.pin_memory().to(device, non_blocking=True)
+            moved = tensor.pin_memory().to(device, non_blocking=True) if pinned else tensor.to(device)
             return moved if to_dtype is None else moved.to(to_dtype)  # converted on the device
         return PackedPairs(move(batch.input_tokens), move(batch.input_features, dtype),
                            move(batch.target_features, dtype), move(batch.positions), move(batch.attention_mask),
@@ -278,15 +276,6 @@ def rows_per_micro_step(device_type: str, row_length: int, draft_vocab: int) -> 
         return CPU_ROWS_PER_MICRO_STEP
     fits = CUDA_LOGITS_PER_MICRO_STEP // max(1, row_length * draft_vocab)
     return max(1, min(CUDA_MAX_ROWS_PER_MICRO_STEP, fits))
-
-
-def _to_floats(parts: dict) -> dict:
-    """Metric values as floats, the tensors among them read from the device at once (one host read)."""
-    names = [key for key, value in parts.items() if torch.is_tensor(value)]
-    if not names:
-        return {key: float(value) for key, value in parts.items()}
-    values = torch.stack([parts[key].detach().float().reshape(()) for key in names]).tolist()
-    return {**{key: float(value) for key, value in parts.items() if key not in names}, **dict(zip(names, values))}
 
 
 def _row_chunks(batch: PackedPairs, size: int):

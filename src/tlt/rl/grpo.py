@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from tlt.device_values import metrics_to_host
+
 
 def group_advantages(rewards: torch.Tensor, *, scale_rewards: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """rewards [P, n] (n samples of each of P prompts) -> advantages [P, n].
@@ -101,20 +103,6 @@ def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dic
         parts.update(loss=loss.detach(), clip_fraction=(clipped * mask).sum() / count,
                      ratio_mean=(ratio * mask).sum() / count, tokens=mask.sum())
     return loss, (metrics_to_host([parts])[0] if host_metrics else parts)
-
-
-def metrics_to_host(parts: list[dict]) -> list[dict]:
-    """Each dict's 0-d tensor (or float) values as floats, all read in one device-to-host copy."""
-    keys = [(index, key) for index, part in enumerate(parts) for key in part]
-    tensors = [value for part in parts for value in part.values() if isinstance(value, torch.Tensor)]
-    host = [{} for _ in parts]
-    if tensors:
-        values = torch.stack([value.detach().reshape(()).to(torch.float64) for value in tensors]).tolist()
-        read = iter(values)
-    for index, key in keys:
-        value = parts[index][key]
-        host[index][key] = next(read) if isinstance(value, torch.Tensor) else float(value)
-    return host
 
 
 def rollout_mismatch(old_logprobs, rollout_logprobs, mask, is_cap: float | None) -> dict:
