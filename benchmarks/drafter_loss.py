@@ -44,19 +44,22 @@ class TotalVariationTrainer(DrafterTrainer):
         super().__init__(*args, **kwargs)
         self.tv_weight = tv_weight
 
-    def loss(self, batch):
+    def loss(self, batch, weights, *, noise=True):
         if self.tv_weight <= 0:
-            return super().loss(batch)
-        cfg, valid = self.config, batch.valid
+            return super().loss(batch, weights, noise=noise)
+        cfg = self.config
         predicted = self.drafter(batch.input_tokens, batch.input_features, batch.positions, batch.attention_mask)
-        feature_loss = F.smooth_l1_loss(predicted[valid], batch.target_features[valid])
-        log_q = torch.log_softmax(self.drafter.draft_logits(predicted[valid]), -1)
+
+        def weighted(per_pair):  # (weights: 0 at padding; a step's sum to 1)
+            return (per_pair.float() * weights).sum()
+        feature_loss = weighted(F.smooth_l1_loss(predicted, batch.target_features, reduction="none").mean(-1))
+        log_q = torch.log_softmax(self.drafter.draft_logits(predicted), -1)
         with torch.no_grad():
-            p = torch.softmax(self.drafter.draft_logits(batch.target_features[valid]), -1)
-        ce = -(p * log_q).sum(-1).mean()
-        tv = 0.5 * (p - log_q.exp()).abs().sum(-1).mean()
+            p = torch.softmax(self.drafter.draft_logits(batch.target_features), -1)
+        ce = weighted(-(p * log_q).sum(-1))
+        tv = weighted(0.5 * (p - log_q.exp()).abs().sum(-1))
         loss = cfg.feature_weight * feature_loss + cfg.ce_weight * ce + self.tv_weight * tv
-        return loss, {"loss": float(loss.detach()), "tv": float(tv.detach())}
+        return loss, {"loss": loss.detach(), "tv": tv.detach()}
 
 
 def responses(loaded, task, prompts: int, cache: Path | None) -> tuple[list, list]:

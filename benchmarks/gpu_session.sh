@@ -21,7 +21,8 @@
 #                                                      -> decode_step_h100.json, decode_step_h100_autotune.json (#13)
 #   spec-compiled  speculative.py with rollout.compile=inductor, T=0 and T=1, batches 1,4
 #                                                                  -> speculative_h100_compiled{,_greedy}.json (#13)
-#   tail        spot_training.py --lone-worker, overhead (greedy, 2 steps)      -> spot_training_h100.json (#15)
+#   tail        spot_training.py --lone-worker --drafter-graph, overhead (greedy, 2 steps; eager and graphed tail
+#               trainers vs frozen)                                              -> spot_training_h100.json (#15)
 #   tail-tau    spot_training.py --lone-worker, tau vs frozen (TAU_STEPS steps) -> spot_training_tau_h100.json (#15)
 #   update      update_cost.py: one policy update of 16 samples (~1,450 tokens) as a run does it (token budget),
 #               in rows of 4 (the default before), with cuDNN's attention, with one shape repeated, with
@@ -49,6 +50,12 @@
 #   plus what its line names. The warmed drafter travels in the working tree (benchmarks/drafters/, 8.4 MB). After
 #   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
+# Tenth session (2026-11-28, no GPU): the drafter's training micro-step can replay as one CUDA graph
+# (run.drafter_cuda_graph, off by default until measured; drafter/step_graph.py): `tail` now runs it as a third
+# mode (overhead_graph, spot_overhead_ratio_graph, overlap_slowdown_median_graph beside the eager spot mode), and
+# call 1's tests check it (graph == eager trainer, capture beside the decode loop's replays, failed capture ->
+# eager). If the graph mode meets #15's 3% and the eager one does not, turn the default on. The tau phase now
+# runs q-sampling (S5K1q): target-only tau is capped near the target's top-1 mass whatever the drafter.
 # Ninth session (2026-11-27, no GPU): the single-GPU tail trainer asks less of the decode loop (no host copy per
 # finished sample, its starting state loaded on its thread, a drafter step without device reads until its end,
 # 8-row micro-steps and fused AdamW on CUDA: tail_step_ops.json, 1180 -> 341 operations and 78 -> 0 reads a step),
@@ -295,7 +302,8 @@ for phase in "$@"; do
       run head 120 python3 benchmarks/head_precision.py --device cuda --json "$OUT/head_precision_${GPU}.json" ;;
     tail)
       run tail 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
-        --max-new-tokens 1024 --phases overhead --steps 2 --warmup-steps 1 --json "$OUT/spot_training_${GPU}.json" ;;
+        --max-new-tokens 1024 --phases overhead --steps 2 --warmup-steps 1 --drafter-graph \
+        --json "$OUT/spot_training_${GPU}.json" ;;
     tail-tau)  # 10 RL steps per mode as #15 asks: at 1024 tokens they do not fit a call, at TAU_TOKENS they may
       run tail_tau 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
         --max-new-tokens "$TAU_TOKENS" --phases tau --tau-steps "$TAU_STEPS" --warmup-steps 1 \

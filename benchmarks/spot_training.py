@@ -14,7 +14,9 @@ Two measurements, each with the two modes' steps interleaved (benchmarks/rl_pair
             over the decoding seconds the tail trainer ran beside (target <= 3%), the wait for its stop after
             the last decode step (`tail_stop_s`) apart. With 2 Ray workers the trained versions are
             served (the swap cannot be held back in another process): that ratio includes their tau change.
-  tau       sampling at T=1 (the RL setting): tau per RL step with the spot-trained drafter vs the frozen one.
+  tau       sampling at T=1 (the RL setting): tau per RL step with the spot-trained drafter vs the frozen one,
+            under q-sampling (--tau-strategy S5K1q; the target-only rule's tau is capped near the target's top-1
+            mass whatever the drafter, so a better drafter barely shows there).
 
     python benchmarks/spot_training.py --drafter DIR --json benchmarks/results/spot_training.json [--steps K]
     python benchmarks/spot_training.py --lone-worker --device cuda --drafter DIR --max-new-tokens 1024 \
@@ -39,15 +41,18 @@ from tlt.distributed.worker import RolloutWorker  # noqa: E402
 NEAR_GREEDY = 0.001  # the overhead phase's temperature (see the docstring)
 
 
-def modes(args, temperature: float, seed: int) -> dict[str, list[str]]:
+def modes(args, temperature: float, seed: int, strategy: str) -> dict[str, list[str]]:
     # static: one fixed strategy at batch <= 8, so tau compares drafters, not the bandit's arm choices
-    common = [f"run.drafter={args.drafter}", "run.speculative=static", "run.strategy=S4K2N8", "run.gate=8",
+    common = [f"run.drafter={args.drafter}", "run.speculative=static", f"run.strategy={strategy}", "run.gate=8",
               f"rollout.temperature={temperature}", f"run.seed={seed}", "run.tensorboard=false",
               f"rollout.max_new_tokens={args.max_new_tokens}", f"model.device={args.device}"]
     if args.lone_worker:
         common += ["run.workers=1", "run.backend=inprocess"]
-        return {"spot": common + ["run.tail_training=on"],
+        both = {"spot": common + ["run.tail_training=on"],
                 "frozen": common + ["run.tail_training=off", "run.spot_training=false"]}
+        if args.drafter_graph:  # the drafter's micro-step as a CUDA graph: a third mode, interleaved with both
+            both["spot_graph"] = both["spot"] + ["run.drafter_cuda_graph=true"]
+        return both
     common += ["run.workers=2", "run.backend=ray", "run.threads_per_worker=1",
                "optim.micro_batch_size=2"]  # 2: four resident workers fit in 24 GB
     return {"spot": common + ["run.spot_training=true"], "frozen": common + ["run.spot_training=false"]}
@@ -82,6 +87,14 @@ def overlap_slowdown(history: dict) -> list[float]:
         extra = spot["rollout_s"] - stop - frozen["rollout_s"]
         out.append(round(extra / (overlapped - extra), 4) if overlapped - extra > 0 else None)
     return out
+
+
+def add_overlap_slowdown(summary: dict, history: dict) -> float | None:
+    """Puts the per-step slowdowns into `summary`; returns their median (None: no step overlapped)."""
+    per_step = overlap_slowdown(history)
+    summary["overlap_slowdown_per_step"] = per_step
+    slowdowns = [x for x in per_step if x is not None]
+    return statistics.median(slowdowns) if slowdowns else None
 
 
 def phase_seconds(timeline: dict) -> dict:
@@ -132,7 +145,16 @@ def main() -> None:
     parser.add_argument("--lone-worker", action="store_true",
                         help="one worker training beside its own tail (run.tail_training=on) instead of 2 Ray workers")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--drafter-graph", action="store_true",
+                        help="with --lone-worker: a third mode whose tail trainer replays its micro-step as a CUDA "
+                             "graph (run.drafter_cuda_graph=true); results under overhead_graph")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--strategy", default="S4K2N8",
+                        help="the overhead phase's static arm (near-greedy: either rule follows the argmax)")
+    parser.add_argument("--tau-strategy", default="S5K1q",
+                        help="the tau phase's static arm. q-sampling by default: at T=1 target-only acceptance is "
+                             "capped by the target's top-1 mass whatever the drafter (S4K2N8's tau stayed near "
+                             "1.6 in both modes, docs/benchmarks.md section 7), q-sampling accepts 1 - TV(p, q)")
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="unmeasured RL steps per mode first (CUDA: graph captures, the cost curve)")
     args = parser.parse_args()
@@ -150,6 +172,9 @@ def main() -> None:
             result[phase] = summarize(history)
             if phase == "overhead":
                 result["spot_overhead_ratio"] = result["overhead"]["overhead_ratio_median"]
+                if history.get("spot_graph"):
+                    result["overhead_graph"] = summarize({"spot": history["spot_graph"],
+                                                          "frozen": history["frozen"]})
             else:
                 add_tau_gains(result)
             write_json(args.json, result, echo=False)
@@ -159,19 +184,25 @@ def main() -> None:
         print(f"== overhead (T={NEAR_GREEDY}: identical work in both modes)")
         serving = serving_the_starting_drafter() if args.lone_worker else contextlib.nullcontext()
         with serving:
-            history = interleaved_runs(modes(args, NEAR_GREEDY, 0), args.steps, on_step=partial("overhead"),
+            history = interleaved_runs(modes(args, NEAR_GREEDY, 0, args.strategy), args.steps,
+                                       on_step=partial("overhead"),
                                        warmup_steps=args.warmup_steps)
+        graph = history.pop("spot_graph", None)
         result["overhead"] = summarize(history)
         result["overhead_serves_trained_versions"] = not args.lone_worker
         result["spot_overhead_ratio"] = result["overhead"]["overhead_ratio_median"]
         if args.lone_worker:
-            slowdowns = [x for x in overlap_slowdown(history) if x is not None]
-            result["overhead"]["overlap_slowdown_per_step"] = overlap_slowdown(history)
-            result["overlap_slowdown_median"] = statistics.median(slowdowns) if slowdowns else None
+            result["overlap_slowdown_median"] = add_overlap_slowdown(result["overhead"], history)
+        if graph is not None:  # the same measures for the captured drafter step, against the same frozen steps
+            against = {"spot": graph, "frozen": history["frozen"]}
+            result["overhead_graph"] = summarize(against)
+            result["spot_overhead_ratio_graph"] = result["overhead_graph"]["overhead_ratio_median"]
+            result["overlap_slowdown_median_graph"] = add_overlap_slowdown(result["overhead_graph"], against)
     if "tau" in args.phases:
-        print("== tau over RL steps (T=1)")
-        result["tau"] = summarize(interleaved_runs(modes(args, 1.0, 0), args.tau_steps, on_step=partial("tau"),
-                                                   warmup_steps=args.warmup_steps))
+        print(f"== tau over RL steps (T=1, {args.tau_strategy})")
+        result["tau_strategy"] = args.tau_strategy
+        result["tau"] = summarize(interleaved_runs(modes(args, 1.0, 0, args.tau_strategy), args.tau_steps,
+                                                   on_step=partial("tau"), warmup_steps=args.warmup_steps))
         add_tau_gains(result)
     result["complete"] = True
     write_json(args.json, result)

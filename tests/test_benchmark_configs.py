@@ -20,11 +20,16 @@ from tlt.rl.config import load_config  # noqa: E402
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("lone_worker", [False, True])
-@pytest.mark.parametrize("temperature", [spot_training.NEAR_GREEDY, 1.0])
-def test_spot_training_modes_load(device, lone_worker, temperature):
-    args = argparse.Namespace(drafter="/tmp/drafter", max_new_tokens=1024, device=device, lone_worker=lone_worker)
-    for overrides in spot_training.modes(args, temperature, 0).values():
-        assert load_config(None, overrides).rollout.temperature == temperature
+@pytest.mark.parametrize("temperature,strategy", [(spot_training.NEAR_GREEDY, "S4K2N8"), (1.0, "S5K1q")])
+def test_spot_training_modes_load(device, lone_worker, temperature, strategy):
+    args = argparse.Namespace(drafter="/tmp/drafter", max_new_tokens=1024, device=device, lone_worker=lone_worker,
+                              drafter_graph=lone_worker)
+    modes = spot_training.modes(args, temperature, 0, strategy)
+    assert set(modes) == ({"spot", "frozen", "spot_graph"} if lone_worker else {"spot", "frozen"})
+    for name, overrides in modes.items():
+        config = load_config(None, overrides)
+        assert config.rollout.temperature == temperature and config.run.strategy == strategy
+        assert config.run.drafter_cuda_graph == (name == "spot_graph")
 
 
 def test_spot_training_places_each_modes_seconds_by_phase():

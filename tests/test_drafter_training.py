@@ -1,14 +1,14 @@
 """Training the drafter on a tiny target's features lowers its loss and raises τ measured by the SD engine."""
 
-import dataclasses
 import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import markov_model, random_prompts
-from tlt.drafter.buffer import FeatureBuffer, pack_pairs
+from tlt.drafter.buffer import FeatureBuffer, pack_pairs, pad_rows
 from tlt.drafter.features import collect_features
 from tlt.drafter.trainer import (CPU_ROWS_PER_MICRO_STEP, DrafterTrainConfig, DrafterTrainer,
                                  rows_per_micro_step)
@@ -111,13 +111,22 @@ def one_step_reads(trainer) -> list[str]:
     trainer.optimizer.step = lambda: None
     to_device = trainer._to_device
 
-    def moved(rows):  # host work: the rows are packed, their shares and valid indices taken, on the host
+    def moved(rows, weights):  # host work: the rows are packed and weighted on the host
         reads.on_host = True
         try:
-            return to_device(rows)
+            return to_device(rows, weights)
         finally:
             reads.on_host = False
     trainer._to_device = moved
+    plan = trainer._micro_batches
+
+    def planned(entries, size):
+        reads.on_host = True
+        try:
+            return plan(entries, size)
+        finally:
+            reads.on_host = False
+    trainer._micro_batches = planned
     with DeviceReads() as reads:
         record = trainer._step()
     assert record is not None and record["loss"] > 0
@@ -128,36 +137,90 @@ def test_a_drafter_step_reads_nothing_from_the_device_until_its_metrics(setup):
     """On one GPU the drafter trains on a thread beside the decode loop, which waits for the GIL each time the
     thread holds it: a read per metric and micro-step (6) and the boolean masks' counts (3) were syncs that
     stalled the thread between its launches. The shares and valid positions now come from the host-side rows,
-    the metrics are read once at the step's end (tolist, not dispatched)."""
+    the metrics are read once at the step's end (tolist, not dispatched). The real pairs are not indexed at all:
+    the loss weighs every pair (0 at padding), which a CUDA graph also needs."""
     model, buffer = setup
     config = DrafterTrainConfig(entries_per_step=8, row_length=16, rows_per_micro_step=1)
     trainer = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer, config)
     assert one_step_reads(trainer) == []
 
     class FloatMetrics(DrafterTrainer):  # negative control: a loss that reads its metrics as it goes
-        def loss(self, batch, *, noise=True):
-            loss, parts = super().loss(batch, noise=noise)
+        def loss(self, batch, weights, *, noise=True):
+            loss, parts = super().loss(batch, weights, noise=noise)
             return loss, {key: float(value) for key, value in parts.items()}
     control = FloatMetrics(EagleDrafter(model.config).attach(model), buffer, config)
     assert len(one_step_reads(control)) >= 6 * 2  # six metrics a micro-step, two micro-steps or more
 
-    masked = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer, config)
-    to_device = masked._to_device
-    masked._to_device = lambda rows: dataclasses.replace(to_device(rows), valid_index=None)  # boolean masks
-    assert "aten.index.Tensor" in one_step_reads(masked)
 
 
-def test_the_valid_pairs_by_index_are_the_boolean_masks(setup):
+def test_the_loss_weighted_over_every_pair_is_the_mean_over_the_real_pairs(setup):
+    """The loss runs at every pair of the packed rows, padding too, weighted (0 at padding): fixed shapes for a
+    CUDA graph. It must be the mean over the real pairs taken by indexing them (the formula before)."""
     model, buffer = setup
     torch.manual_seed(1)
     drafter = EagleDrafter(model.config).attach(model)
     trainer = DrafterTrainer(drafter, buffer, DrafterTrainConfig(row_length=16))
-    rows = trainer._to_device(pack_pairs(buffer.sample(5), 16))
-    assert rows.valid_index is not None and not bool(rows.valid.all())  # padding to skip
-    by_mask = dataclasses.replace(rows, valid_index=None)
-    for tensor in (rows.target_features, rows.input_tokens):
-        assert torch.equal(rows.at_valid(tensor), by_mask.at_valid(tensor))
-    assert trainer.loss(rows, noise=False)[1] == trainer.loss(by_mask, noise=False)[1]
+    packed = pack_pairs(buffer.sample(5), 16)
+    valid = packed.valid
+    assert not bool(valid.all())  # padding to leave out
+    weights = valid.float() / valid.sum()
+    loss, parts = trainer.loss(packed, weights, noise=False)
+    predicted = drafter(packed.input_tokens, packed.input_features, packed.positions, packed.attention_mask)[valid]
+    target = packed.target_features[valid]
+    p = torch.softmax(drafter.draft_logits(target), -1)
+    ce = -(p * torch.log_softmax(drafter.draft_logits(predicted), -1)).sum(-1).mean()
+    expected = F.smooth_l1_loss(predicted, target) + trainer.config.ce_weight * ce
+    assert torch.allclose(loss, expected, rtol=1e-5) and torch.allclose(parts["ce"], ce, rtol=1e-5)
+    agreement = (drafter.draft_logits(predicted).argmax(-1) == p.argmax(-1)).float().mean()
+    assert torch.allclose(parts["top1"], agreement)
+    uniform = torch.full_like(weights, 1 / weights.numel())  # control: the padding weighed in
+    assert not torch.allclose(trainer.loss(packed, uniform, noise=False)[0], expected, rtol=1e-3)
+
+
+def test_padded_micro_steps_give_the_same_step(setup):
+    """A captured micro-step has a fixed number of rows: the step's last chunk is padded with weightless rows.
+    Gradient and metrics must be those of the unpadded chunks (checked on the CPU, eagerly)."""
+    model, buffer = setup
+    results = []
+    for pad in (False, True):
+        torch.manual_seed(0)
+        drafter = EagleDrafter(model.config).attach(model)
+        trainer = DrafterTrainer(drafter, buffer, DrafterTrainConfig(entries_per_step=5, row_length=16,
+                                                                     rows_per_micro_step=3, grad_clip=0, seed=4))
+        trainer.buffer._rng.seed(11)
+        trainer.optimizer.step = lambda: None
+        if pad:
+            trainer._graph_wanted = lambda: True  # pads the chunks ...
+            trainer._graph = lambda *args: None   # ... and runs them eagerly
+        chunks = []
+        original = trainer.loss
+        trainer.loss = lambda rows, weights, **kw: (chunks.append(rows.valid.shape[0]), original(rows, weights))[1]
+        record = trainer._step()
+        results.append((torch.cat([q.grad.reshape(-1) for q in drafter.parameters() if q.grad is not None]),
+                        record, chunks))
+    (plain, plain_record, plain_rows), (padded, padded_record, padded_rows) = results
+    assert padded_rows == [3] * len(padded_rows) and plain_rows[-1] < 3  # the last chunk was padded
+    assert torch.allclose(plain, padded, atol=1e-7, rtol=1e-5)
+    for key in ("loss", "ce", "top1", "accept_q"):
+        assert padded_record[key] == pytest.approx(plain_record[key], rel=1e-5)
+
+
+def test_pad_rows_adds_weightless_rows_that_attend_to_themselves(setup):
+    _, buffer = setup
+    packed = pack_pairs(buffer.sample(2), 16)
+    padded = pad_rows(packed, packed.valid.shape[0] + 2)
+    assert padded.valid.shape[0] == packed.valid.shape[0] + 2 and not bool(padded.valid[-2:].any())
+    assert torch.equal(padded.attention_mask[-1], torch.eye(16, dtype=torch.bool))
+    assert torch.equal(padded.input_features[:-2], packed.input_features)
+    assert pad_rows(packed, 1) is packed
+
+
+def test_cuda_graph_is_ignored_on_the_cpu(setup):
+    """One config serves the GPU and the CPU machines: on the CPU the trainer stays eager."""
+    model, buffer = setup
+    trainer = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer, DrafterTrainConfig(cuda_graph=True))
+    assert not trainer._graph_wanted()
+    assert trainer.train_steps(1)[0]["loss"] > 0 and trainer._micro_step_graph is None
 
 
 def test_micro_steps_by_device_and_draft_vocabulary(setup):

@@ -375,22 +375,92 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
         return DistributedGRPO(config, loaded=loaded, task=ShortLongTask(), reward=Reward(share_of_eights))
 
     lengths = [12] * 6 + [TAIL] * 2
-    runs = {}
-    for name, overrides in {"tail": {"run.tail_training": "on"}, "plain": {"run.speculative": "off"}}.items():
+    runs, graphs = {}, None
+    modes = {"tail": {"run.tail_training": "on"}, "plain": {"run.speculative": "off"},
+             # the drafter's micro-step captured as a CUDA graph (thread_local) beside the decode loop's replays
+             "tail_graph": {"run.tail_training": "on", "run.drafter_cuda_graph": True}}
+    for name, overrides in modes.items():
         driver = controller(**overrides)
         try:
             runs[name] = (driver.train_step(lengths=lengths), [s.token_ids for s in driver.last_rollout.samples])
+            if name == "tail_graph":
+                trainer = driver.backend.workers[0]._spot[1]
+                graphs = (trainer._micro_step_graph, trainer._graph_failure)
         finally:
             driver.close()
-    metrics, tokens = runs["tail"]
-    assert metrics["spot_train_errors"] == 0
-    assert tokens == runs["plain"][1]
-    seen = {k: metrics.get(k) for k in ("spot_train_steps", "drafter_versions", "samples_hot_swapped",
-                                         "drafter_versions_per_sample", "tail_train_share", "rollout_s")}
-    assert metrics["spot_train_steps"] > 0 and metrics["drafter_versions"], seen
-    # the untrained starting drafter serves no SD step: a sample served by any version was served by one the
-    # tail trainer published during this rollout (swapped in mid-rollout); several such: samples_hot_swapped
-    assert max(metrics["drafter_versions_per_sample"]) > 0 and metrics["tail_train_share"] > 0, seen
+    assert graphs[1] is None and graphs[0] is not None and graphs[0].graph is not None, graphs
+    for name in ("tail", "tail_graph"):
+        metrics, tokens = runs[name]
+        assert metrics["spot_train_errors"] == 0
+        assert tokens == runs["plain"][1]
+        seen = {k: metrics.get(k) for k in ("spot_train_steps", "drafter_versions", "samples_hot_swapped",
+                                             "drafter_versions_per_sample", "tail_train_share", "rollout_s")}
+        assert metrics["spot_train_steps"] > 0 and metrics["drafter_versions"], (name, seen)
+        # the untrained starting drafter serves no SD step: a sample served by any version was served by one the
+        # tail trainer published during this rollout (swapped in mid-rollout); several such: samples_hot_swapped
+        assert max(metrics["drafter_versions_per_sample"]) > 0 and metrics["tail_train_share"] > 0, (name, seen)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40], ids=["whole-vocabulary", "draft-vocabulary"])
+def test_a_captured_drafter_micro_step_trains_as_the_eager_one(draft_vocab):
+    """`DrafterTrainConfig.cuda_graph`: each micro-step one replayed graph over padded rows. Same start, same
+    entries: the weights after each optimizer step and the metrics must be the eager trainer's (fp32; the
+    graph's padded last chunk and summation order aside). Between steps the target's embedding and lm_head
+    move in place, as a policy update moves them: the graph must read the new values (the draft vocabulary's
+    lm_head slice is re-copied), and a trainer whose gradients were dropped must capture again."""
+    from tlt.drafter.buffer import FeatureBuffer
+    from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model("llama").to(CUDA)
+    generator = torch.Generator().manual_seed(0)
+    buffers = []
+    for _ in range(2):  # the same entries in each trainer's own buffer (each samples with its own rng)
+        buffer = FeatureBuffer(100_000, seed=3)
+        for length in (40, 17, 90, 25, 60, 33):
+            g = torch.Generator().manual_seed(length)
+            buffer.add(torch.randint(4, 97, (length,), generator=g),
+                       torch.randn(length, model.config.hidden_size, generator=g), 0)
+        buffers.append(buffer)
+    vocab = None if draft_vocab is None else torch.randperm(97, generator=generator)[:draft_vocab].sort().values
+    trainers = []
+    for graph, buffer in zip((False, True), buffers):
+        torch.manual_seed(1)
+        drafter = EagleDrafter(model.config, vocab).attach(model)
+        config = DrafterTrainConfig(entries_per_step=5, row_length=32, rows_per_micro_step=3, cuda_graph=graph)
+        trainers.append(DrafterTrainer(drafter, buffer, config))
+    eager, graphed = trainers
+    for step in range(4):
+        records = [trainer.train_steps(1)[0] for trainer in trainers]
+        for key in ("loss", "ce", "top1", "accept_q"):
+            assert records[1][key] == pytest.approx(records[0][key], rel=1e-4, abs=1e-6), (step, key, records)
+        for a, b in zip(eager.drafter.parameters(), graphed.drafter.parameters()):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), step
+        with torch.no_grad():  # a policy update between drafter steps
+            model.lm_head.weight.mul_(1.05)
+            model.model.embed_tokens.weight.add_(0.01)
+        if step == 1:  # gradients dropped (set_to_none): the graph would write into freed memory
+            graphed.optimizer.zero_grad(set_to_none=True)
+    assert graphed._graph_failure is None and graphed._micro_step_graph.graph is not None
+
+
+def test_a_drafter_graph_capture_that_fails_leaves_the_trainer_eager(monkeypatch):
+    from tlt.drafter import step_graph
+    from tlt.drafter.buffer import FeatureBuffer
+    from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
+
+    model = tiny_model("llama").to(CUDA)
+    buffer = FeatureBuffer(100_000)
+    buffer.add(torch.randint(4, 97, (50,)), torch.randn(50, model.config.hidden_size), 0)
+    trainer = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer,
+                             DrafterTrainConfig(entries_per_step=2, row_length=16, cuda_graph=True))
+
+    def broken(self, rows, weights):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    monkeypatch.setattr(step_graph.MicroStepGraph, "_capture", broken)
+    records = trainer.train_steps(2)
+    assert trainer._graph_failure.startswith("CUDA error") and trainer._micro_step_graph is None
+    assert all(r["loss"] > 0 for r in records) and trainer.steps == 2
 
 
 def test_a_cuda_tail_collects_features_on_a_copy_stream_and_trains_on_them_with_fused_adamw():

@@ -32,6 +32,11 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_real(value) -> bool:
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def token_ids(values, what: str) -> tuple[int, ...]:
     """A sequence of integral token ids as ints. A string is not one ("35" is not (3, 5)), nor is 5.7 a token id
     (it was truncated to 5); 0-d integer tensors and numpy integers are."""
@@ -73,14 +78,15 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        if not (is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))  # (a numpy float, too)
         if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T can overflow float32 to inf: NaN log-probs
             raise RequestError(f"temperature must be 0 or at least {MIN_TEMPERATURE}, got {self.temperature!r} "
                                f"(sampling below it is greedy in all but name: use 0 for greedy decoding)")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "top_p", float(self.top_p))
         if not (is_integer(self.top_k) and self.top_k >= 0):
             raise RequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (is_integer(self.max_new_tokens) and self.max_new_tokens >= 1):

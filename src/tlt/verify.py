@@ -2,9 +2,12 @@
 
 Two checks, both against references that share nothing with the speculative path:
 - greedy identity: at temperature 0, SD must emit exactly the tokens of plain decoding;
-- sampled distribution: every token SD emits at temperature > 0 is turned into a randomized probability
-  integral transform (PIT) under the target's processed distribution, recomputed by teacher forcing the
-  transformers model itself; the pooled PIT values must look uniform (one-sample Kolmogorov–Smirnov test).
+- sampled distribution: every token SD emits at temperature > 0 is judged against the target's processed
+  distribution p, recomputed by teacher forcing the transformers model itself, by two tests (each at alpha / 2):
+  its randomized probability integral transform (PIT) must look uniform (one-sample Kolmogorov–Smirnov: sees a
+  bias along the tokens' rank), and the drafter's own probability q(x) of the emitted tokens must average what p
+  predicts, sum_x p(x) q(x) (a z-test: sees a bias toward, or away from, what the drafter proposes, which is
+  where a wrong acceptance rule moves the samples. The PIT test missed min(1, 1.2 p/q) at 12,288 tokens).
 
 Losslessness must hold for ANY drafter (a bad drafter only costs speed), so an untrained drafter is a valid
 subject; a drafter that is accepted often exercises the acceptance rule more and makes the test sharper.
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tlt.drafter.chain import draft_logits_along
 from tlt.errors import TltError
 from tlt.models.loading import LoadedModel
 from tlt.rollout.engine import RolloutEngine
@@ -39,8 +43,11 @@ class VerifyReport:
     sampled_responses: int
     tokens: int
     ks_statistic: float
-    p_value: float
+    p_value: float  # the KS test's
     tau: float  # tokens emitted per SD verify step: ~1 means drafts were rarely accepted (a weaker test)
+    # the emitted tokens' drafter probability q(x) against what p predicts: z > 0 means drafted tokens too often
+    alignment_z: float = 0.0
+    alignment_p_value: float = 1.0
 
     @property
     def greedy_passed(self) -> bool:
@@ -48,7 +55,8 @@ class VerifyReport:
 
     @property
     def sampled_passed(self) -> bool:
-        return self.p_value >= self.alpha
+        """Both tests at alpha / 2 (Bonferroni): the chance that an exact sampler fails is at most alpha."""
+        return min(self.p_value, self.alignment_p_value) >= self.alpha / 2
 
     @property
     def passed(self) -> bool:
@@ -60,14 +68,15 @@ class VerifyReport:
 
 
 def over_accepting_rule(u: torch.Tensor, cumulative: torch.Tensor, child_probs: torch.Tensor) -> torch.Tensor:
-    """A plausible-looking bug for negative controls: the first drafted child is accepted with 0.3 more
-    probability than the target gives it, so drafted tokens are emitted too often."""
-    return u[:, None] <= cumulative + 0.3
+    """A plausible-looking bug for negative controls: drafted children are accepted with 1.2 times the
+    probability the target gives them, so drafted tokens are emitted a little too often (the KS test alone
+    missed bugs this size: the drafter-alignment test is what catches them)."""
+    return u[:, None] <= cumulative * 1.2
 
 
 def over_accepting_q_rule(u: torch.Tensor, residual_prob: torch.Tensor, draft_prob: torch.Tensor) -> torch.Tensor:
-    """The same bug for q-sampling: a drafted child is accepted with min(1, r/q + 0.3) instead of min(1, r/q)."""
-    return u * draft_prob <= residual_prob + 0.3 * draft_prob
+    """The same bug for q-sampling: a drafted child is accepted with min(1, 1.2 r/q) instead of min(1, r/q)."""
+    return u * draft_prob <= 1.2 * residual_prob
 
 
 OVER_ACCEPTING = {"target": over_accepting_rule, "q": over_accepting_q_rule}  # negative control per rule
@@ -76,7 +85,8 @@ OVER_ACCEPTING = {"target": over_accepting_rule, "q": over_accepting_q_rule}  # 
 def check_alpha(alpha: float) -> None:
     """A significance level: outside (0, 1) the check fails (or passes) whatever the samples are."""
     if not 0 < alpha < 1:
-        raise TltError(f"alpha (the KS p-value below which the check fails) must be in (0, 1), got {alpha}")
+        raise TltError(f"alpha (the sampled check's significance level: it fails when either test's p-value is "
+                       f"below alpha / 2) must be in (0, 1), got {alpha}")
 
 
 def check_settings(params: SamplingParams, prompts: int, samples_per_prompt: int, alpha: float) -> None:
@@ -91,7 +101,7 @@ def check_settings(params: SamplingParams, prompts: int, samples_per_prompt: int
     check_alpha(alpha)
 
 
-def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]], params: SamplingParams,
+def verify(loaded, drafter, *, strategy: SpecStrategy | str, prompts: list[list[int]], params: SamplingParams,
            samples_per_prompt: int, alpha: float = 1e-3, seed: int = 0, accept_rule=None,
            check_greedy: bool = True) -> VerifyReport:
     """Run both checks. loaded: a `LoadedModel` or a transformers causal LM; drafter: an `EagleDrafter`;
@@ -100,6 +110,8 @@ def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]],
     check_greedy=False skips the greedy check (greedy rows never consult accept_rule, so a negative control
     learns nothing from it)."""
     check_settings(params, len(prompts), samples_per_prompt, alpha)
+    if isinstance(strategy, str):  # a name, as the CLI takes it
+        strategy = SpecStrategy.parse(strategy)
     model = loaded.model if isinstance(loaded, LoadedModel) else loaded  # a causal LM has a `.model` too
     params = dataclasses.replace(params, seed=seed if params.seed is None else params.seed)
     spec = _sd_engine(loaded, drafter, strategy, accept_rule)
@@ -110,10 +122,17 @@ def verify(loaded, drafter, *, strategy: SpecStrategy, prompts: list[list[int]],
         raise TltError("no speculative step ran: every sampled response ended at its first token, so nothing was "
                        "checked; use other prompts (or a model that does not stop at once)")
     generator = torch.Generator().manual_seed(seed)
-    u = torch.cat([pit_values(model, s.prompt_ids, s.token_ids, params, generator) for s in sampled.samples])
+    pits, alignment = [], Alignment()
+    for sample in sampled.samples:
+        logprobs = reference_logprobs(model, sample.prompt_ids, sample.token_ids, params)
+        tokens = torch.tensor(sample.token_ids)
+        pits.append(randomized_pit(logprobs, tokens, generator))
+        alignment.add(logprobs, tokens, draft_probabilities(drafter, sample.prompt_ids, sample.token_ids, params))
+    u = torch.cat(pits)
     statistic = ks_statistic(u)
     return VerifyReport(strategy.name, len(prompts), alpha, len(prompts) if check_greedy else 0, mismatches, first,
-                        len(sampled.samples), int(u.numel()), statistic, ks_pvalue(statistic, u.numel()), tau)
+                        len(sampled.samples), int(u.numel()), statistic, ks_pvalue(statistic, u.numel()), tau,
+                        alignment.z, alignment.p_value)
 
 
 def _sd_engine(loaded, drafter, strategy: SpecStrategy, accept_rule) -> RolloutEngine:
@@ -185,6 +204,46 @@ def pit_values(model, prompt_ids, token_ids, params: SamplingParams, generator: 
     """PIT values of one response's tokens under the teacher-forced reference."""
     logprobs = reference_logprobs(model, prompt_ids, token_ids, params)
     return randomized_pit(logprobs, torch.tensor(token_ids), generator)
+
+
+def draft_probabilities(drafter, prompt_ids, token_ids, params: SamplingParams) -> torch.Tensor:
+    """[T, V]: the drafter's processed distribution (the sampling settings applied, as SD drafts under them) over
+    the target vocabulary at each response token, teacher-forced; 0 outside its draft vocabulary."""
+    logits = draft_logits_along(drafter, drafter.target, list(prompt_ids), list(token_ids))
+    probs = processed_logprobs(logits[None], RowSampling.from_params([params], logits.device))[0].exp()
+    if drafter.draft_to_target is None:
+        return probs
+    vocab = drafter.target.spec.vocab_size
+    return probs.new_zeros(probs.shape[0], vocab).index_copy_(1, drafter.draft_to_target.to(probs.device), probs)
+
+
+class Alignment:
+    """The z-test on g = q, the drafter's probability of each emitted token. Any g fixed by the tokens before a
+    position works: if x_t ~ p_t, then g_t(x_t) - sum_x p_t(x) g_t(x) has mean 0 given the past, whatever the
+    past was, so the sum of these terms over all tokens is a martingale, and over the sum of their conditional
+    variances its square root is N(0, 1) for many tokens (martingale central limit theorem; responses of
+    random length stop it at a bounded time, as in `ks_statistic`). g = q points where speculative bugs push:
+    over-accepting rules emit the drafter's favourites too often, a residual drawn wrongly too seldom."""
+
+    def __init__(self):
+        self.deviation, self.variance = 0.0, 0.0
+
+    def add(self, logprobs: torch.Tensor, tokens: torch.Tensor, g: torch.Tensor) -> None:
+        p = logprobs.double().exp()
+        p = p / p.sum(-1, keepdim=True)
+        g = g.double().to(p.device)
+        mean = (p * g).sum(-1)
+        self.deviation += float((g.gather(1, tokens.to(p.device)[:, None])[:, 0] - mean).sum())
+        self.variance += float(((p * g * g).sum(-1) - mean * mean).clamp(min=0).sum())
+
+    @property
+    def z(self) -> float:
+        return self.deviation / math.sqrt(self.variance) if self.variance > 0 else 0.0
+
+    @property
+    def p_value(self) -> float:
+        """Two-sided."""
+        return math.erfc(abs(self.z) / math.sqrt(2))
 
 
 def ks_statistic(u: torch.Tensor) -> float:

@@ -287,7 +287,8 @@ class RolloutWorker:
             drafter = EagleDrafter(self.drafter.config, self.drafter.draft_to_target).attach(
                 self.engine.policy_forward)
             config = DrafterTrainConfig(lr=self.config.run.drafter_lr, seed=self.config.run.seed + self.rank,
-                                        temperature=self.config.rollout.temperature)
+                                        temperature=self.config.rollout.temperature,
+                                        cuda_graph=self.config.run.drafter_cuda_graph)
             buffer = FeatureBuffer(self.config.run.drafter_buffer_tokens, seed=self.config.run.seed + self.rank)
             self._spot = [drafter, DrafterTrainer(drafter, buffer, config), buffer, 0]
         return self._spot

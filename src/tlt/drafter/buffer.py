@@ -45,14 +45,21 @@ class PackedPairs:
     positions: torch.Tensor       # [R, L] position within its document
     attention_mask: torch.Tensor  # [R, L, L] bool: same document and causal
     valid: torch.Tensor           # [R, L] bool: a real pair (False = padding)
-    valid_index: torch.Tensor | None = None  # [N] long: the real pairs' flat indices (row-major), when known
 
-    def at_valid(self, tensor: torch.Tensor) -> torch.Tensor:
-        """tensor [R, L, ...] at the real pairs, in row-major order: `tensor[valid]`, by index when the indices
-        came from the host (a boolean mask on CUDA reads its count back: a host sync)."""
-        if self.valid_index is None:
-            return tensor[self.valid]
-        return tensor.flatten(0, 1).index_select(0, self.valid_index)
+
+def pad_rows(batch: PackedPairs, rows: int) -> PackedPairs:
+    """`batch` with padding rows added up to `rows` (no pair; each position attends to itself, as a packed
+    row's padding does)."""
+    extra = rows - batch.valid.shape[0]
+    if extra <= 0:
+        return batch
+    length = batch.valid.shape[1]
+
+    def more(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat((tensor, tensor.new_zeros(extra, *tensor.shape[1:])))
+    eye = torch.eye(length, dtype=torch.bool).expand(extra, -1, -1)
+    return PackedPairs(more(batch.input_tokens), more(batch.input_features), more(batch.target_features),
+                       more(batch.positions), torch.cat((batch.attention_mask, eye)), more(batch.valid))
 
 
 class FeatureBuffer:

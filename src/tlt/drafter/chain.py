@@ -143,3 +143,23 @@ def _acceptance(target: LeanForward, hidden, drafts, temperature: float) -> torc
         else:
             out.append((logits.argmax(-1) == tokens).float())
     return torch.cat(out)
+
+
+@torch.no_grad()
+def draft_logits_along(drafter, target: LeanForward, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """[len(response), Vd]: the drafter's logits over its draft vocabulary for each response token, teacher-forced
+    (pair (x_{j-1}, f_{j-2}) drafts x_j from the target's own features: the first draft of a speculative step).
+    A response token with no pair before it (a one-token prompt's first) gets zeros (a uniform q)."""
+    sequence = torch.tensor(list(prompt) + list(response), device=target.device)
+    n, first = sequence.shape[0], len(prompt)
+    out = torch.zeros(len(response), drafter.draft_vocab_size, device=target.device)
+    if n < 3:
+        return out
+    features = _forward(target, sequence, None, torch.arange(n, device=target.device)).hidden[0]
+    pairs = n - 1
+    hidden = _draft_pass(drafter, sequence[1:], features[:-1], *_layout(pairs, torch.arange(pairs,
+                                                                                       device=target.device), 0))
+    # pair i drafts x_{i+2}: response token j (absolute index first + j) by pair first + j - 2
+    drafted = torch.arange(max(0, 2 - first), len(response), device=target.device)
+    out[drafted] = drafter.draft_logits(hidden[first + drafted - 2]).float()
+    return out

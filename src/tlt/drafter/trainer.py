@@ -8,6 +8,7 @@ stop signal between optimizer steps, so it yields a worker within one step of be
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +17,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pairs
+from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pairs, pad_rows
+from tlt.drafter.step_graph import MicroStepGraph
 from tlt.device_values import metrics_to_host
 from tlt.errors import first_line
 from tlt.files import write_whole
 from tlt.models.eagle import DrafterError
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
+
+log = logging.getLogger(__name__)
 
 # Packed rows per micro-step: 2 on the CPU, where one is tens of milliseconds and a stop request waits for it. On
 # CUDA one is a few milliseconds and its launches are what a spot-training thread takes the GIL from the decode
@@ -52,6 +56,8 @@ class DrafterTrainConfig:
     rows_per_micro_step: int | None = None  # packed rows per forward/backward; a stop request is honored between
                                             # them. None: by device and draft vocabulary (`rows_per_micro_step`)
     seed: int = 0
+    cuda_graph: bool = False        # on CUDA, each micro-step one replayed graph (drafter/step_graph.py): a few
+                                    # launches instead of ~170 (not with feature_noise; ignored on the CPU)
 
 
 class DrafterTrainer:
@@ -64,6 +70,8 @@ class DrafterTrainer:
                                            weight_decay=config.weight_decay, fused=fused or None)
         self.steps = 0
         self._noise_generators: dict[str, torch.Generator] = {}  # by device: noise drawn where the features are
+        self._micro_step_graph: MicroStepGraph | None = None  # (`cuda_graph`) captured on first use
+        self._graph_failure: str | None = None  # why a capture failed (then eager for good)
 
     # -- training ---------------------------------------------------------------------------------------------
 
@@ -83,36 +91,71 @@ class DrafterTrainer:
 
     def _step(self, stop: Callable[[], bool] | None = None) -> dict | None:
         """One optimizer step over `entries_per_step` buffer entries, accumulated over micro-steps of a few
-        packed rows; each micro-step's mean loss is weighted by its share of pairs, so the gradient equals the
-        whole batch's. One host read per step (the metrics, at its end): the shares come from the packed rows on
-        the host, and on CUDA the step's launches are all a spot-training thread needs the GIL for (each read
-        held the decode loop's next step back: drafter/tail_trainer.py)."""
+        packed rows; every pair weighs 1 / (the step's pairs) in each micro-step's loss, so the accumulated
+        gradient is the whole batch's. One host read per step (the metrics, at its end): the weights come from
+        the packed rows on the host, and on CUDA the step's launches are all a spot-training thread needs the
+        GIL for (each read held the decode loop's next step back: drafter/tail_trainer.py). With
+        `cuda_graph` a micro-step is one replayed graph (drafter/step_graph.py)."""
         started = time.perf_counter()
         self.drafter.train()
-        packed = pack_pairs(self.buffer.sample(self.config.entries_per_step), self.config.row_length)
-        pairs_per_row = packed.valid.sum(dim=1).tolist()  # on the host, where the rows were packed
-        total = max(1, sum(pairs_per_row))
         size = max(1, self._rows_per_micro_step())
-        self.optimizer.zero_grad(set_to_none=True)
+        chunks = self._micro_batches(self.buffer.sample(self.config.entries_per_step), size)
+        graph = self._graph(size, *chunks[0]) if chunks else None
+        # a graph writes into the gradients it was captured with: they are zeroed, never dropped
+        self.optimizer.zero_grad(set_to_none=graph is None)
         sums: dict = {}
-        for first, rows in _row_chunks(packed, size):
+        for rows, row_weights in chunks:
             if stop is not None and stop():
-                self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad(set_to_none=graph is None)
                 self.drafter.eval()
                 return None
-            share = sum(pairs_per_row[first:first + size]) / total
-            if share == 0:
+            if graph is not None:
+                graph.run(rows, row_weights)
                 continue
-            loss, parts = self.loss(self._to_device(rows))
-            (loss * share).backward()
+            loss, parts = self.loss(*self._to_device(rows, row_weights))
+            loss.backward()
             for key, value in parts.items():
-                sums[key] = sums.get(key, 0.0) + value * share
+                sums[key] = value if key not in sums else sums[key] + value
+        if graph is not None:
+            sums = graph.sums
         if self.config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.drafter.eval()
         self.steps += 1
         return {**metrics_to_host([sums])[0], "step": self.steps, "step_s": time.perf_counter() - started}
+
+    def _micro_batches(self, entries: list[FeatureEntry], size: int) -> list[tuple[PackedPairs, torch.Tensor]]:
+        """The entries packed into rows, weighted (1 / the step's pairs; 0 at padding) and cut into micro-batches
+        of `size` rows (padded to `size` for a graph), those without a pair left out: all on the host."""
+        packed = pack_pairs(entries, self.config.row_length)
+        weights = packed.valid.float() / max(1, int(packed.valid.sum()))
+        chunks = _row_chunks(packed, weights, size, pad=self._graph_wanted())
+        return [(rows, row_weights) for rows, row_weights in chunks if bool(rows.valid.any())]
+
+    def _graph_wanted(self) -> bool:
+        """A captured micro-step: asked for, on CUDA, without feature noise (a replay would repeat its draws),
+        and not given up on after a failed capture."""
+        return (self.config.cuda_graph and self.drafter.fc.weight.device.type == "cuda"
+                and not self.config.feature_noise and self._graph_failure is None)
+
+    def _graph(self, rows: int, first_rows: PackedPairs, first_weights: torch.Tensor) -> MicroStepGraph | None:
+        """The captured micro-step for `rows` rows, ready for a step (captured with the step's first rows on
+        first use: before the step's gradients are zeroed), or None: eager. A capture that fails leaves the
+        trainer eager for good, said once (training goes on, only slower)."""
+        if not self._graph_wanted():
+            return None
+        if self._micro_step_graph is None or not self._micro_step_graph.fits(rows):
+            self._micro_step_graph = MicroStepGraph(self, rows, self.config.row_length)
+        try:
+            self._micro_step_graph.start_step(first_rows, first_weights)
+        except RuntimeError as error:
+            self._graph_failure, self._micro_step_graph = first_line(error), None
+            log.warning("the drafter's micro-step could not be captured as a CUDA graph (%s): it trains eagerly",
+                        self._graph_failure)
+            self.optimizer.zero_grad(set_to_none=True)  # whatever the warm-up runs left
+            return None
+        return self._micro_step_graph
 
     def _rows_per_micro_step(self) -> int:
         if self.config.rows_per_micro_step is not None:
@@ -129,7 +172,11 @@ class DrafterTrainer:
             self._noise_generators[key] = torch.Generator(device=device).manual_seed(self.config.seed)
         return self._noise_generators[key]
 
-    def loss(self, batch: PackedPairs, *, noise: bool = True):
+    def loss(self, batch: PackedPairs, weights: torch.Tensor, *, noise: bool = True):
+        """(loss, metrics) over packed rows; weights [R, L]: each pair's weight in both (0 at padding), so
+        that they are weighted sums: means when the weights of the step's pairs sum to 1. Every pair is
+        computed, padding too (finite: zero features), and nothing is indexed by the real pairs: fixed shapes,
+        no host read, what a CUDA graph captures."""
         cfg = self.config
         features = batch.input_features
         if noise and cfg.feature_noise > 0:  # training only: a held-out score is of the drafter as it serves
@@ -138,21 +185,24 @@ class DrafterTrainer:
                                  device=features.device, dtype=features.dtype)
             features = features + (uniform * 2 - 1) * scale
         predicted = self.drafter(batch.input_tokens, features, batch.positions, batch.attention_mask)
-        predicted, target_features = batch.at_valid(predicted), batch.at_valid(batch.target_features)
-        feature_loss = F.smooth_l1_loss(predicted, target_features)
+        target_features = batch.target_features
+
+        def weighted(per_pair: torch.Tensor) -> torch.Tensor:  # in fp32 whatever the drafter's dtype
+            return (per_pair.float() * weights).sum()
+        feature_loss = weighted(F.smooth_l1_loss(predicted, target_features, reduction="none").mean(-1))
         draft_logits = self.drafter.draft_logits(predicted)
         scale = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0  # greedy rollouts: the untempered p
         with torch.no_grad():
             target_probs = torch.softmax(self.drafter.draft_logits(target_features) * scale, dim=-1)
-        ce = -(target_probs * torch.log_softmax(draft_logits * scale, dim=-1)).sum(-1).mean()
+        ce = weighted(-(target_probs * torch.log_softmax(draft_logits * scale, dim=-1)).sum(-1))
         loss = cfg.feature_weight * feature_loss + cfg.ce_weight * ce
         with torch.no_grad():
             drafted = draft_logits.argmax(-1)
-            agreement = (drafted == target_probs.argmax(-1)).float().mean()
+            agreement = weighted(drafted == target_probs.argmax(-1))
             # depth-1 acceptance (over the draft vocabulary, the drafter fed the target's own features):
             # target-only accepts the drafted token with p(argmax q); q-sampling with sum_x min(p(x), q(x))
-            accept_target = target_probs.gather(-1, drafted[:, None]).mean()
-            accept_q = torch.minimum(target_probs, torch.softmax(draft_logits.detach() * scale, -1)).sum(-1).mean()
+            accept_target = weighted(target_probs.gather(-1, drafted[..., None])[..., 0])
+            accept_q = weighted(torch.minimum(target_probs, torch.softmax(draft_logits.detach() * scale, -1)).sum(-1))
         # tensors, not floats: each float() was a host read per micro-step (see _step)
         return loss, {"loss": loss.detach(), "feature_loss": feature_loss.detach(), "ce": ce.detach(),
                       "top1": agreement, "accept_target_only": accept_target, "accept_q": accept_q}
@@ -166,22 +216,23 @@ class DrafterTrainer:
         matches the target's argmax is still accepted only with probability p(token). For the τ these predict,
         deeper drafts included, see tlt.drafter.chain."""
         self.drafter.eval()
-        batch = self._to_device(pack_pairs(entries, self.config.row_length))
-        return metrics_to_host([self.loss(batch, noise=False)[1]])[0]
+        packed = pack_pairs(entries, self.config.row_length)
+        weights = packed.valid.float() / max(1, int(packed.valid.sum()))
+        return metrics_to_host([self.loss(*self._to_device(packed, weights), noise=False)[1]])[0]
 
-    def _to_device(self, batch: PackedPairs) -> PackedPairs:
-        """The packed rows on the drafter's device and dtype. To CUDA through pinned memory, asynchronously:
-        a copy from pageable memory holds the calling thread until it lands."""
+    def _to_device(self, batch: PackedPairs, weights: torch.Tensor) -> tuple[PackedPairs, torch.Tensor]:
+        """The packed rows and their weights on the drafter's device and dtype. To CUDA through pinned memory,
+        asynchronously: a copy from pageable memory holds the calling thread until it lands."""
         device, dtype = self.drafter.fc.weight.device, self.drafter.fc.weight.dtype
-        valid_index = batch.valid.reshape(-1).nonzero().squeeze(1)  # on the host (`PackedPairs.at_valid`)
         pinned = device.type == "cuda"
 
         def move(tensor: torch.Tensor, to_dtype=None) -> torch.Tensor:
             moved = tensor.pin_memory().to(device, non_blocking=True) if pinned else tensor.to(device)
             return moved if to_dtype is None else moved.to(to_dtype)  # converted on the device
-        return PackedPairs(move(batch.input_tokens), move(batch.input_features, dtype),
-                           move(batch.target_features, dtype), move(batch.positions), move(batch.attention_mask),
-                           move(batch.valid), move(valid_index))
+        return (PackedPairs(move(batch.input_tokens), move(batch.input_features, dtype),
+                            move(batch.target_features, dtype), move(batch.positions), move(batch.attention_mask),
+                            move(batch.valid)),
+                move(weights))
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -278,9 +329,17 @@ def rows_per_micro_step(device_type: str, row_length: int, draft_vocab: int) -> 
     return max(1, min(CUDA_MAX_ROWS_PER_MICRO_STEP, fits))
 
 
-def _row_chunks(batch: PackedPairs, size: int):
-    """(index of the first row, the next `size` rows) over the batch."""
-    for start in range(0, batch.valid.shape[0], max(1, size)):
+def _row_chunks(batch: PackedPairs, weights: torch.Tensor, size: int, *, pad: bool = False):
+    """(the next `size` rows, their weights) over the batch; pad: the last chunk too has `size` rows (padding
+    rows of weight 0: a captured graph's shapes)."""
+    size = max(1, size)
+    for start in range(0, batch.valid.shape[0], size):
         part = slice(start, start + size)
-        yield start, PackedPairs(batch.input_tokens[part], batch.input_features[part], batch.target_features[part],
-                                 batch.positions[part], batch.attention_mask[part], batch.valid[part])
+        rows = PackedPairs(batch.input_tokens[part], batch.input_features[part], batch.target_features[part],
+                           batch.positions[part], batch.attention_mask[part], batch.valid[part])
+        row_weights = weights[part]
+        if pad and row_weights.shape[0] < size:
+            rows = pad_rows(rows, size)
+            row_weights = torch.cat((row_weights, row_weights.new_zeros(size - row_weights.shape[0],
+                                                                        row_weights.shape[1])))
+        yield rows, row_weights

@@ -21,6 +21,7 @@ from torch import nn
 from tlt.errors import TltError, first_line
 from tlt.files import write_whole
 from tlt.models.kv_cache import CacheRows, KVCache
+from tlt.models.loading import LoadedModel
 from tlt.models.lean_forward import (LeanForward, aligned_span, grouped_attention_bias,
                                     mask_capacity)
 from tlt.models.rollout_copy import FusedLayer, fuse_layer
@@ -141,6 +142,9 @@ class TreeTables:
 class EagleDrafter(nn.Module):
     def __init__(self, target_config, draft_vocab: torch.Tensor | None = None):
         super().__init__()
+        if isinstance(target_config, nn.Module):  # EagleDrafter(model): its config was meant
+            raise DrafterError(f"EagleDrafter takes the target's config (model.config), got a "
+                               f"{type(target_config).__name__}")
         check_supported(target_config)
         config = copy.deepcopy(target_config)
         config.num_hidden_layers = 1
@@ -163,7 +167,13 @@ class EagleDrafter(nn.Module):
     # -- the target's frozen tensors: referenced, never owned -------------------------------------------
 
     def attach(self, target) -> "EagleDrafter":
-        """Bind to a target model (or its LeanForward): its embedding and lm_head, and its forward helpers."""
+        """Bind to a target model (a transformers causal LM, a `LoadedModel` or a LeanForward): its embedding and
+        lm_head, and its forward helpers."""
+        if isinstance(target, LoadedModel):
+            target = target.model
+        if not isinstance(target, (LeanForward, nn.Module)):
+            raise DrafterError(f"a drafter attaches to a transformers causal LM, a LoadedModel or a LeanForward, "
+                               f"got {type(target).__name__}")
         lean = target if isinstance(target, LeanForward) else LeanForward(target)
         spec = ModelSpec.from_config(self.config)
         expected = (lean.spec.hidden_size, lean.spec.num_heads, lean.spec.num_kv_heads, lean.spec.head_dim,

@@ -20,15 +20,16 @@ import torch
 from tlt.errors import RequestError
 from tlt.models.lean_forward import LeanForward, keep_cudnn_attention_out, kernels_problem, resolve_kernels
 from tlt.models.loading import LoadedModel
+from tlt.models.eagle import EagleDrafter
 from tlt.models.loading import eos_token_ids as eos_token_ids_of
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.graph_runner import GraphRunner
 from tlt.rollout.model_runner import ModelRunner, check_branching
-from tlt.rollout.policy import SpeculationPolicy, as_policy, policy_strategies
+from tlt.rollout.policy import SpeculationPolicy, as_policy, check_arm, policy_strategies
 from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
 from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.sequence import Sequence
-from tlt.sampling import is_integer
+from tlt.sampling import is_integer, token_ids
 from tlt.speculative.decoder import SpeculativeDecoder
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class RolloutEngine:
         tokenizer = None
         if isinstance(model, LoadedModel):
             model, tokenizer = model.model, model.tokenizer
+        if not isinstance(model, torch.nn.Module):
+            raise RequestError(f"model must be a transformers causal LM or a LoadedModel (a path or name loads with "
+                               f"tlt.models.load_model), got {type(model).__name__}")
         if not (is_integer(max_batch_size) and max_batch_size >= 1):
             raise RequestError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.policy_forward = LeanForward(model)  # the master weights: training features, drafter training
@@ -90,7 +94,7 @@ class RolloutEngine:
             forward.compile(compile)
         self.spec = forward.spec
         self.max_batch_size = max_batch_size
-        self.eos_token_ids = tuple(eos_token_ids if eos_token_ids is not None else eos_token_ids_of(model, tokenizer))
+        self.eos_token_ids = self._stop_tokens(eos_token_ids, model, tokenizer)
         self.drafter = None  # before the speculation: its setter checks the strategies against the drafter
         self.drafter_version = None
         self.drafter_trained = True  # False: a drafter that never trained serves no step (see set_drafter)
@@ -111,12 +115,27 @@ class RolloutEngine:
         `version` is recorded in each sample's `drafter_versions` when this drafter serves it. trained=False: a
         drafter at its random initialization, whose drafts are accepted at chance (τ ≈ 1.0), so every speculative
         step would cost more than a plain one: the engine decodes plainly until a trained one is set."""
+        if not isinstance(drafter, EagleDrafter):
+            raise RequestError(f"drafter must be an EagleDrafter (a drafter directory loads with "
+                               f"EagleDrafter.load(directory, model)), got {type(drafter).__name__}")
         for strategy in policy_strategies(self.speculation):  # refused here, not at the bandit's first wide arm
             check_branching(strategy, drafter)
+        self.model_runner.set_drafter(drafter)  # first: a drafter it refuses leaves the engine as it was
         self.drafter_version = version
         self.drafter_trained = trained
         self.drafter = drafter  # the caller's, in its own dtype: what a worker reloads and publishes
-        self.model_runner.set_drafter(drafter)
+
+    def _stop_tokens(self, eos_token_ids, model, tokenizer) -> tuple[int, ...]:
+        """The default stop tokens: the model's EOS tokens, or ids given (each inside the vocabulary)."""
+        if eos_token_ids is None:
+            return tuple(eos_token_ids_of(model, tokenizer))
+        if is_integer(eos_token_ids):  # one id
+            eos_token_ids = (eos_token_ids,)
+        ids = token_ids(eos_token_ids, "eos_token_ids")
+        outside = [i for i in ids if not 0 <= i < self.spec.vocab_size]
+        if outside:
+            raise RequestError(f"eos_token_ids {outside} are outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        return ids
 
     @property
     def speculation(self) -> SpeculationPolicy | None:
@@ -197,6 +216,13 @@ class RolloutEngine:
 
         One generate() at a time per engine: it owns the engine's cache and scheduler. A second call (from another
         thread, or from a between_steps hook) is refused; it corrupted the first one's rows, or never ended."""
+        if isinstance(requests, Request):
+            raise RequestError("generate takes a list of Request: pass [request]")
+        if not isinstance(requests, list):  # a tuple, a generator: each request is read once, here
+            try:
+                requests = list(requests)
+            except TypeError:
+                raise RequestError(f"generate takes a list of Request, got {type(requests).__name__}") from None
         if not self._generating.acquire(blocking=False):
             raise RequestError("this engine is already generating (another thread, or a between_steps hook): one "
                                "generate() at a time per engine; give each thread its own engine")
@@ -276,7 +302,10 @@ class RolloutEngine:
     def _choose(self, batch_size: int):
         if self.speculation is None or self.model_runner.serving is None or not self.drafter_trained:
             return None
-        return self.speculation.choose(batch_size)
+        arm = self.speculation.choose(batch_size)
+        if arm not in (None, "off"):
+            check_arm(arm)  # a custom policy's name ("S3K1N3") would fail deep inside the step
+        return arm
 
     def _retire(self, bar, collect_features) -> None:
         retired = self.scheduler.retire(self.model_runner, collect_features)
@@ -289,12 +318,10 @@ def resolve_rollout_dtype(dtype, device: torch.device, model_dtype: torch.dtype)
     most CPUs); a name ("bfloat16", "float32", ...) or a torch dtype as given."""
     if dtype == "auto" or dtype is None:
         return torch.bfloat16 if device.type == "cuda" else model_dtype
-    if isinstance(dtype, str):
-        resolved = getattr(torch, dtype, None)
-        if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-            raise RequestError(f"rollout dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-        return resolved
-    return dtype
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise RequestError(f"rollout dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return resolved
 
 
 def _progress_bar(total: int, enabled: bool):
