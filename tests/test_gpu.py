@@ -370,7 +370,8 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
                     "rollout.temperature": 0.001, "rollout.dtype": "float32", "run.workers": 1,
                     "run.backend": "inprocess", "model.device": "cuda", "run.speculative": "static",
                     "run.strategy": "S3K1N3", "run.gate": 64, "run.publish_every": 2, "run.swap_poll_s": 0.0,
-                    "run.out_dir": str(tmp_path / str(len(overrides))), "run.tensorboard": False, **overrides}
+                    "run.out_dir": str(tmp_path / str(len(overrides))), "run.tensorboard": False,
+                    "run.publish_gate": False, **overrides}  # (streams and graphs here; the gate: its own tests)
         config = load_config(None, [f"{k}={v}" for k, v in settings.items()])
         return DistributedGRPO(config, loaded=loaded, task=ShortLongTask(), reward=Reward(share_of_eights))
 

@@ -206,6 +206,8 @@ class DistributedGRPO:
             "spot_train_steps": sum(result["trained_steps"] for result in trainers),
             "spot_train_errors": sum(result["error"] is not None for result in trainers),
             "drafter_versions": published,
+            # trained versions the publish gate kept back: no better than the serving one on held-out features
+            "drafter_versions_held_back": sum(result.get("held_back", 0) for result in trainers),
             "drafter_version": version,
             # the version the rollouts started with had trained (false: SD waited for a trained one)
             "drafter_trained": ready,

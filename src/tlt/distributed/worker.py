@@ -28,6 +28,7 @@ import torch
 from tlt.distributed.collective import ProcessGroupReducer, open_group_store
 from tlt.distributed.hub import HubTimeout
 from tlt.drafter.buffer import FeatureBuffer
+from tlt.drafter.gate import HOLDOUT_EVERY, PublishGate
 from tlt.drafter.tail_trainer import TailReport, TailTrainer
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
 from tlt.metrics.step import speculation_metrics
@@ -139,7 +140,8 @@ class RolloutWorker:
         self.timeline.add_rollout(self._result, wall_start, time.time())
         if tail.started_s is not None:
             self.timeline.record_overlay("tail_train", tail.started_s, tail.ended_s)
-        return {"rollout": _lean_rollout(self._result), "end": time.time(), "tail_train": _report(tail)}
+        return {"rollout": _lean_rollout(self._result), "end": time.time(),
+                "tail_train": {**_report(tail), "held_back": self._held_back() if tail.started_s else 0}}
 
     def prepare(self) -> dict:
         """Rewards and advantages of this shard (the update's inputs), and old log-probs when the step takes
@@ -156,7 +158,7 @@ class RolloutWorker:
         """Train the drafter until the hub says the last rollout ended (checked before every optimizer step).
         A failure is logged and reported; the drafter versions already published stay in service."""
         if self.drafter is None or not self.hub.acquire_trainer(step, self.rank):
-            return {"trained_steps": 0, "published": [], "error": None}
+            return {"trained_steps": 0, "published": [], "error": None, "held_back": 0}
         started = time.time()
         published, history, error = [], [], None
         stop = lambda: self.hub.should_stop(step)  # noqa: E731 - checked before every forward and optimizer step
@@ -187,7 +189,7 @@ class RolloutWorker:
                 history.extend(chunk)
                 if not chunk:
                     break
-                published.append(self._publish(drafter, trainer, step, final=False))
+                published += [v for v in [self._publish(drafter, trainer, step, final=False)] if v is not None]
             if history:
                 published += [v for v in [self._publish(drafter, trainer, step, final=True)] if v is not None]
         except Exception as exc:  # noqa: BLE001 - spot training must never take the RL step down
@@ -196,6 +198,7 @@ class RolloutWorker:
                         self.rank, error, traceback.format_exc())
         self.timeline.record("spot_train", started)
         return {"trained_steps": len(history), "published": published, "error": error,
+                "held_back": self._held_back(),
                 "loss": history[-1]["loss"] if history else None,
                 "top1": history[-1]["top1"] if history else None}
 
@@ -289,19 +292,25 @@ class RolloutWorker:
             config = DrafterTrainConfig(lr=self.config.run.drafter_lr, seed=self.config.run.seed + self.rank,
                                         temperature=self.config.rollout.temperature,
                                         cuda_graph=self.config.run.drafter_cuda_graph)
-            buffer = FeatureBuffer(self.config.run.drafter_buffer_tokens, seed=self.config.run.seed + self.rank)
-            self._spot = [drafter, DrafterTrainer(drafter, buffer, config), buffer, 0]
+            gated = self.config.run.publish_gate
+            buffer = FeatureBuffer(self.config.run.drafter_buffer_tokens, seed=self.config.run.seed + self.rank,
+                                   holdout_every=HOLDOUT_EVERY if gated else 0)
+            trainer = DrafterTrainer(drafter, buffer, config)
+            self._spot = [drafter, trainer, buffer, 0, PublishGate(trainer) if gated else None]
         return self._spot
 
     def _tail_trainer(self) -> TailTrainer:
-        drafter, trainer, _, _ = self._spot_objects()
+        drafter, trainer, _, _, _ = self._spot_objects()
         return TailTrainer(trainer, lambda final: self._publish(drafter, trainer, self._step, final),
                            publish_every=self.config.run.publish_every, device=self.engine.device)
 
     def _spot_state(self):
         """The training objects at the latest published version, with the last spot trainer's optimizer state."""
-        drafter, trainer, buffer, _ = self._spot_objects()
-        drafter.load_state_dict(self.hub.latest()[1])
+        drafter, trainer, buffer, _, gate = self._spot_objects()
+        version, weights = self.hub.latest()
+        drafter.load_state_dict(weights)
+        if gate is not None:  # judged against what serves now (an untrained version: against nothing)
+            gate.start(weights if self.hub.is_trained(version) else None)
         state = self.hub.trainer_state()
         if state is not None:
             # through load_optimizer: this run's run.drafter_lr, betas and weight decay, not the saved run's (a
@@ -316,18 +325,33 @@ class RolloutWorker:
             buffer.add(entry.tokens, entry.features, entry.step)
         self._spot[3] = sequence
 
+    def _held_back(self) -> int:
+        """Versions the publish gate kept back in this worker's last training session."""
+        gate = self._spot[4] if self._spot is not None else None
+        return gate.held_back if gate is not None else 0
+
     def _publish(self, drafter, trainer, step: int, final: bool) -> int | None:
         """A new drafter version (None: the final one of a session whose last chunk already published these very
         weights, which only hands the hub the trainer's state: a second version of equal weights made every
         worker in its rollout reload them)."""
         state = None
+        gate = self._spot[4]
         if final:  # a copy: in-process, the hub's state would alias the live Adam moments
             state = {"optimizer": copy.deepcopy(trainer.optimizer.state_dict()), "steps": trainer.steps}
             if self._last_publish == (id(trainer), trainer.steps, self.hub.latest_version()):
                 self.hub.keep_trainer_state(state)
                 return None
-        version = self.hub.publish(_cpu_state(drafter), step=step, worker=self.rank, trainer_steps=trainer.steps,
+        if gate is not None and not gate.allows():  # no better than what serves: it keeps serving
+            log.info("worker %d: drafter after %d steps not published (held-out depth-1 acceptance %s)",
+                     self.rank, trainer.steps, gate.last)
+            if final:
+                self.hub.keep_trainer_state(state)
+            return None
+        weights = _cpu_state(drafter)
+        version = self.hub.publish(weights, step=step, worker=self.rank, trainer_steps=trainer.steps,
                                    trainer_state=state)
+        if gate is not None:
+            gate.published(weights)
         self._last_publish = (id(trainer), trainer.steps, version)
         return version
 

@@ -66,7 +66,11 @@ class FeatureBuffer:
     """Bounded by `max_tokens`; `recency` in [0, 1) sets how strongly sampling favors recent RL steps
     (weight of an entry = (1 - recency) ** age_in_steps; 0 = uniform)."""
 
-    def __init__(self, max_tokens: int, *, recency: float = 0.3, seed: int = 0):
+    def __init__(self, max_tokens: int, *, recency: float = 0.3, seed: int = 0, holdout_every: int = 0,
+                 holdout_entries: int = 16, holdout_first: int = 4):
+        """holdout_every = N > 0: the first `holdout_first` entries and every N-th one after them go to `held`
+        instead (the newest `holdout_entries` kept, outside the token budget), never sampled for training: what a
+        trained version is judged on (drafter/gate.py), from the first publish of a run on."""
         if max_tokens < 2:
             raise BufferError(f"max_tokens must be >= 2, got {max_tokens}")
         if not 0 <= recency < 1:
@@ -77,6 +81,10 @@ class FeatureBuffer:
         self.tokens = 0
         self.hidden_size: int | None = None
         self._rng = random.Random(seed)
+        self.holdout_every = holdout_every
+        self.held: deque[FeatureEntry] = deque(maxlen=holdout_entries)
+        self.holdout_first = holdout_first
+        self._added = 0
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -96,8 +104,13 @@ class FeatureBuffer:
         self.hidden_size = features.shape[1]
         # copies, never views: a view of a micro-batch's hidden states kept the whole [B, L, H] tensor alive
         # (the token budget then bounded nothing) and changed with the caller's tensor
-        self.entries.append(FeatureEntry(tokens.detach().to("cpu", torch.long, copy=True),
-                                         features.detach().to("cpu", torch.float32, copy=True), step))
+        entry = FeatureEntry(tokens.detach().to("cpu", torch.long, copy=True),
+                             features.detach().to("cpu", torch.float32, copy=True), step)
+        self._added += 1
+        if self.holdout_every > 0 and (self._added <= self.holdout_first or self._added % self.holdout_every == 0):
+            self.held.append(entry)
+            return
+        self.entries.append(entry)
         self.tokens += tokens.shape[0]
         while self.tokens > self.max_tokens:
             self.tokens -= self.entries.popleft().tokens.shape[0]

@@ -186,7 +186,9 @@ class TailTrainer:
                     chunk = self.trainer.train_until(self._stop.is_set, self.publish_every)
                     history.extend(chunk)
                     if chunk and not self._stop.is_set():
-                        self._report.published.append(self.publish(False))
+                        version = self.publish(False)  # None: held back (drafter/gate.py)
+                        if version is not None:
+                            self._report.published.append(version)
                 if history:
                     final = self.publish(True)  # None: the last chunk's version already has these weights
                     if final is not None:

@@ -155,6 +155,8 @@ class RunConfig:
     publish_every: int = 10        # drafter optimizer steps between published versions (hot-swapped mid-rollout)
     swap_poll_s: float = 0.2       # how often a rolling-out worker checks for a newer drafter
     drafter_lr: float = 1e-3
+    publish_gate: bool = True      # publish a spot-trained drafter version only when it beats the serving one on
+                                   # held-out features (every 8th sample kept out of training; drafter/gate.py)
     drafter_cuda_graph: bool = False  # on CUDA, capture the drafter's training micro-step as one CUDA graph: a few
                                    # launches beside the decode loop instead of ~170 (drafter/step_graph.py; not yet
                                    # measured on a GPU, hence off)
