@@ -219,8 +219,8 @@ def test_the_json_check_leaves_the_path_alone(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--alpha", "2"], "alpha (the sampled check's significance level: it fails when either test's p-value is below "
-     "alpha / 2) must be in (0, 1), got 2.0"),
+    (["--alpha", "2"], "alpha (the sampled check's significance level: it fails when any of its 3 tests' p-values "
+     "is below alpha / 3) must be in (0, 1), got 2.0"),
     (["--json", "{tmp}"], "is a directory; give a file name"),
     (["--json", "{tmp}/file/out.json"], "is a file, not a directory"),
     (["--json", "/proc/tlt-verify.json"], "--json /proc/tlt-verify.json: cannot write in /proc"),  # read-only

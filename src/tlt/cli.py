@@ -302,12 +302,13 @@ def _add_verify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="S4K2N8", help="depth S, branching K, tree size N (target-only "
                         "acceptance), or S4K2q: q-sampling with the drafter's probabilities")
     parser.add_argument("--prompts", type=int, default=8, help="arithmetic-task chat prompts")
-    parser.add_argument("--samples-per-prompt", type=int, default=8)
+    parser.add_argument("--samples-per-prompt", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0, help="of the sampled check (> 0)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--alpha", type=float, default=1e-3, help="significance: fail when either test's p-value (PIT uniformity, drafter alignment) is below alpha/2")
+    parser.add_argument("--alpha", type=float, default=1e-3, help="significance: fail when any test's p-value (PIT uniformity; drafter alignment with q and with "
+                        "q/(p+q)) is below alpha/3")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON to OUT")
     _add_threads(parser)
@@ -426,8 +427,9 @@ def _print_verify(console, report, control, drafter: str) -> None:
 
 def _ks_detail(report) -> str:
     return (f"{report.tokens} tokens of {report.sampled_responses} responses: PIT KS D = {report.ks_statistic:.4f}, "
-            f"p = {report.p_value:.3g}; drafter alignment z = {report.alignment_z:+.2f}, "
-            f"p = {report.alignment_p_value:.3g} (each at alpha/2 = {report.alpha / 2:g})")
+            f"p = {report.p_value:.3g}; drafter alignment z = {report.alignment_z:+.2f} (q), "
+            f"{report.ratio_z:+.2f} (q/(p+q)), p = {report.alignment_p_value:.3g}, {report.ratio_p_value:.3g} "
+            f"(each at alpha/3 = {report.alpha / 3:.2g})")
 
 
 def _add_generate(parser: argparse.ArgumentParser) -> None:
