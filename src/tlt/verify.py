@@ -9,7 +9,9 @@ Two checks, both against references that share nothing with the speculative path
   average over the emitted tokens what p predicts, sum_x p(x) g(x) (z-tests: they see a bias toward, or away
   from, what the drafter proposes, which is where a wrong acceptance rule moves the samples). g = q sees the
   target-only rule's over-accepted drafts, g = q / (p + q) the q rule's (each one's negative control on SmolLM2:
-  z = 8.75 and 0.02; 0.37 and 3.55). The PIT test alone missed min(1, 1.2 p/q) at 12,288 tokens.
+  z = 8.75 and 0.02; 0.37 and 3.55). The PIT test alone missed min(1, 1.2 p/q) at 12,288 tokens. (q comes from
+  the drafter's code, which SD shares; the z-tests stay valid whatever g is, as long as it is fixed by the tokens
+  before each position: only p is the reference, and p shares nothing with SD.)
 
 Losslessness must hold for ANY drafter (a bad drafter only costs speed), so an untrained drafter is a valid
 subject; a drafter that is accepted often exercises the acceptance rule more and makes the test sharper.
