@@ -81,16 +81,16 @@ def count_step(trainer: DrafterTrainer) -> dict:
     to_device, update, loss = trainer._to_device, trainer.optimizer.step, trainer.loss
     micro_steps = []
 
-    def on_host(rows):
+    def on_host(*args):
         counter.on_host = True
         try:
-            return to_device(rows)
+            return to_device(*args)
         finally:
             counter.on_host = False
 
-    def counted_loss(rows, **kwargs):
+    def counted_loss(rows, *args, **kwargs):
         micro_steps.append(rows.valid.shape[0])
-        return loss(rows, **kwargs)
+        return loss(rows, *args, **kwargs)
     updates = {}
 
     def counted_update():
@@ -100,15 +100,23 @@ def count_step(trainer: DrafterTrainer) -> dict:
         # torch's foreach AdamW reads its step counts: host tensors on CUDA too (no sync); fused keeps them there
         updates["reads"] = sum(counter.reads.values()) - reads
     trainer._to_device, trainer.optimizer.step, trainer.loss = on_host, counted_update, counted_loss
+    # the rows are packed and weighed from host tensors: no launch on any device (before 2026-11-28 the trainer
+    # packed inline: pack_pairs was wrapped instead)
+    plan = getattr(trainer, "_micro_batches", None)
     pack = trainer_module.pack_pairs
 
-    def packed_on_host(*args, **kwargs):  # the rows are packed from host tensors: no launch on any device
-        counter.on_host = True
-        try:
-            return pack(*args, **kwargs)
-        finally:
-            counter.on_host = False
-    trainer_module.pack_pairs = packed_on_host
+    def on_host_too(function):
+        def wrapped(*args, **kwargs):
+            counter.on_host = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                counter.on_host = False
+        return wrapped
+    if plan is not None:
+        trainer._micro_batches = on_host_too(plan)
+    else:
+        trainer_module.pack_pairs = on_host_too(pack)
     try:
         with counter:
             trainer._step()
