@@ -78,7 +78,8 @@ class MicroStepGraph:
             for _ in range(WARMUP_RUNS):  # allocates the gradients the graph will accumulate into
                 loss, parts = trainer.loss(*self.buffers, noise=False)
                 loss.backward()
-            torch._foreach_zero_([p.grad for p in params])  # the warm-ups' gradients are not the step's
+            # the warm-ups' gradients are not the step's (a parameter the loss does not reach has none)
+            torch._foreach_zero_([p.grad for p in params if p.grad is not None])
             self.sums = {key: torch.zeros((), dtype=torch.float32, device=device) for key in parts}
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(capture_error_mode="thread_local")

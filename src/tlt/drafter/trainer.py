@@ -149,7 +149,7 @@ class DrafterTrainer:
             self._micro_step_graph = MicroStepGraph(self, rows, self.config.row_length)
         try:
             self._micro_step_graph.start_step(first_rows, first_weights)
-        except RuntimeError as error:
+        except Exception as error:  # noqa: BLE001 - whatever stops a capture, the eager step still trains
             self._graph_failure, self._micro_step_graph = first_line(error), None
             log.warning("the drafter's micro-step could not be captured as a CUDA graph (%s): it trains eagerly",
                         self._graph_failure)
