@@ -123,6 +123,18 @@ def test_held_interrupts_raise_at_the_end_of_the_block_and_yield_to_its_own_erro
 
     from tlt.interrupts import held_interrupts
 
+    # Python's own SIGINT handler, whatever an earlier test left (a full-suite run once had another in place,
+    # and the re-raised SIGINT went there: no KeyboardInterrupt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        held_interrupts_raise_and_yield(held_interrupts)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def held_interrupts_raise_and_yield(held_interrupts):
+    import signal
+
     done = []
     with pytest.raises(KeyboardInterrupt):
         with held_interrupts():
