@@ -109,24 +109,16 @@ def one_step_reads(trainer) -> list[str]:
     """The device reads of one optimizer step's micro-steps (the optimizer's own update left out: on the CPU,
     AdamW reads its step count, which CUDA's fused AdamW keeps on the device)."""
     trainer.optimizer.step = lambda: None
-    to_device = trainer._to_device
 
-    def moved(rows, weights):  # host work: the rows are packed and weighted on the host
-        reads.on_host = True
-        try:
-            return to_device(rows, weights)
-        finally:
-            reads.on_host = False
-    trainer._to_device = moved
-    plan = trainer._micro_batches
-
-    def planned(entries, size):
-        reads.on_host = True
-        try:
-            return plan(entries, size)
-        finally:
-            reads.on_host = False
-    trainer._micro_batches = planned
+    def on_host(function):  # host work: the rows are packed, weighted and moved from host tensors
+        def wrapped(*args):
+            reads.on_host = True
+            try:
+                return function(*args)
+            finally:
+                reads.on_host = False
+        return wrapped
+    trainer._to_device, trainer._micro_batches = on_host(trainer._to_device), on_host(trainer._micro_batches)
     with DeviceReads() as reads:
         record = trainer._step()
     assert record is not None and record["loss"] > 0
