@@ -4,7 +4,7 @@ Spot training (idle workers, or a lone worker's tail) goes on training the run's
 RL step's rollouts. This isolates that training from the RL run: fresh T=1 responses of the policy on prompts the
 warm-up never drew, split by prompt into training and held-out halves; copies of the warmed drafter train on the
 first with a fresh AdamW (as a run whose --drafter directory has no optimizer state starts, e.g. the committed
-one) at each learning rate, and are scored on the second (teacher-forced: depth-1 sum min(p, q) at T=1, top-1)
+one) at each learning rate and lr ramp (`lr@ramp_steps`: DrafterTrainConfig.warmup_steps), and are scored on the second (teacher-forced: depth-1 sum min(p, q) at T=1, top-1)
 every few steps.
 
     python benchmarks/drafter_adaptation.py --drafter benchmarks/drafters/smollm2-arithmetic \
@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=192)
-    parser.add_argument("--lrs", default="1e-3,3e-4,1e-4")
+    parser.add_argument("--arms", default="1e-3@0,1e-3@25,3e-4@0,3e-4@25,1e-4@0",
+                        help="comma-separated lr@ramp: the learning rate and the fresh optimizer's lr ramp in steps")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=101, help="prompts the warm-up (seeds 0-3) never drew")
@@ -74,16 +75,18 @@ def main() -> None:
     train, held, generated = fresh_features(loaded, warmed, args.prompts, args.max_new_tokens, args.seed)
     result = {"environment": environment(), "drafter": args.drafter, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "generated_tokens": generated, "held_out_responses": len(held),
-              "generate_s": round(time.perf_counter() - started, 1), "steps": args.steps, "by_lr": {}}
-    for lr in [float(x) for x in args.lrs.split(",")]:
+              "generate_s": round(time.perf_counter() - started, 1), "steps": args.steps, "by_arm": {}}
+    for arm in args.arms.split(","):
+        lr, ramp = arm.split("@")
         trainer = DrafterTrainer(copy.deepcopy(warmed).attach(loaded.model), train,
-                                 DrafterTrainConfig(lr=lr, temperature=1.0, seed=args.seed))
+                                 DrafterTrainConfig(lr=float(lr), warmup_steps=int(ramp), temperature=1.0,
+                                                    seed=args.seed))
         curve = [{"step": 0, **scores(trainer, held)}]
         while trainer.steps < args.steps:
             trainer.train_steps(args.every)
             curve.append({"step": trainer.steps, **scores(trainer, held)})
-            print(f"lr {lr:g} step {trainer.steps}: {curve[-1]}", flush=True)
-        result["by_lr"][f"{lr:g}"] = curve
+            print(f"{arm} step {trainer.steps}: {curve[-1]}", flush=True)
+        result["by_arm"][f"lr={float(lr):g} ramp={int(ramp)}"] = curve
         write_json(args.json, result, echo=False)
     write_json(args.json, result)
 

@@ -43,7 +43,8 @@ NEAR_GREEDY = 0.001  # the overhead phase's temperature (see the docstring)
 
 def modes(args, temperature: float, seed: int, strategy: str) -> dict[str, list[str]]:
     # static: one fixed strategy at batch <= 8, so tau compares drafters, not the bandit's arm choices
-    common = [f"run.drafter={args.drafter}", "run.speculative=static", f"run.strategy={strategy}", "run.gate=8",
+    common = [f"run.drafter={args.drafter}", f"run.drafter_lr={args.drafter_lr}", "run.speculative=static",
+              f"run.strategy={strategy}", "run.gate=8",
               f"rollout.temperature={temperature}", f"run.seed={seed}", "run.tensorboard=false",
               f"rollout.max_new_tokens={args.max_new_tokens}", f"model.device={args.device}"]
     if args.lone_worker:
@@ -155,6 +156,10 @@ def main() -> None:
                         help="the tau phase's static arm. q-sampling by default: at T=1 target-only acceptance is "
                              "capped by the target's top-1 mass whatever the drafter (S4K2N8's tau stayed near "
                              "1.6 in both modes, docs/benchmarks.md section 7), q-sampling accepts 1 - TV(p, q)")
+    parser.add_argument("--drafter-lr", type=float, default=1e-4,
+                        help="run.drafter_lr: the lr a warmed drafter without optimizer state goes on at (the one its "
+                             "warm-up ended at: 1e-4 for the committed drafter; higher costs acceptance, "
+                             "docs/benchmarks.md section 7)")
     parser.add_argument("--warmup-steps", type=int, default=0,
                         help="unmeasured RL steps per mode first (CUDA: graph captures, the cost curve)")
     args = parser.parse_args()
@@ -162,6 +167,7 @@ def main() -> None:
     result = json.loads(path.read_text()) if path.exists() else {}
     result.update({"environment": environment(), "drafter": args.drafter, "device": args.device,
                    "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup_steps,
+                   "drafter_lr": args.drafter_lr,
                    **({"workers": 1, "tail_training": True} if args.lone_worker else
                       {"workers": 2, "threads_per_worker": 1})})
     result["complete"] = False  # until the last write: a run killed at its time limit keeps what it measured

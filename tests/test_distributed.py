@@ -503,3 +503,19 @@ def test_a_spot_session_takes_this_runs_drafter_lr_and_leaves_the_hubs_saved_sta
         assert moments and not any(m.data_ptr() == k.data_ptr() for m in moments for k in kept)
     finally:
         controller.close()
+
+
+def test_only_a_warmed_drafters_fresh_optimizer_ramps_its_lr(tmp_path):
+    """AdamW's first steps kick every weight by ~lr: what a warmed drafter loses acceptance to, a random one
+    nothing (run.drafter_lr_ramp)."""
+    controller = make_controller(tmp_path, **{"run.drafter_lr_ramp": 7})
+    try:
+        hub, worker = controller.backend.hub, controller.backend.workers[0]
+        version, weights = hub.latest()
+        assert not hub.is_trained(version)  # no run.drafter: it starts untrained
+        assert worker._spot_objects()[1].config.warmup_steps == 0
+        hub.restore(version, weights, None, trained=True)  # as a run given a warmed drafter starts
+        worker._spot = None
+        assert worker._spot_objects()[1].config.warmup_steps == 7
+    finally:
+        controller.close()

@@ -1,5 +1,6 @@
 """Training the drafter on a tiny target's features lowers its loss and raises τ measured by the SD engine."""
 
+import copy
 import time
 
 import pytest
@@ -743,3 +744,37 @@ def test_ctrl_c_in_the_first_minute_of_a_warmup_keeps_its_steps(tmp_path, monkey
     loaded, out, _ = _interrupted_warmup(tmp_path, monkeypatch, at_step=2, steps=100)
     assert DrafterTrainer.saved_state(out)["steps"] == 2
     assert EagleDrafter.load(out, loaded.model).draft_vocab_size == 12
+
+
+def _first_step_moves(model, buffer, tmp_path=None, **config) -> list[float]:
+    """How far each of a fresh trainer's (or one loaded from `tmp_path`) first 3 steps moves the weights (max |Δ|),
+    from the same initial drafter and the same batches."""
+    torch.manual_seed(4)
+    trainer = DrafterTrainer(EagleDrafter(model.config).attach(model), copy.deepcopy(buffer),  # same batches
+                             DrafterTrainConfig(lr=1e-3, row_length=16, seed=3, **config))
+    if tmp_path is not None:
+        trainer.load_optimizer(tmp_path)
+    moves = []
+    for _ in range(3):
+        before = [p.detach().clone() for p in trainer.drafter.parameters()]
+        trainer.train_steps(1)
+        moves.append(max(float((p - b).abs().max()) for p, b in zip(trainer.drafter.parameters(), before)))
+        assert trainer.optimizer.param_groups[0]["lr"] == 1e-3  # the ramp scales a step, never the group's lr
+    return moves
+
+
+def test_a_fresh_optimizer_ramps_its_lr_and_loaded_moments_do_not(setup, tmp_path):
+    """AdamW's first update moves every weight by ~lr whatever its gradient: on a warmed drafter that kick cost
+    held-out acceptance (benchmarks/drafter_adaptation.py). With warmup_steps=4 the first steps are 1/4, 2/4, 3/4
+    of it; moments loaded from a drafter directory have had their first steps and carry on at the full lr."""
+    model, buffer = setup
+    plain = _first_step_moves(model, buffer)
+    ramped = _first_step_moves(model, buffer, warmup_steps=4)
+    assert ramped[0] == pytest.approx(plain[0] / 4, rel=1e-3)  # Adam's first step: lr * sign-like, scaled
+    assert ramped[1] < plain[1] and ramped[2] < plain[2]
+    saver = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer, DrafterTrainConfig(row_length=16))
+    saver.train_steps(5)
+    saver.save(tmp_path)
+    loaded_ramped = _first_step_moves(model, buffer, tmp_path, warmup_steps=4)
+    loaded_plain = _first_step_moves(model, buffer, tmp_path)
+    assert loaded_ramped == pytest.approx(loaded_plain, rel=1e-6)

@@ -289,7 +289,11 @@ class RolloutWorker:
         if self._spot is None:
             drafter = EagleDrafter(self.drafter.config, self.drafter.draft_to_target).attach(
                 self.engine.policy_forward)
+            # the ramp for a warmed drafter only: a random one has nothing a kick could cost, and a later
+            # trainer state (loaded in _spot_state) has had its first steps
+            warmed = self.hub.is_trained(self.hub.latest_version())
             config = DrafterTrainConfig(lr=self.config.run.drafter_lr, seed=self.config.run.seed + self.rank,
+                                        warmup_steps=self.config.run.drafter_lr_ramp if warmed else 0,
                                         temperature=self.config.rollout.temperature,
                                         cuda_graph=self.config.run.drafter_cuda_graph)
             gated = self.config.run.publish_gate

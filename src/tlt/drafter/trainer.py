@@ -56,6 +56,10 @@ class DrafterTrainConfig:
     rows_per_micro_step: int | None = None  # packed rows per forward/backward; a stop request is honored between
                                             # them. None: by device and draft vocabulary (`rows_per_micro_step`)
     seed: int = 0
+    warmup_steps: int = 0           # a fresh optimizer's lr ramps up linearly over its first steps: AdamW's first
+                                    # updates are ~lr per weight whatever the gradient (no second moment yet), a
+                                    # kick that costs a warmed drafter acceptance (benchmarks/drafter_adaptation.py).
+                                    # Moments loaded from a drafter directory carry on without a ramp
     cuda_graph: bool = False        # on CUDA, each micro-step one replayed graph (drafter/step_graph.py): a few
                                     # launches instead of ~170 (not with feature_noise; ignored on the CPU)
 
@@ -69,6 +73,7 @@ class DrafterTrainer:
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay, fused=fused or None)
         self.steps = 0
+        self._moment_steps = 0  # optimizer steps behind the optimizer's moments (the lr ramp's clock)
         self._noise_generators: dict[str, torch.Generator] = {}  # by device: noise drawn where the features are
         self._micro_step_graph: MicroStepGraph | None = None  # (`cuda_graph`) captured on first use
         self._graph_failure: str | None = None  # why a capture failed (then eager for good)
@@ -120,10 +125,25 @@ class DrafterTrainer:
             sums = graph.sums
         if self.config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
-        self.optimizer.step()
+        self._optimizer_step()
         self.drafter.eval()
         self.steps += 1
         return {**metrics_to_host([sums])[0], "step": self.steps, "step_s": time.perf_counter() - started}
+
+    def _optimizer_step(self) -> None:
+        """One AdamW step, its lr scaled by the fresh-optimizer ramp (`warmup_steps`) on top of whatever lr the
+        groups hold (a caller's schedule, e.g. the warm-up's cosine, composes with it)."""
+        ramp = self.config.warmup_steps
+        scale = (self._moment_steps + 1) / ramp if self._moment_steps < ramp else 1.0
+        base = [group["lr"] for group in self.optimizer.param_groups]
+        for group, lr in zip(self.optimizer.param_groups, base):
+            group["lr"] = lr * scale
+        try:
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, base):
+                group["lr"] = lr
+        self._moment_steps += 1
 
     def _micro_batches(self, entries: list[FeatureEntry], size: int) -> list[tuple[PackedPairs, torch.Tensor]]:
         """The entries packed into rows, weighted (1 / the step's pairs; 0 at padding) and cut into micro-batches
@@ -264,7 +284,7 @@ class DrafterTrainer:
             group.update(lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay,
                          **kernels)
         _place_step_counts(self.optimizer)
-        self.steps = state["steps"]
+        self.steps = self._moment_steps = state["steps"]
 
     @staticmethod
     def saved_state(directory: str | Path) -> dict:

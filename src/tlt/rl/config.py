@@ -154,7 +154,11 @@ class RunConfig:
                                    # (a background thread, a second CUDA stream): "auto" (= on), "on", "off"
     publish_every: int = 10        # drafter optimizer steps between published versions (hot-swapped mid-rollout)
     swap_poll_s: float = 0.2       # how often a rolling-out worker checks for a newer drafter
-    drafter_lr: float = 1e-3
+    drafter_lr: float = 1e-3       # for a drafter trained from scratch; one warmed without its optimizer state loses
+                                   # acceptance at more than the lr its warm-up ended at (1e-4 for the committed
+                                   # drafter: docs/benchmarks.md §7)
+    drafter_lr_ramp: int = 20      # a warmed drafter's fresh optimizer ramps its lr up over this many steps (AdamW's
+                                   # first steps move every weight by ~lr: a kick); 0: none
     publish_gate: bool = True      # publish a spot-trained drafter version only when it beats the serving one on
                                    # held-out features (every 8th sample kept out of training; drafter/gate.py)
     drafter_cuda_graph: bool = False  # on CUDA, capture the drafter's training micro-step as one CUDA graph: a few
@@ -332,6 +336,7 @@ def validate(config: TrainConfig) -> TrainConfig:
            f"(rollout.max_new_tokens={rollout.max_new_tokens} + 1 tokens): raise it")
     _at_least("run.swap_poll_s", run.swap_poll_s, 0)  # 0: check for a newer drafter before every decode step
     _check(run.drafter_lr > 0, f"run.drafter_lr must be > 0, got {run.drafter_lr}")
+    _check(run.drafter_lr_ramp >= 0, f"run.drafter_lr_ramp must be >= 0, got {run.drafter_lr_ramp}")
     _at_least("run.draft_vocab", run.draft_vocab, 0)
     if run.speculative != "off" and not run.drafter:  # a drafter from scratch drafts over it: every node's children
         widest = SpecStrategy.parse(run.strategy).branching
