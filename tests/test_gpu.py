@@ -8,6 +8,7 @@ tie-aware rule of docs/architecture.md: two decodings may part only where the mo
 within bf16 rounding of each other.
 """
 
+import math
 import time
 import warnings
 
@@ -376,7 +377,7 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
         return DistributedGRPO(config, loaded=loaded, task=ShortLongTask(), reward=Reward(share_of_eights))
 
     lengths = [12] * 6 + [TAIL] * 2
-    runs, graphs = {}, None
+    runs, graphs, losses = {}, None, {}
     modes = {"tail": {"run.tail_training": "on"}, "plain": {"run.speculative": "off"},
              # the drafter's micro-step captured as a CUDA graph (thread_local) beside the decode loop's replays
              "tail_graph": {"run.tail_training": "on", "run.drafter_cuda_graph": True}}
@@ -384,8 +385,10 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
         driver = controller(**overrides)
         try:
             runs[name] = (driver.train_step(lengths=lengths), [s.token_ids for s in driver.last_rollout.samples])
-            if name == "tail_graph":
+            if name != "plain":
                 trainer = driver.backend.workers[0]._spot[1]
+                losses[name] = trained_and_untrained_loss(trainer)
+            if name == "tail_graph":
                 graphs = (trainer._micro_step_graph, trainer._graph_failure)
         finally:
             driver.close()
@@ -400,6 +403,20 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
         # the untrained starting drafter serves no SD step: a sample served by any version was served by one the
         # tail trainer published during this rollout (swapped in mid-rollout); several such: samples_hot_swapped
         assert max(metrics["drafter_versions_per_sample"]) > 0 and metrics["tail_train_share"] > 0, (name, seen)
+        # the gradients were the loss's: a race between the rows' copy, the replay and the optimizer step would
+        # leave the greedy tokens (lossless whatever the drafter) and every count above as they are
+        trained, untrained = losses[name]
+        assert math.isfinite(trained) and trained < untrained, (name, trained, untrained)
+
+
+def trained_and_untrained_loss(trainer) -> tuple[float, float]:
+    """The tail-trained drafter's loss on (up to) 16 of its buffer's entries, and a fresh drafter's."""
+    from tlt.drafter.trainer import DrafterTrainer
+    entries = list(trainer.buffer.entries)[:16]
+    drafter = trainer.drafter
+    fresh = EagleDrafter(drafter.config, drafter.draft_to_target).attach(drafter.target)
+    return (trainer.evaluate(entries)["loss"],
+            DrafterTrainer(fresh, trainer.buffer, trainer.config).evaluate(entries)["loss"])
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 40], ids=["whole-vocabulary", "draft-vocabulary"])

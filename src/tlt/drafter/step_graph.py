@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from tlt.capture_lock import CAPTURING
 from tlt.drafter.buffer import PackedPairs
 
 log = logging.getLogger(__name__)
@@ -74,25 +75,41 @@ class MicroStepGraph:
         stream, current = self._stream, torch.cuda.current_stream(device)
         stream.wait_stream(current)
         params = self._params()
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):  # allocates the gradients the graph will accumulate into
-                loss, parts = trainer.loss(*self.buffers, noise=False)
-                loss.backward()
-            # the warm-ups' gradients are not the step's (a parameter the loss does not reach has none)
-            torch._foreach_zero_([p.grad for p in params if p.grad is not None])
-            self.sums = {key: torch.zeros((), dtype=torch.float32, device=device) for key in parts}
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                loss, parts = trainer.loss(*self.buffers, noise=False)
-                loss.backward()
-                for key, value in parts.items():
-                    self.sums[key].add_(value)
-            finally:
-                graph.capture_end()
-        current.wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(WARMUP_RUNS):  # allocates the gradients the graph will accumulate into
+                    loss, parts = trainer.loss(*self.buffers, noise=False)
+                    loss.backward()
+                # the warm-ups' gradients are not the step's (a parameter the loss does not reach has none)
+                torch._foreach_zero_([p.grad for p in params if p.grad is not None])
+                self.sums = {key: torch.zeros((), dtype=torch.float32, device=device) for key in parts}
+                with CAPTURING:  # not beside the decode loop's own captures (tlt/capture_lock.py)
+                    graph = self._captured(parts)
+        finally:
+            # also after a failure: the eager step that follows runs on `current` and writes the parameters the
+            # warm-ups on `stream` may still be reading
+            current.wait_stream(stream)
         self.graph, self._key = graph, self._tensors_key()
         log.info("drafter micro-step captured as a CUDA graph (%d rows of %d pairs)", self.rows, self.row_length)
+
+    def _captured(self, parts: dict) -> torch.cuda.CUDAGraph:
+        """The micro-step recorded on the current (capture) stream. A failure inside the capture raises itself,
+        not capture_end's consequent "invalidated capture", which would hide the cause."""
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            loss, parts = self.trainer.loss(*self.buffers, noise=False)
+            loss.backward()
+            for key, value in parts.items():
+                self.sums[key].add_(value)
+        except BaseException:
+            try:
+                graph.capture_end()  # ends the stream's capture mode; its own error is the one above's echo
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        graph.capture_end()
+        return graph
 
     def _params(self) -> list[torch.Tensor]:
         return [p for p in self.trainer.drafter.parameters() if p.requires_grad]
@@ -101,7 +118,9 @@ class MicroStepGraph:
         """Where every tensor the graph reads or writes lives (None for a gradient that is not there)."""
         drafter = self.trainer.drafter
         target = drafter.target
-        outside = (target.decoder.embed_tokens.weight.data_ptr(), drafter.head_weight().data_ptr())
+        rotary = getattr(target.decoder.rotary_emb, "inv_freq", None)  # RoPE's frequencies, a buffer it reads
+        outside = (target.decoder.embed_tokens.weight.data_ptr(), drafter.head_weight().data_ptr(),
+                   None if rotary is None else rotary.data_ptr(), drafter.fc.weight.dtype)
         return outside + tuple((p.data_ptr(), None if p.grad is None else p.grad.data_ptr()) for p in self._params())
 
     @staticmethod

@@ -24,12 +24,12 @@ padding logic is checked on any device.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tlt.capture_lock import CAPTURING
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import ATTENTION_ALIGN, COMPILE_MODES, ForwardOutput, LeanForward
 from tlt.sampling import RowSampling, sample_next
@@ -49,9 +49,6 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # exactly the rollout's case, and an illegal access ends the CUDA context. Flash takes no mask either way.
 CAPTURED_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 KV_BLOCK = 256
-# One capture at a time in a process: in-process workers on several GPUs capture from their own threads, and
-# a capture's start synchronizes and empties the device's cache (rare: once per new bucket)
-_CAPTURING = threading.Lock()
 
 
 def batch_bucket(batch: int, max_rows: int) -> int | None:
@@ -283,7 +280,7 @@ class GraphRunner:
             # thread_local: another thread may launch CUDA work meanwhile (the tail trainer on its own stream,
             # which allocates); "global" would fail its allocations, or this capture, whenever a new bucket is
             # captured.
-            with _CAPTURING, torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+            with CAPTURING, torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                 outputs = step()
         self.captures += 1
         return _Graph(graph, outputs, step)
