@@ -5,7 +5,9 @@ RL step's rollouts. This isolates that training from the RL run: fresh T=1 respo
 warm-up never drew, split by prompt into training and held-out halves; copies of the warmed drafter train on the
 first with a fresh AdamW (as a run whose --drafter directory has no optimizer state starts, e.g. the committed
 one) at each learning rate and lr ramp (`lr@ramp_steps`: DrafterTrainConfig.warmup_steps), and are scored on the second (teacher-forced: depth-1 sum min(p, q) at T=1, top-1)
-every few steps.
+every few steps. `--model`: the policy these fresh responses and features come from, e.g. a run's final policy
+after some RL steps (`tlt train ... run.steps=10`: RUN/final): how much the policy's drift costs the warmed
+drafter (step 0 against the base model's step 0), and how much training on the drifted policy's features wins back.
 
     python benchmarks/drafter_adaptation.py --drafter benchmarks/drafters/smollm2-arithmetic \
         --json benchmarks/results/drafter_adaptation.json
@@ -59,6 +61,7 @@ def scores(trainer: DrafterTrainer, held) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True)
+    parser.add_argument("--model", default="smollm2", help="the policy (default: the base SmolLM2-135M-Instruct)")
     parser.add_argument("--json", required=True)
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=192)
@@ -69,11 +72,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=101, help="prompts the warm-up (seeds 0-3) never drew")
     args = parser.parse_args()
     torch.manual_seed(0)
-    loaded = load_model("smollm2")
+    loaded = load_model(args.model)
     warmed = EagleDrafter.load(args.drafter, loaded.model).float()
     started = time.perf_counter()
     train, held, generated = fresh_features(loaded, warmed, args.prompts, args.max_new_tokens, args.seed)
-    result = {"environment": environment(), "drafter": args.drafter, "prompts": args.prompts,
+    result = {"environment": environment(), "drafter": args.drafter, "model": args.model, "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "generated_tokens": generated, "held_out_responses": len(held),
               "generate_s": round(time.perf_counter() - started, 1), "steps": args.steps, "by_arm": {}}
     for arm in args.arms.split(","):
