@@ -645,10 +645,12 @@ def test_the_q_node_comparison_can_fail():
     assert not torch.equal(dropped.path, expected.path)
 
 
-@pytest.mark.parametrize("strategy", [SpecStrategy(2, 2, rule="q"), SpecStrategy.chain(3, "q")], ids=str)
-def test_graph_steps_on_triton_kernels_sample_what_the_torch_engine_samples(strategy):
+def test_graph_steps_on_triton_kernels_sample_what_the_torch_engine_samples():
     """The steps a CUDA graph replays (a non-capturing graph runner: sync-free acceptance, where the q rule's node
-    tests are one launch for trees and chains alike) on the Triton kernels, against the eager torch engine."""
+    tests are one launch for trees and chains alike) on the Triton kernels, against the eager torch engine. A
+    q tree only: a chain goes through the same launch (~60 s more under the CPU's Triton interpreter; the GPU
+    suite runs both)."""
+    strategy = SpecStrategy(2, 2, rule="q")
     from tlt.rollout.graph_runner import GraphRunner
 
     model, drafter, requests = engine_case()
