@@ -50,6 +50,13 @@
 #   plus what its line names. The warmed drafter travels in the working tree (benchmarks/drafters/, 8.4 MB). After
 #   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
+# Eleventh session (2026-11-28, no GPU): the drafter's capture now holds the process's capture lock beside the
+# rollout's (tlt/capture_lock.py; a review found a device-wide sync at the decode loop's capture could invalidate
+# it), a failed capture reports its own cause, and the tail test checks the tail-trained drafter's loss fell. If
+# call 1's tail_graph test fails, its message names the capture error. spot_training.py runs the warmed drafter at
+# --drafter-lr 1e-4 (the lr its warm-up ended at; 1e-3 cost held-out acceptance) with a 20-step lr ramp. The tau
+# phase's expectation: ~1.0x at 10 steps (CPU: after 10 GRPO steps the warmed drafter's held-out acceptance rose,
+# 0.636 -> 0.702, and training on the new policy's features added 0.003: docs/benchmarks.md section 7).
 # Tenth session (2026-11-28, no GPU): the drafter's training micro-step can replay as one CUDA graph
 # (run.drafter_cuda_graph, off by default until measured; drafter/step_graph.py): `tail` now runs it as a third
 # mode (overhead_graph, spot_overhead_ratio_graph, overlap_slowdown_median_graph beside the eager spot mode), and
