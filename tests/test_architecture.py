@@ -12,6 +12,7 @@ FLOORS = {"__init__": 0, "errors": 0,
           "files": 0.5, "threads": 0.5,  # helpers every floor uses (atomic writes, thread budgets); they raise errors
           "interrupts": 0.5,  # signals held over a block that must complete (a step's checkpoint)
           "device_values": 0.5,  # metrics read from the device at once
+          "capture_lock": 0.5,  # one CUDA-graph capture at a time (rollout/graph_runner, drafter/step_graph)
           "models": 1,
           "sampling": 2, "optimizer_state": 2, "lr_schedule": 2,
           "speculative": 3,
