@@ -671,6 +671,8 @@ def test_held_out_scores_leave_the_training_feature_noise_out():
     clean = DrafterTrainer(drafter, FeatureBuffer(1000)).evaluate(entries)
     noisy = DrafterTrainer(drafter, FeatureBuffer(1000), DrafterTrainConfig(feature_noise=0.5)).evaluate(entries)
     assert noisy == clean
+    with pytest.raises(ValueError, match="no feature entries"):  # a shape error from deep inside the drafter before
+        DrafterTrainer(drafter, FeatureBuffer(1000)).evaluate([])
 
 
 def test_a_drafter_whose_weights_lost_their_draft_vocabulary_is_refused(tmp_path):

@@ -413,6 +413,7 @@ def trained_and_untrained_loss(trainer) -> tuple[float, float]:
     """The tail-trained drafter's loss on (up to) 16 of its buffer's entries, and a fresh drafter's."""
     from tlt.drafter.trainer import DrafterTrainer
     entries = list(trainer.buffer.entries)[:16]
+    assert entries, "the tail trainer's buffer holds no features (none were collected)"
     drafter = trainer.drafter
     fresh = EagleDrafter(drafter.config, drafter.draft_to_target).attach(drafter.target)
     return (trainer.evaluate(entries)["loss"],

@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -39,6 +39,25 @@ IDLE_WAIT_S = 0.05  # how long the thread sleeps when it has nothing to train on
 # the rollout took 1.15-1.22x with a tail trainer that ran for 30-40 ms and 0-1 drafter steps. (On the CPU a
 # step's ops release the GIL for most of its 30+ ms: left as it is.)
 CUDA_SWITCH_INTERVAL_S = 0.0005
+
+
+class Arrival(NamedTuple):
+    """A finished sample's features on their way to the buffer (named: the CUDA path once queued its fields in
+    another order than the drain read them, and every CUDA tail trained on nothing)."""
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    step: int
+    landed: "torch.cuda.Event | None" = None  # CUDA: set when the asynchronous copy to the host is done
+
+
+def indexed_device(device) -> torch.device:
+    """`device` with its index: "cuda" is the current CUDA device of the thread that builds the trainer
+    (`torch.cuda.set_device` on the training thread refuses a device without one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @dataclass
@@ -74,7 +93,7 @@ class TailTrainer:
         self.buffer: FeatureBuffer = trainer.buffer
         self.publish = publish
         self.publish_every = max(1, publish_every)
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,10 +116,11 @@ class TailTrainer:
 
         def add(tokens: torch.Tensor, features: torch.Tensor) -> None:
             if features.is_cuda:
-                self._incoming.put((*self._to_host_async(tokens, features), step))
+                host_tokens, host_features, landed = self._to_host_async(tokens, features)
+                self._incoming.put(Arrival(host_tokens, host_features, step, landed))
                 return
-            self._incoming.put((tokens.to("cpu", copy=True), features.to("cpu", torch.float32, copy=True), step,
-                                None))
+            self._incoming.put(Arrival(tokens.to("cpu", copy=True), features.to("cpu", torch.float32, copy=True),
+                                       step))
         return add
 
     def _to_host_async(self, tokens: torch.Tensor, features: torch.Tensor):
@@ -205,12 +225,12 @@ class TailTrainer:
     def _drain(self) -> None:
         while True:
             try:
-                tokens, features, step, landed = self._incoming.get_nowait()
+                arrival: Arrival = self._incoming.get_nowait()
             except queue.Empty:
                 return
-            if landed is not None:  # copied asynchronously (collect on CUDA): wait until they are in host memory
-                landed.synchronize()
-            self.buffer.add(tokens, features, step)
+            if arrival.landed is not None:  # copied asynchronously (on CUDA): wait until they are in host memory
+                arrival.landed.synchronize()
+            self.buffer.add(arrival.tokens, arrival.features, arrival.step)
 
     @contextlib.contextmanager
     def _side_stream(self):

@@ -235,6 +235,8 @@ class DrafterTrainer:
         fed the target's own features). Top-1 agreement is NOT an acceptance rate at T > 0: at T = 1 a token that
         matches the target's argmax is still accepted only with probability p(token). For the τ these predict,
         deeper drafts included, see tlt.drafter.chain."""
+        if not entries:
+            raise ValueError("DrafterTrainer.evaluate: no feature entries to evaluate on")
         self.drafter.eval()
         packed = pack_pairs(entries, self.config.row_length)
         weights = packed.valid.float() / max(1, int(packed.valid.sum()))
