@@ -11,6 +11,9 @@
 #   spec        benchmarks/speculative.py at T=1 on SPEC_BATCHES x SPEC_ARMS (batch 32: the largest gate a cost
 #               curve gives; SD must not lose where it turns on)               -> speculative_h100.json (#13, #14)
 #   spec-greedy the same greedy on SPEC_GREEDY_BATCHES, its results added to speculative_h100.json (#13)
+#   spec-diag   where an SD step's time goes: speculative.py at T=1, batches 1 and 4, with step statistics (median
+#               step ms, slow steps, prefills) and torch.profiler tables of plain and S4K2N14q runs (top ops by
+#               device and host time, the device's busy seconds)        -> speculative_h100_diag.json (#13, #14)
 #   throughput  benchmarks/rollout_throughput.py on THROUGHPUT_BATCHES (1,64), also on the Triton kernels and with
 #               rollout.compile=inductor (no eager engine: measured before)     -> rollout_throughput_h100.json (#13)
 #   triton-tests  the fused Triton kernels' tests (rollout.kernels=triton) compiled for CUDA: test_triton_kernels.py
@@ -245,11 +248,11 @@ ensure_model() {  # the default model's cached copy, converted from its GGUF onc
 
 for phase in "$@"; do
   case $phase in
-    drafter|spec|spec-greedy|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl|update|triton)
+    drafter|spec|spec-greedy|spec-diag|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl|update|triton)
       if ! ensure_model; then echo "== $phase skipped: the default model did not convert"; continue; fi ;;
   esac
   case $phase in
-    spec|spec-greedy|spec-compiled|tail|tail-tau|e2e|e2e-natural|triton)
+    spec|spec-greedy|spec-diag|spec-compiled|tail|tail-tau|e2e|e2e-natural|triton)
       if ! ensure_drafter; then echo "== $phase skipped: no drafter"; continue; fi ;;
   esac
   case $phase in
@@ -277,6 +280,12 @@ for phase in "$@"; do
         --png /tmp/speculative_${GPU}_greedy.png
       [ -s "$OUT/speculative_${GPU}.json" ] && python3 benchmarks/speculative.py \
         --add-greedy-to "$OUT/speculative_${GPU}.json" --greedy-json "$OUT/speculative_${GPU}_greedy.json" ;;
+    spec-diag)  # H200, 2026-11-28: an S4K2N14q step took ~2.7 ms at batch 1 and ~4.2 ms at batch 4 (from tok/s and
+      # tau), a plain step ~1.45 ms at both: host-bound (the device idle between replays) or a kernel that grows?
+      run spec_diag 150 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
+        --batches 1,4 --strategies S4K2N14q,S5K1q --min-prompts "$SPEC_MIN_PROMPTS" --profile 1:plain \
+        --profile 1:S4K2N14q --profile 4:plain --profile 4:S4K2N14q --json "$OUT/speculative_${GPU}_diag.json" \
+        --png /tmp/speculative_${GPU}_diag.png ;;
     throughput)
       # the batch-1 step and the batch-64 ratio are #13's targets (add 16 when a call has time for it)
       run throughput 230 python3 benchmarks/rollout_throughput.py --device cuda --batches "$THROUGHPUT_BATCHES" \

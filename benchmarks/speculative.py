@@ -62,9 +62,9 @@ def engine_for(loaded, drafter, batch, strategy, compile_mode, kernels="auto"):
 
 
 def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, sampling: dict, compile_mode="off",
-        kernels="auto"):
-    """tok/s and the speculation summary of one timed generate(); sampling: SamplingParams' temperature, top_k,
-    top_p."""
+        kernels="auto", profile: dict | None = None):
+    """tok/s, the speculation summary and the step statistics of one timed generate(); sampling: SamplingParams'
+    temperature, top_k, top_p. profile: a dict that gets the profiler's table of that timed generate."""
     # An engine's graph runner holds itself through its captured bodies: only the cyclic collector frees the
     # last engine's KV cache, graph pools and rollout copy (on CUDA up to ~1 GB each, ~10 engines per batch)
     gc.collect()
@@ -75,9 +75,47 @@ def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, samplin
         engine.generate(requests)
     else:
         engine.generate([Request(prompts[0], params=SamplingParams(max_new_tokens=4, seed=seed))])  # warm-up
-    result = engine.generate(requests)
+    before = (engine.model_runner.warmups, engine.model_runner.eager_speculative_steps)
+    if profile is None:
+        result = engine.generate(requests)
+    else:
+        result = profiled(lambda: engine.generate(requests), profile)
     ENGINE_SETUP.update(dtype=str(engine.forward.dtype).removeprefix("torch."), cuda_graphs=engine.runner is not None)
-    return result.tokens_per_s, result.speculation_summary()
+    return result.tokens_per_s, result.speculation_summary(), step_stats(result, engine.model_runner, before)
+
+
+def step_stats(result, model_runner, before: tuple[int, int]) -> dict:
+    """Where a timed generate's wall time went: decode steps (median and p90 ms: a speculative step's cost
+    against a plain one's), the slow ones (over 3x the median: eager fallbacks, drafter rebuilds, captures),
+    prefills, and the one-off work counted by the model runner during the timed run (it should be none: the
+    untimed run before it met the same shapes)."""
+    decode = sorted(s.wall_s for s in result.steps if s.kind == "decode")
+    prefill = [s.wall_s for s in result.steps if s.kind == "prefill"]
+    median = statistics.median(decode) if decode else 0.0
+    slow = [w for w in decode if w > 3 * median]
+    return {"wall_s": result.wall_s, "decode_steps": len(decode), "step_ms_median": median * 1e3,
+            "step_ms_p90": decode[int(0.9 * (len(decode) - 1))] * 1e3 if decode else 0.0,
+            "decode_s": sum(decode), "slow_steps": len(slow), "slow_s": sum(slow),
+            "prefills": len(prefill), "prefill_s": sum(prefill),
+            "warmups": model_runner.warmups - before[0],
+            "eager_speculative_steps": model_runner.eager_speculative_steps - before[1]}
+
+
+def profiled(generate, into: dict):
+    """generate() under torch.profiler: the ops with the most device and host time, and how busy the device
+    was over the run's wall time (a speculative step the host cannot feed fast enough leaves it idle)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        result = generate()
+    events = prof.key_averages()
+    device_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+    rows = lambda key: [{"name": e.key[:80], "calls": e.count, "self_device_ms": device_us(e) / 1e3,
+                         "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=key)[:25]]
+    into.update(wall_s=result.wall_s, device_busy_s=sum(device_us(e) for e in events) / 1e6,
+                top_device=rows(lambda e: -device_us(e)), top_cpu=rows(lambda e: -e.self_cpu_time_total))
+    return result
 
 
 def main(argv=None) -> dict:
@@ -108,11 +146,22 @@ def main(argv=None) -> dict:
                         "every batch size (more rounds where batch x rounds is fewer): τ at batch 1 from one "
                         "prompt is that prompt's (greedy on the H100, 2026-11-27: τ 1.53 on one prompt, 2.42 "
                         "on four)")
+    parser.add_argument("--profile", metavar="BATCH:ARM", action="append", default=[], help="after the runs, one "
+                        "more timed run of ARM (or plain) at BATCH under torch.profiler: its top ops by device and "
+                        "host time and the device's busy seconds, into the JSON's `profiles` (repeatable)")
     parser.add_argument("--add-greedy-to", metavar="FILE", help="only put --greedy-json's results into FILE, a "
                         "T=1 run's (a GPU session runs T=1 first, so that a short call still gets the T=1 file)")
     args = parser.parse_args(argv)
     if args.compile != "off" and args.kernels == "triton":
         parser.error("--compile and --kernels triton are alternatives (as rollout.compile and rollout.kernels)")
+    for wanted in args.profile:
+        batch, _, arm = wanted.partition(":")
+        if not (batch.isdigit() and int(batch) > 0 and arm):
+            parser.error(f"--profile takes BATCH:ARM (e.g. 4:S4K2N14q or 4:plain), got {wanted!r}")
+        try:
+            arm == "plain" or SpecStrategy.parse(arm)  # a bad arm fails here, before the model loads
+        except ValueError as error:
+            parser.error(f"--profile {wanted}: {error}")
     if args.add_greedy_to:
         results = json.loads(Path(args.add_greedy_to).read_text())
         add_greedy(results, args.greedy_json)
@@ -159,11 +208,15 @@ def main(argv=None) -> dict:
         measure = lambda arm: run(loaded, drafter if arm or args.compile != "off" else None, prompts, batch, arm,
                                   max_new, batch, sampling, args.compile, args.kernels)
         plain_runs = results.setdefault("plain_runs_tok_s", {}).setdefault(key, [])  # kept as they come
-        plain_runs.append(measure(None)[0])
+        stats = results.setdefault("step_stats", {}).setdefault(key, {})  # each arm's last run's
+        first_plain = measure(None)
+        plain_runs.append(first_plain[0])
+        stats["plain"] = first_plain[2]
         runs = {strategy: [] for strategy in strategies}
         for _ in range(args.repeats):
             for strategy in strategies:
-                runs[strategy].append(measure(strategy))
+                tok_s, summary, stats[strategy.name] = measure(strategy)
+                runs[strategy].append((tok_s, summary))
                 # each arm as it finishes: a compiled arm costs minutes, and a phase may hit its time limit
                 results.setdefault("arm_runs_tok_s", {}).setdefault(key, {})[strategy.name] = [
                     t for t, _ in runs[strategy]]
@@ -192,6 +245,16 @@ def main(argv=None) -> dict:
         results["sd_tok_s"][key], results["tau"][key], results["strategy"][key], results["speedup"][key] = best
         print(f"batch {batch:2d}: plain {plain:6.1f} tok/s  best SD {best[0]:6.1f} tok/s ({best[2]}, "
               f"tau {best[1]:.2f})  x{results['speedup'][key]:.2f}", file=sys.stderr)
+        save()
+    for wanted in args.profile:
+        batch, _, arm = wanted.partition(":")
+        batch = int(batch)
+        prompts = [task.prompt_ids(e) for e in task.sample(batch, seed=100 + batch)]
+        strategy = None if arm == "plain" else SpecStrategy.parse(arm)
+        profile = {"batch": batch, "arm": arm}
+        results.setdefault("profiles", []).append(profile)
+        _, _, profile["step_stats"] = run(loaded, drafter if strategy else None, prompts, batch, strategy, max_new,
+                                          batch, sampling, args.compile, args.kernels, profile=profile)
         save()
     add_greedy(results, args.greedy_json)
     results.update(ENGINE_SETUP)

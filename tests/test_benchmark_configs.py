@@ -213,3 +213,29 @@ def test_trl_steps_reach_the_file_as_they_come():
     clock.on_log(None, None, None, logs={"reward": 0.5, "completions/mean_length": 100.0,
                                          "completions/max_length": 200.0})
     assert len(seen) == 2 and seen[-1]["reward_mean"] == [0.5] and seen[-1]["completion_len_max"] == [200.0]
+
+
+def test_speculative_step_statistics_place_the_wall_time():
+    """speculative.py's step statistics (the GPU diagnosis of a step's cost): the median and p90 step, the slow
+    steps (over 3x the median), prefills, and the one-off work counted during the timed run only."""
+    import speculative
+    from tlt.rollout.request import RolloutResult, StepTrace
+
+    steps = [StepTrace("prefill", 2, 2, 0.5)] + [StepTrace("decode", 2, 4, 0.002)] * 9 + \
+        [StepTrace("decode", 2, 4, 0.05)]
+    runner = argparse.Namespace(warmups=5, eager_speculative_steps=1)
+    stats = speculative.step_stats(RolloutResult([], steps, 1.0), runner, before=(4, 1))
+    assert stats["decode_steps"] == 10 and stats["step_ms_median"] == pytest.approx(2.0)
+    assert stats["slow_steps"] == 1 and stats["slow_s"] == pytest.approx(0.05)
+    assert stats["prefills"] == 1 and stats["prefill_s"] == pytest.approx(0.5)
+    assert stats["warmups"] == 1 and stats["eager_speculative_steps"] == 0
+    assert stats["decode_s"] == pytest.approx(0.068)
+
+
+@pytest.mark.parametrize("wanted", ["4", "0:plain", "x:S4K2N8", "4:S9"])
+def test_speculative_refuses_a_bad_profile_request_before_loading_the_model(wanted, capsys):
+    import speculative
+
+    with pytest.raises(SystemExit):
+        speculative.main(["--profile", wanted])
+    assert "--profile" in capsys.readouterr().err

@@ -56,6 +56,8 @@ class ModelRunner:
         self.cache: KVCache | None = None
         self.spec_decoder: SpeculativeDecoder | None = None
         self._rebuilds = 0  # speculative steps that rebuilt some row's drafter state from nothing
+        # speculative steps that had CUDA graphs yet ran eagerly (no bucket): a benchmark's diagnosis
+        self.eager_speculative_steps = 0
 
     @property
     def max_tree_size(self) -> int:
@@ -205,6 +207,7 @@ class ModelRunner:
                 outcome = self.graphs.speculative_step(self.spec_decoder, rows, pending, settings, uniforms,
                                                        strategy)
             if outcome is None:  # no graph for it (rows not from cache row 0, a batch past the buckets): eager
+                self.eager_speculative_steps += self.graphs is not None
                 outcome = self.spec_decoder.step(rows, pending.to(self.device), settings.to(self.device),
                                                 uniforms.to(self.device), strategy)
         result = outcome.acceptance
