@@ -53,6 +53,16 @@
 #   plus what its line names. The warmed drafter travels in the working tree (benchmarks/drafters/, 8.4 MB). After
 #   each call copy back what it sent ($OUT/cost_curves.tar -> .gpu/; $OUT/drafter/* if the drafter phase ran).
 #
+# Twelfth session (2026-11-28, an H200): `triton-tests tests`, `throughput spec`, `spec-greedy` ran (files
+# *_h200.json, docs/benchmarks.md section 9 "Twelfth session"). The tests found every CUDA tail trainer training on
+# nothing (fixed: tail_trainer.Arrival, indexed_device) and a negative control that is racy on a GPU (fixed). SD at
+# T=1 batch 1 1.37x, greedy 1.56x; SD loses at batch >= 4 because its step grows ~1.3 ms from one row to four.
+# NEXT (plan D, 15 minutes): 1. carry .gpu/a, timeout_s 150:
+#        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=130 bash benchmarks/gpu_session.sh tests-fixed
+#   2. carry .gpu/b, at once, timeout_s = lease.budget_left_s - 60, BUDGET = that - 40:
+#        . .gpu/env.sh && BUDGET=<...> bash benchmarks/gpu_session.sh spec-diag tail
+#   then give_back. spec-diag says where the SD step's time goes (host between replays or a kernel: its profiles);
+#   tail measures the fixed tail trainer's overhead, eager and graphed (#15's 3%), now that it trains on data.
 # Eleventh session (2026-11-28, no GPU): the drafter's capture now holds the process's capture lock beside the
 # rollout's (tlt/capture_lock.py; a review found a device-wide sync at the decode loop's capture could invalidate
 # it), a failed capture reports its own cause, and the tail test checks the tail-trained drafter's loss fell. If
@@ -263,11 +273,11 @@ for phase in "$@"; do
         -k compiled --junitxml="$OUT/tests_compiled.xml" ;;
     update)
       run update 80 python3 benchmarks/update_cost.py --device cuda --json "$OUT/update_cost_${GPU}.json" ;;
-    tests-fixed)  # the q-rule control whose defect the 2026-11-27 session found (fixed on the CPU, not rerun on a
-      # GPU; the other fixed test, the compiled one, takes 70 s: it runs with plan A's `tests`), and top-k/top-p
-      # rows in captured graphs (the vocabulary sorted inside the graph; sixth session, never run on a GPU)
-      run tests_fixed 80 python3 -m pytest -m gpu tests/test_gpu.py -v -rfE -o faulthandler_timeout=75 \
-        -k "sampled_distribution_through_speculative_graphs or cudnn_attention_out or top_k_top_p" \
+    tests-fixed)  # what the 2026-11-28 H200 session's tests found, fixed on the CPU: the CUDA tail trainer (its
+      # features were queued in another order than drained; set_device refused an unindexed "cuda") and the
+      # split attention's stale-count control (racy on a GPU), with the drafter's captured micro-step beside them
+      run tests_fixed 110 python3 -m pytest tests/test_gpu.py tests/test_triton_kernels.py -v \
+        -rfE -o faulthandler_timeout=100 -k "tail or stale_arrival or captured_drafter_micro_step" \
         --junitxml="$OUT/tests_fixed.xml" ;;
     drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
     spec)  # T=1: speculative_${GPU}.json is the file #13 and #14 need (spec-greedy adds its results to it)
