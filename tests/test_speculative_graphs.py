@@ -404,6 +404,43 @@ def test_compiled_steps_step_as_the_eager_ones():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_an_arm_inductor_cannot_compile_runs_its_step_uncompiled(monkeypatch, caplog):
+    """rollout.compile: a q-sampling tree's whole step fails inside Inductor on the CPU ("vr must not be None for
+    symbol q1", torch 2.13; ~160 s to find out, so here the failure is simulated): that arm runs its step
+    uncompiled, said once, and the other arms stay compiled; the tokens are the eager engine's."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from tlt.rollout import graph_runner
+
+    compiled_arms = []
+
+    def fake_compile(fn, **_):
+        def step(decoder, rows, draft_rows, inputs, shape, **kwargs):
+            if shape.strategy.rule == "q" and shape.strategy.branching > 1:
+                raise BackendCompilerFailed(fn, AssertionError("vr must not be None for symbol q1"), None)
+            compiled_arms.append(shape.strategy.name)
+            return fn(decoder, rows, draft_rows, inputs, shape, **kwargs)
+        return step
+
+    class TwoArms(FixedSpeculation):  # a q tree and a q chain, by turns
+        def choose(self, batch_size):
+            self.turn = getattr(self, "turn", 0) + 1
+            return (SpecStrategy(3, 2, rule="q"), SpecStrategy.chain(3, "q"))[self.turn % 2]
+
+    model, _ = markov_model(16, sharpness=3.0, context=0.05)
+    drafter = EagleDrafter(model.config).attach(model)
+    eager, compiled = engine_pair(model, drafter, TwoArms(SpecStrategy(3, 2, rule="q"), gate=4), 4)
+    compiled.forward.compile_mode = "inductor"  # the step's compile only (faked): the forward stays eager
+    monkeypatch.setattr(graph_runner.torch, "compile", fake_compile)
+    requests = mixed_requests(16)
+    with caplog.at_level("WARNING", logger="tlt.rollout.graph_runner"):
+        result = compiled.generate(requests)
+    eager.speculation = TwoArms(SpecStrategy(3, 2, rule="q"), gate=4)
+    assert_same(eager.generate(requests), result)
+    assert compiled.runner.uncompiled_arms == {"S3K2N10q"} and "S3K1N3q" in compiled_arms
+    assert caplog.text.count("could not compile the speculative step of S3K2N10q (AssertionError: vr must") == 1
+
+
 def test_compile_needs_the_graphs_it_compiles_for():
     model = tiny_model()
     with pytest.raises(RequestError, match="needs a model on CUDA"):

@@ -24,6 +24,7 @@ padding logic is checked on any device.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,8 @@ from tlt.speculative.decoder import (
     spans,
 )
 from tlt.speculative.strategy import SpecStrategy
+
+log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Attention kernels a captured step may use (the kernel is picked at capture, and replays keep it). Not cuDNN,
@@ -108,6 +111,7 @@ class GraphRunner:
         self._speculative: tuple | None = None  # (decoder, its drafter cache) the speculative graphs read
         # SpeculativeDecoder.run compiled, with a compiled forward; kept across resets (Dynamo's entries stay valid)
         self._compiled_step = None
+        self.uncompiled_arms: set[str] = set()  # arms whose whole step Inductor failed to compile: run uncompiled
         self._graphs: dict[tuple, _Graph] = {}
         self._buffers: dict[tuple, _Buffers] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -311,7 +315,25 @@ class GraphRunner:
         if self._compiled_step is None:
             # dynamic=True as in LeanForward.compile: one compile per arm, not one per KV span and batch first met
             self._compiled_step = torch.compile(SpeculativeDecoder.run, mode=COMPILE_MODES[mode], dynamic=True)
-        return lambda *args, **kwargs: self._compiled_step(decoder, *args, **kwargs)
+        return lambda *args, **kwargs: self._compiled_or_eager(decoder, *args, **kwargs)
+
+    def _compiled_or_eager(self, decoder: SpeculativeDecoder, rows, draft_rows, inputs, shape: StepShape, **kwargs):
+        """The compiled step, or, for an arm Inductor cannot compile, the uncompiled one (its verify forward stays
+        compiled): a q-sampling tree fails inside Inductor on the CPU (torch 2.13: "vr must not be None for
+        symbol q1"). Compiling fails before the step runs (it has no graph breaks), so nothing ran twice."""
+        from torch._dynamo.exc import BackendCompilerFailed  # (imported by torch.compile already: no cost)
+
+        arm = shape.strategy.name
+        if arm not in self.uncompiled_arms:
+            try:
+                return self._compiled_step(decoder, rows, draft_rows, inputs, shape, **kwargs)
+            except BackendCompilerFailed as error:
+                self.uncompiled_arms.add(arm)
+                cause = getattr(error, "inner_exception", None) or error
+                log.warning("rollout.compile: Inductor could not compile the speculative step of %s (%s: %s); "
+                            "that arm's step runs uncompiled, its verify forward compiled", arm,
+                            type(cause).__name__, (str(cause).strip().splitlines() or [""])[0][:200])
+        return decoder.run(rows, draft_rows, inputs, shape, **kwargs)
 
     @staticmethod
     def _speculative_body(step, rows: CacheRows, draft_rows: CacheRows, shape: StepShape, kind: tuple,
