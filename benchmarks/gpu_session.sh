@@ -11,6 +11,9 @@
 #   spec        benchmarks/speculative.py at T=1 on SPEC_BATCHES x SPEC_ARMS (batch 32: the largest gate a cost
 #               curve gives; SD must not lose where it turns on)               -> speculative_h100.json (#13, #14)
 #   spec-greedy the same greedy on SPEC_GREEDY_BATCHES, its results added to speculative_h100.json (#13)
+#   adaptive    adaptive_buckets.py: the RL engine (run.speculative=adaptive, run.gate=auto) vs plain on one
+#               long-tailed rollout (16 prompts, 1024 tokens, T=1), per batch bucket: SD never below plain where
+#               the policy turns it on (#13)                           -> adaptive_buckets_h100.json
 #   spec-diag   where an SD step's time goes: speculative.py at T=1, batches 1 and 4, with step statistics (median
 #               step ms, slow steps, prefills) and torch.profiler tables of plain and S4K2N14q runs (top ops by
 #               device and host time, the device's busy seconds)        -> speculative_h100_diag.json (#13, #14)
@@ -258,11 +261,11 @@ ensure_model() {  # the default model's cached copy, converted from its GGUF onc
 
 for phase in "$@"; do
   case $phase in
-    drafter|spec|spec-greedy|spec-diag|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl|update|triton)
+    drafter|spec|spec-greedy|spec-diag|adaptive|spec-compiled|throughput|kernels|head|tail|tail-tau|e2e|e2e-natural|trl|update|triton)
       if ! ensure_model; then echo "== $phase skipped: the default model did not convert"; continue; fi ;;
   esac
   case $phase in
-    spec|spec-greedy|spec-diag|spec-compiled|tail|tail-tau|e2e|e2e-natural|triton)
+    spec|spec-greedy|spec-diag|adaptive|spec-compiled|tail|tail-tau|e2e|e2e-natural|triton)
       if ! ensure_drafter; then echo "== $phase skipped: no drafter"; continue; fi ;;
   esac
   case $phase in
@@ -296,6 +299,9 @@ for phase in "$@"; do
         --batches 1,4 --strategies S4K2N14q,S5K1q --min-prompts "$SPEC_MIN_PROMPTS" --profile 1:plain \
         --profile 1:S4K2N14q --profile 4:plain --profile 4:S4K2N14q --json "$OUT/speculative_${GPU}_diag.json" \
         --png /tmp/speculative_${GPU}_diag.png ;;
+    adaptive)  # the cost curve (up to 90 s on a fresh machine: carry .gpu/cost_curves.tar), then 4 rollouts
+      run adaptive 240 python3 benchmarks/adaptive_buckets.py --device cuda --drafter "$DRAFTER" --prompts 16 \
+        --max-new-tokens 1024 --json "$OUT/adaptive_buckets_${GPU}.json" ;;
     throughput)
       # the batch-1 step and the batch-64 ratio are #13's targets (add 16 when a call has time for it)
       run throughput 230 python3 benchmarks/rollout_throughput.py --device cuda --batches "$THROUGHPUT_BATCHES" \

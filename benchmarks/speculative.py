@@ -104,17 +104,22 @@ def step_stats(result, model_runner, before: tuple[int, int]) -> dict:
 def profiled(generate, into: dict):
     """generate() under torch.profiler: the ops with the most device and host time, and how busy the device
     was over the run's wall time (a speculative step the host cannot feed fast enough leaves it idle)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         result = generate()
     events = prof.key_averages()
-    device_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-    rows = lambda key: [{"name": e.key[:80], "calls": e.count, "self_device_ms": device_us(e) / 1e3,
-                         "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=key)[:25]]
-    into.update(wall_s=result.wall_s, device_busy_s=sum(device_us(e) for e in events) / 1e6,
-                top_device=rows(lambda e: -device_us(e)), top_cpu=rows(lambda e: -e.self_cpu_time_total))
+    # Device time from the kernels' own events only: an eager op's self device time repeats its kernels'
+    # (counted twice in a sum), where a replayed graph's kernels have no launching op (counted once)
+    kernels = [e for e in events if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+    device_us = lambda e: getattr(e, "self_device_time_total", 0)
+    rows = lambda found, key: [{"name": e.key[:80], "calls": e.count, "self_device_ms": device_us(e) / 1e3,
+                                "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in sorted(found, key=key)[:25]]
+    into.update(wall_s=result.wall_s, device_busy_s=sum(device_us(e) for e in kernels) / 1e6,
+                top_device=rows(kernels, lambda e: -device_us(e)),
+                top_cpu=rows(events, lambda e: -e.self_cpu_time_total))
     return result
 
 
@@ -197,9 +202,10 @@ def main(argv=None) -> dict:
         results.update(ENGINE_SETUP)
         write_json(args.json, results, echo=False)
 
+    prompts_for = lambda batch: [task.prompt_ids(e) for e in task.sample(
+        batch * max(args.rounds, -(-args.min_prompts // batch)), seed=100 + batch)]
     for batch in batches:
-        rounds = max(args.rounds, -(-args.min_prompts // batch))
-        prompts = [task.prompt_ids(e) for e in task.sample(batch * rounds, seed=100 + batch)]
+        prompts = prompts_for(batch)
         key = str(batch)
         # Rounds of plain, then every arm; plain once more at the end. Each arm's speedup is the median of its
         # ratios to the plain runs either side of it (paired: load that drifts on the machine cancels), and its
@@ -249,12 +255,13 @@ def main(argv=None) -> dict:
     for wanted in args.profile:
         batch, _, arm = wanted.partition(":")
         batch = int(batch)
-        prompts = [task.prompt_ids(e) for e in task.sample(batch, seed=100 + batch)]
+        prompts = prompts_for(batch)  # the table's prompts at that batch size
         strategy = None if arm == "plain" else SpecStrategy.parse(arm)
         profile = {"batch": batch, "arm": arm}
         results.setdefault("profiles", []).append(profile)
-        _, _, profile["step_stats"] = run(loaded, drafter if strategy else None, prompts, batch, strategy, max_new,
-                                          batch, sampling, args.compile, args.kernels, profile=profile)
+        with_drafter = strategy is not None or args.compile != "off"  # as `measure`: one compiled engine for all
+        _, _, profile["step_stats"] = run(loaded, drafter if with_drafter else None, prompts, batch, strategy,
+                                          max_new, batch, sampling, args.compile, args.kernels, profile=profile)
         save()
     add_greedy(results, args.greedy_json)
     results.update(ENGINE_SETUP)

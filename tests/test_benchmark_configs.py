@@ -238,4 +238,23 @@ def test_speculative_refuses_a_bad_profile_request_before_loading_the_model(want
 
     with pytest.raises(SystemExit):
         speculative.main(["--profile", wanted])
-    assert "--profile" in capsys.readouterr().err
+    error = capsys.readouterr().err  # (the usage line names --profile whatever the error)
+    assert "--profile takes BATCH:ARM" in error or f"--profile {wanted}: strategy must look like" in error
+
+
+def test_adaptive_buckets_compare_each_buckets_speculative_steps_with_plain_ones():
+    """adaptive_buckets.py (#13: SD never below plain where the policy turns it on): per graph bucket, the
+    adaptive run's SD steps against the plain run's steps; a bucket where SD ran slower is listed."""
+    import adaptive_buckets
+    from tlt.rollout.request import StepTrace
+
+    assert [adaptive_buckets.bucket_of(b) for b in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
+    plain = [StepTrace("decode", 1, 1, 0.001)] * 3 + [StepTrace("decode", 3, 3, 0.001)] * 2 + \
+        [StepTrace("prefill", 4, 4, 0.5)]
+    adaptive = [StepTrace("decode", 1, 2, 0.001, mode="sd")] * 2 + [StepTrace("decode", 4, 2, 0.001, mode="sd"),
+                                                                      StepTrace("decode", 4, 4, 0.001)]
+    result = adaptive_buckets.compare(plain, adaptive)
+    assert result["by_bucket"]["1"]["ratio"] == pytest.approx(2.0)
+    assert result["by_bucket"]["4"] == {"plain_steps": 2, "sd_steps": 1, "plain_tok_s": pytest.approx(3000.0),
+                                        "sd_tok_s": pytest.approx(2000.0), "ratio": pytest.approx(2 / 3)}
+    assert result["sd_below_plain_where_on"] == ["bucket 4: x0.67 (1 SD steps)"]

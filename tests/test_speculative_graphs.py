@@ -441,6 +441,25 @@ def test_an_arm_inductor_cannot_compile_runs_its_step_uncompiled(monkeypatch, ca
     assert caplog.text.count("could not compile the speculative step of S3K2N10q (AssertionError: vr must") == 1
 
 
+def test_an_error_of_a_compiled_step_that_is_not_a_compile_failure_is_raised(monkeypatch):
+    """Only Inductor failing to compile an arm sends it to the uncompiled step: any other error is the step's own."""
+    from tlt.rollout import graph_runner
+
+    def fake_compile(fn, **_):
+        def step(*args, **kwargs):
+            raise RuntimeError("a step's own failure")
+        return step
+
+    model, _ = markov_model(16, sharpness=3.0, context=0.05)
+    drafter = EagleDrafter(model.config).attach(model)
+    _, compiled = engine_pair(model, drafter, FixedSpeculation(SpecStrategy(3, 2, rule="q"), gate=4), 4)
+    compiled.forward.compile_mode = "inductor"  # the step's compile only (faked)
+    monkeypatch.setattr(graph_runner.torch, "compile", fake_compile)
+    with pytest.raises(RuntimeError, match="a step's own failure"):
+        compiled.generate(mixed_requests(16))
+    assert not compiled.runner.uncompiled_arms
+
+
 def test_compile_needs_the_graphs_it_compiles_for():
     model = tiny_model()
     with pytest.raises(RequestError, match="needs a model on CUDA"):

@@ -328,6 +328,8 @@ class GraphRunner:
             try:
                 return self._compiled_step(decoder, rows, draft_rows, inputs, shape, **kwargs)
             except BackendCompilerFailed as error:
+                if self.capture and torch.cuda.is_current_stream_capturing():
+                    raise  # a compile inside a capture (the warm-up met other guards): its own error, not the arm's
                 self.uncompiled_arms.add(arm)
                 cause = getattr(error, "inner_exception", None) or error
                 log.warning("rollout.compile: Inductor could not compile the speculative step of %s (%s: %s); "
