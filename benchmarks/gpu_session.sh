@@ -62,10 +62,12 @@
 # T=1 batch 1 1.37x, greedy 1.56x; SD loses at batch >= 4 because its step grows ~1.3 ms from one row to four.
 # NEXT (plan D, 15 minutes): 1. carry .gpu/a, timeout_s 150:
 #        cp .gpu/a/part.aa /root/ && . .gpu/env.sh; BUDGET=130 bash benchmarks/gpu_session.sh tests-fixed
-#   2. carry .gpu/b, at once, timeout_s = lease.budget_left_s - 60, BUDGET = that - 40:
-#        . .gpu/env.sh && BUDGET=<...> bash benchmarks/gpu_session.sh spec-diag tail
-#   then give_back. spec-diag says where the SD step's time goes (host between replays or a kernel: its profiles);
-#   tail measures the fixed tail trainer's overhead, eager and graphed (#15's 3%), now that it trains on data.
+#   2. carry .gpu/b, at once, timeout_s = lease.budget_left_s - 60, BUDGET = that - 40 (about 450):
+#        . .gpu/env.sh && BUDGET=<...> bash benchmarks/gpu_session.sh spec-diag adaptive
+#   3. if >= 200 s are left, at once: . .gpu/env.sh && BUDGET=<left - 60> bash benchmarks/gpu_session.sh tail
+#   then give_back. spec-diag says where the SD step's time goes (host between replays or a kernel: its
+#   profiles); adaptive whether the RL engine's policy keeps SD off where it loses (#13); tail the fixed tail
+#   trainer's overhead, eager and graphed (#15's 3%), now that it trains on data.
 # Eleventh session (2026-11-28, no GPU): the drafter's capture now holds the process's capture lock beside the
 # rollout's (tlt/capture_lock.py; a review found a device-wide sync at the decode loop's capture could invalidate
 # it), a failed capture reports its own cause, and the tail test checks the tail-trained drafter's loss fell. If
