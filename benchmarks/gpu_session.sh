@@ -297,12 +297,14 @@ for phase in "$@"; do
         --add-greedy-to "$OUT/speculative_${GPU}.json" --greedy-json "$OUT/speculative_${GPU}_greedy.json" ;;
     spec-diag)  # H200, 2026-11-28: an S4K2N14q step took ~2.7 ms at batch 1 and ~4.2 ms at batch 4 (from tok/s and
       # tau), a plain step ~1.45 ms at both: host-bound (the device idle between replays) or a kernel that grows?
-      run spec_diag 150 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
-        --batches 1,4 --strategies S4K2N14q,S5K1q --min-prompts "$SPEC_MIN_PROMPTS" --profile 1:plain \
+      # (64 tokens a row: four profiled runs of ~400 kernels a step each, and the profiler's tables take time)
+      run spec_diag 180 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
+        --batches 1,4 --strategies S4K2N14q,S5K1q --min-prompts "$SPEC_MIN_PROMPTS" --max-new-tokens 64 \
+        --profile 1:plain \
         --profile 1:S4K2N14q --profile 4:plain --profile 4:S4K2N14q --json "$OUT/speculative_${GPU}_diag.json" \
         --png /tmp/speculative_${GPU}_diag.png ;;
     adaptive)  # the cost curve (up to 90 s on a fresh machine: carry .gpu/cost_curves.tar), then 4 rollouts
-      run adaptive 240 python3 benchmarks/adaptive_buckets.py --device cuda --drafter "$DRAFTER" --prompts 16 \
+      run adaptive 200 python3 benchmarks/adaptive_buckets.py --device cuda --drafter "$DRAFTER" --prompts 16 \
         --max-new-tokens 1024 --json "$OUT/adaptive_buckets_${GPU}.json" ;;
     throughput)
       # the batch-1 step and the batch-64 ratio are #13's targets (add 16 when a call has time for it)
