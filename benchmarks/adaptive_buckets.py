@@ -7,9 +7,9 @@ engines are built as `tlt train` builds them (`rl/replica.py: build_engine`: `ru
 `adaptive`, `run.gate=auto` from the device's cost curve, the run's arm set), decode the same long-tailed rollout
 (the built-in task's prompts, EOS on, `max_new_tokens` 1024 by default: most answers end early, a few run long),
 once untimed (graphs, compiles, the cost curve) and once timed. Every decode step's trace gives tokens per second
-at its batch size; per bucket (1, 2, 3-4, 5-8, ...) the adaptive run's speculative steps are compared with the
-plain run's steps of the same bucket (medians of tokens/s). A bucket where the policy speculated and the ratio is
-below 1 is listed in `sd_below_plain_where_on` (what #13 says must stay empty).
+at its batch size; per bucket (the graph runner's: 1, 2, 4, 8, 16, 24, 32, ...) the adaptive run's speculative
+steps are compared with the plain run's steps of the same bucket (medians of tokens/s). A bucket where the policy
+speculated and the ratio is below 1 is listed in `sd_below_plain_where_on` (what #13 says must stay empty).
 
 At T > 0 the two runs sample different tokens (lossless in distribution, not token for token), so their lengths
 differ; per-step rates compare like with like, the rollout times are reported beside them.
@@ -30,6 +30,7 @@ from common import environment, write_json  # noqa: E402
 from tlt.models import load_model  # noqa: E402
 from tlt.rl.config import load_config  # noqa: E402
 from tlt.rl.replica import build_engine  # noqa: E402
+from tlt.rollout.graph_runner import BATCH_BUCKETS, batch_bucket  # noqa: E402
 from tlt.rollout.policy import policy_strategies  # noqa: E402
 from tlt.rollout.request import Request  # noqa: E402
 from tlt.sampling import SamplingParams  # noqa: E402
@@ -37,8 +38,8 @@ from tlt.tasks import ArithmeticTask, ChatTask  # noqa: E402
 
 
 def bucket_of(batch: int) -> int:
-    """The smallest power of two >= batch: the graph runner's buckets."""
-    return 1 << (max(1, batch) - 1).bit_length()
+    """The graph runner's batch bucket (past its largest: the batch itself)."""
+    return batch_bucket(batch, BATCH_BUCKETS[-1]) or batch
 
 
 def rates_by_bucket(steps, mode: str | None = None) -> dict[int, list[float]]:

@@ -204,15 +204,17 @@ def main(argv=None) -> dict:
 
     prompts_for = lambda batch: [task.prompt_ids(e) for e in task.sample(
         batch * max(args.rounds, -(-args.min_prompts // batch)), seed=100 + batch)]
+    # Plain runs get no drafter, except with --compile, where one engine (built with the drafter) runs all.
+    measure_on = lambda prompts, batch, arm, profile=None: run(
+        loaded, drafter if arm or args.compile != "off" else None, prompts, batch, arm, max_new, batch, sampling,
+        args.compile, args.kernels, profile=profile)
     for batch in batches:
         prompts = prompts_for(batch)
         key = str(batch)
         # Rounds of plain, then every arm; plain once more at the end. Each arm's speedup is the median of its
         # ratios to the plain runs either side of it (paired: load that drifts on the machine cancels), and its
         # tok/s and τ the medians over rounds.
-        # Plain runs get no drafter, except with --compile, where one engine (built with the drafter) runs all.
-        measure = lambda arm: run(loaded, drafter if arm or args.compile != "off" else None, prompts, batch, arm,
-                                  max_new, batch, sampling, args.compile, args.kernels)
+        measure = lambda arm: measure_on(prompts, batch, arm)
         plain_runs = results.setdefault("plain_runs_tok_s", {}).setdefault(key, [])  # kept as they come
         stats = results.setdefault("step_stats", {}).setdefault(key, {})  # each arm's last run's
         first_plain = measure(None)
@@ -254,14 +256,11 @@ def main(argv=None) -> dict:
         save()
     for wanted in args.profile:
         batch, _, arm = wanted.partition(":")
-        batch = int(batch)
-        prompts = prompts_for(batch)  # the table's prompts at that batch size
-        strategy = None if arm == "plain" else SpecStrategy.parse(arm)
-        profile = {"batch": batch, "arm": arm}
+        profile = {"batch": int(batch), "arm": arm}
         results.setdefault("profiles", []).append(profile)
-        with_drafter = strategy is not None or args.compile != "off"  # as `measure`: one compiled engine for all
-        _, _, profile["step_stats"] = run(loaded, drafter if with_drafter else None, prompts, batch, strategy,
-                                          max_new, batch, sampling, args.compile, args.kernels, profile=profile)
+        strategy = None if arm == "plain" else SpecStrategy.parse(arm)
+        # the table's prompts and engines at that batch size
+        _, _, profile["step_stats"] = measure_on(prompts_for(int(batch)), int(batch), strategy, profile)
         save()
     add_greedy(results, args.greedy_json)
     results.update(ENGINE_SETUP)
