@@ -25,7 +25,7 @@ padding logic is checked on any device.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -52,6 +52,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # exactly the rollout's case, and an illegal access ends the CUDA context. Flash takes no mask either way.
 CAPTURED_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 KV_BLOCK = 256
+SETTINGS_INPUTS = frozenset({"temperature", "greedy", "top_k", "top_p"})  # fixed while the batch's rows are
 
 
 def batch_bucket(batch: int, max_rows: int) -> int | None:
@@ -92,10 +93,14 @@ class _Graph:
 @dataclass
 class _Buffers:
     """Static inputs shared by every graph of one (batch bucket, shape, kind). Rows from `padded_from` on hold
-    padding (length 0, an identity tree); they are rewritten only when the batch size changes."""
+    padding (length 0, an identity tree); they are rewritten only when the batch size changes. `sources`: the
+    host tensor each buffer was last filled from; the same object again (the rows' settings while the batch's
+    rows stay the same: rollout/batch_rows.py) is not copied again (held here, so an id is never reused). Only
+    the settings are compared: lengths are host views written in place."""
 
     inputs: dict[str, torch.Tensor]
     padded_from: int | None = None
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class GraphRunner:
@@ -257,6 +262,10 @@ class GraphRunner:
         buffers.padded_from = batch
         for name, value in inputs.items():
             static = buffers.inputs[name]
+            if name in SETTINGS_INPUTS:  # never written in place: the same object holds the same values
+                if buffers.sources.get(name) is value and not repad:
+                    continue
+                buffers.sources[name] = value
             static[:batch].copy_(value, non_blocking=True)
             if repad and batch < static.shape[0]:
                 pad = static[batch:]

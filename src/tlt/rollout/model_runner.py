@@ -4,7 +4,7 @@ It owns the rollout forward, the KV cache (with the per-slot tokens and features
 the speculative decoder and, on CUDA, the `GraphRunner` (rollout/graph_runner.py). Its steps take the running
 sequences of the scheduler (rollout/scheduler.py), sequence i in cache row i, and append what they sample to
 them. Each sample's uniforms come from its own generator, drawn on the host in a fixed count per step, so the
-eager and the graph path consume the same random numbers.
+eager and the graph path consume the same random numbers (a block at a time: rollout/batch_rows.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from tlt.errors import RequestError
 from tlt.models import draft_kernels, kernels, tree_kernels
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
+from tlt.rollout.batch_rows import BatchRows
 from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity, pack_tokens
 from tlt.rollout.request import StepTrace
 from tlt.rollout.sequence import Sequence
-from tlt.sampling import RowSampling, draw_uniforms, drawing_with, is_integer, sample_next
+from tlt.sampling import drawing_with, is_integer, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
 
@@ -58,6 +59,7 @@ class ModelRunner:
         self._rebuilds = 0  # speculative steps that rebuilt some row's drafter state from nothing
         # speculative steps that had CUDA graphs yet ran eagerly (no bucket): a benchmark's diagnosis
         self.eager_speculative_steps = 0
+        self.batch_rows = BatchRows()  # the running rows' settings and uniforms, while they stay the same
 
     @property
     def max_tree_size(self) -> int:
@@ -128,6 +130,7 @@ class ModelRunner:
                 cache.add_slot_data("features", (self.forward.spec.hidden_size,), dtype=self.forward.dtype)
             self.spec_decoder.allocate(cache.max_rows, cache.max_len)
         cache.lengths.zero_()
+        self.batch_rows.release()  # the last rollout's rows
         return cache
 
     # -- the steps ---------------------------------------------------------------------------------------------
@@ -183,8 +186,8 @@ class ModelRunner:
             rows.advance(1)
             self._sample_into(running, out.logits[:, 0])
             return
-        settings = RowSampling.from_params([s.request.params for s in running], "cpu")  # copied into the graph
-        uniforms = draw_uniforms([s.generator for s in running])
+        settings = self.batch_rows.settings(running)  # host tensors, copied into the graph's buffers
+        uniforms = self.batch_rows.uniforms(running, 1)
         # sampled, and the drafter's inputs stored, inside the graph
         packed = self.graphs.decode(ids, rows, settings, uniforms, store_drafter_inputs=self.serving is not None)
         rows.advance(1)
@@ -199,8 +202,8 @@ class ModelRunner:
         if bool(((seen == 0) & (rows.lengths > 0)).any()):
             self._rebuilds += 1  # this step feeds that row's drafter its whole context first
         pending = torch.tensor([s.tokens[-1] for s in running])
-        settings = RowSampling.from_params([s.request.params for s in running], "cpu")
-        uniforms = draw_uniforms([s.generator for s in running], strategy.uniforms_per_row)
+        settings = self.batch_rows.settings(running)
+        uniforms = self.batch_rows.uniforms(running, strategy.uniforms_per_row)
         outcome = None
         with sampler_of(self.forward):
             if self.graphs is not None:  # the whole step as one graph (host inputs are copied into its buffers)
@@ -239,8 +242,8 @@ class ModelRunner:
         check_branching(strategy, self.spec_decoder.drafter)
 
     def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        settings = RowSampling.from_params([s.request.params for s in seqs], self.device)
-        uniforms = draw_uniforms([s.generator for s in seqs])[:, 0]
+        settings = self.batch_rows.settings(seqs).to(self.device)
+        uniforms = self.batch_rows.uniforms(seqs, 1)[:, 0].to(self.device)
         tokens, logprobs = sample_next(logits, settings, uniforms)
         _append(seqs, tokens, logprobs)
 

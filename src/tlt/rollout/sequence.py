@@ -26,6 +26,29 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     drafter_versions: set = field(default_factory=set)
+    # uniforms drawn from the generator ahead of use and given back unused (`BatchRows`): they come first
+    spare_uniforms: torch.Tensor | None = field(default=None, repr=False)
+
+    def take_uniforms(self, count: int) -> torch.Tensor:
+        """[count] host uniforms: the next of this sample's stream (given-back spares first, then its generator)."""
+        spare = self.spare_uniforms
+        if spare is None:
+            return torch.rand(count, generator=self.generator)
+        if spare.shape[0] > count:
+            self.spare_uniforms = spare[count:]
+            return spare[:count]
+        self.spare_uniforms = None
+        if spare.shape[0] == count:
+            return spare
+        return torch.cat([spare, torch.rand(count - spare.shape[0], generator=self.generator)])
+
+    def give_back_uniforms(self, unused: torch.Tensor) -> None:
+        """Uniforms taken from this stream but not used: the next draw starts with them."""
+        if unused.shape[0] == 0:
+            return
+        if self.spare_uniforms is not None:  # spares still held were drawn after the ones taken: they follow
+            unused = torch.cat([unused, self.spare_uniforms])
+        self.spare_uniforms = unused
 
     def append(self, token: int, logprob: float) -> None:
         # A sampled token's log-prob is finite by construction (a token of probability 0 is never drawn), so a
