@@ -45,7 +45,8 @@ def churn(bank: BatchRows, seed: int, steps: int = 300):
             running.pop()
         elif event < 0.2 and waiting:              # admission: the new rows' first token, then they run
             new = [waiting.pop(0) for _ in range(min(rng.randint(1, 3), len(waiting)))]
-            for seq, row in zip(new, bank.uniforms(new, 1)):
+            draw = bank.uniforms_apart if rng.random() < 0.7 else bank.uniforms  # as a prefill does, or not
+            for seq, row in zip(new, draw(new, 1)):
                 consumed[id(seq)].append(row)
             running += new
         elif event < 0.25:                          # another order of the same rows
@@ -147,7 +148,7 @@ def test_a_rollout_samples_what_one_draw_per_step_samples(graphs, bank):
     requests = [Request(p, n=2, params=settings[i % len(settings)]) for i, p in enumerate(prompts)]
     drafter = EagleDrafter(model.config)  # one drafter: which tokens a sample draws depends on its drafts
     outputs = []
-    for rows in (PerStepRows(), bank(block=8)):
+    for rows in (PerStepRows(), bank(block=64)):  # several speculative steps from one block
         policy = Alternating([SpecStrategy(3, 2, 6), "off", SpecStrategy.chain(4, "q")], gate=8)
         engine = RolloutEngine(model, max_batch_size=3, drafter=drafter, speculation=policy,
                                max_tree_size=16)
@@ -162,3 +163,17 @@ def test_a_rollout_samples_what_one_draw_per_step_samples(graphs, bank):
         assert [s.logprobs for s in blocks.samples] == [s.logprobs for s in per_step.samples]
     assert sum(s.kind == "prefill" for s in blocks.steps) > 1  # rows admitted mid-rollout
     assert {s.mode for s in blocks.steps if s.kind == "decode"} == {"plain", "sd"}
+
+
+def test_an_admission_leaves_the_running_rows_blocks_in_place():
+    """A prefill draws for its new rows apart; at the next step the running rows keep their blocks (nothing goes
+    back to their sequences) and the new row draws as many: the docs' "one gather" for rows that join."""
+    bank = BatchRows(block=64)
+    running = [sequence(0), sequence(1)]
+    first = bank.uniforms(running, 1)
+    new = sequence(2)
+    assert torch.equal(bank.uniforms_apart([new], 1)[0], stream(2, 1))
+    step = bank.uniforms(running + [new], 1)
+    assert all(seq.spare_uniforms is None for seq in running)
+    assert torch.equal(torch.stack([first[:, 0], step[:2, 0]], 1), torch.stack([stream(0, 2), stream(1, 2)]))
+    assert step[2, 0] == stream(2, 2)[1]

@@ -58,6 +58,14 @@ class BatchRows:
         self._offset += count
         return self._uniforms[:, start:self._offset]
 
+    def uniforms_apart(self, seqs: list[Sequence], count: int) -> torch.Tensor:
+        """[B, count] for rows this bank does not hold (a prefill's new samples), leaving the held rows' blocks
+        as they are: the running rows keep theirs through an admission."""
+        held = {id(seq) for seq in self._rows}
+        if any(id(seq) in held for seq in seqs):
+            return self.uniforms(seqs, count)
+        return torch.stack([seq.take_uniforms(count) for seq in seqs])
+
     def release(self) -> None:
         """Forget the rows; their unused uniforms go back to their sequences."""
         self._release_uniforms()

@@ -263,7 +263,7 @@ class GraphRunner:
         for name, value in inputs.items():
             static = buffers.inputs[name]
             if name in SETTINGS_INPUTS:  # never written in place: the same object holds the same values
-                if buffers.sources.get(name) is value and not repad:
+                if buffers.sources.get(name) is value:  # (another batch size is another object)
                     continue
                 buffers.sources[name] = value
             static[:batch].copy_(value, non_blocking=True)

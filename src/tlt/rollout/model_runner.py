@@ -21,7 +21,7 @@ from tlt.rollout.batch_rows import BatchRows
 from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity, pack_tokens
 from tlt.rollout.request import StepTrace
 from tlt.rollout.sequence import Sequence
-from tlt.sampling import drawing_with, is_integer, sample_next
+from tlt.sampling import RowSampling, drawing_with, is_integer, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
 
@@ -153,7 +153,7 @@ class ModelRunner:
             siblings += group[1:]
             source += [index] * (len(group) - 1)
         new = leaders + siblings
-        self._sample_into(new, logits[torch.tensor(source, device=logits.device)])
+        self._sample_into(new, logits[torch.tensor(source, device=logits.device)], admitted=True)
         return new
 
     def _prefill(self, prompts: list[tuple[int, ...]], first_row: int) -> torch.Tensor:
@@ -241,9 +241,16 @@ class ModelRunner:
                                f"takes effect at the next generate()")
         check_branching(strategy, self.spec_decoder.drafter)
 
-    def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        settings = self.batch_rows.settings(seqs).to(self.device)
-        uniforms = self.batch_rows.uniforms(seqs, 1)[:, 0].to(self.device)
+    def _sample_into(self, seqs: list[Sequence], logits: torch.Tensor, *, admitted: bool = False) -> None:
+        """Sample one token per sequence. admitted: a prefill's new sequences, drawn apart from the running rows'
+        (whose settings and uniform blocks then carry over into the next step)."""
+        if admitted:
+            settings = RowSampling.from_params([s.request.params for s in seqs], self.device)
+            uniforms = self.batch_rows.uniforms_apart(seqs, 1)
+        else:
+            settings = self.batch_rows.settings(seqs).to(self.device)
+            uniforms = self.batch_rows.uniforms(seqs, 1)
+        uniforms = uniforms[:, 0].to(self.device)
         tokens, logprobs = sample_next(logits, settings, uniforms)
         _append(seqs, tokens, logprobs)
 

@@ -27,7 +27,7 @@ class Sequence:
     finish_reason: str | None = None
     drafter_versions: set = field(default_factory=set)
     # uniforms drawn from the generator ahead of use and given back unused (`BatchRows`): they come first
-    spare_uniforms: torch.Tensor | None = field(default=None, repr=False)
+    spare_uniforms: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def take_uniforms(self, count: int) -> torch.Tensor:
         """[count] host uniforms: the next of this sample's stream (given-back spares first, then its generator)."""
