@@ -68,6 +68,11 @@
 #   then give_back. spec-diag says where the SD step's time goes (host between replays or a kernel: its
 #   profiles); adaptive whether the RL engine's policy keeps SD off where it loses (#13); tail the fixed tail
 #   trainer's overhead, eager and graphed (#15's 3%), now that it trains on data.
+# Thirteenth session (2026-11-28, no GPU): the rows' settings and uniforms are kept while the rows stay
+# (rollout/batch_rows.py; same random numbers): a plain step's host work 1.6x less at batch 1, 2x at 64 on the CPU
+# (benchmarks/host_overhead.py). Plan D unchanged; its spec-diag and throughput numbers now include it. If spec-diag
+# shows the device idle between plain replays, the next build is one-step-late plain steps (docs/benchmarks.md
+# section 9, "Thirteenth session").
 # Eleventh session (2026-11-28, no GPU): the drafter's capture now holds the process's capture lock beside the
 # rollout's (tlt/capture_lock.py; a review found a device-wide sync at the decode loop's capture could invalidate
 # it), a failed capture reports its own cause, and the tail test checks the tail-trained drafter's loss fell. If
@@ -280,9 +285,10 @@ for phase in "$@"; do
       run update 80 python3 benchmarks/update_cost.py --device cuda --json "$OUT/update_cost_${GPU}.json" ;;
     tests-fixed)  # what the 2026-11-28 H200 session's tests found, fixed on the CPU: the CUDA tail trainer (its
       # features were queued in another order than drained; set_device refused an unindexed "cuda") and the
-      # split attention's stale-count control (racy on a GPU), with the drafter's captured micro-step beside them
+      # split attention's stale-count control (racy on a GPU), with the drafter's captured micro-step beside them;
+      # and the thirteenth session's overlapped plain steps (pinned copies and events: never run on CUDA)
       run tests_fixed 110 python3 -m pytest tests/test_gpu.py tests/test_triton_kernels.py -v \
-        -rfE -o faulthandler_timeout=100 -k "tail or stale_arrival or captured_drafter_micro_step" \
+        -rfE -o faulthandler_timeout=100 -k "tail or stale_arrival or captured_drafter_micro_step or overlapped" \
         --junitxml="$OUT/tests_fixed.xml" ;;
     drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
     spec)  # T=1: speculative_${GPU}.json is the file #13 and #14 need (spec-greedy adds its results to it)
@@ -297,10 +303,11 @@ for phase in "$@"; do
         --add-greedy-to "$OUT/speculative_${GPU}.json" --greedy-json "$OUT/speculative_${GPU}_greedy.json" ;;
     spec-diag)  # H200, 2026-11-28: an S4K2N14q step took ~2.7 ms at batch 1 and ~4.2 ms at batch 4 (from tok/s and
       # tau), a plain step ~1.45 ms at both: host-bound (the device idle between replays) or a kernel that grows?
-      # (64 tokens a row: four profiled runs of ~400 kernels a step each, and the profiler's tables take time)
+      # (64 tokens a row: five profiled runs of ~250-400 kernels a step each, and the profiler's tables take time;
+      # 1:plain-waiting is the plain step before overlapped steps: their tok/s and device-busy share side by side)
       run spec_diag 180 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
         --batches 1,4 --strategies S4K2N14q,S5K1q --min-prompts "$SPEC_MIN_PROMPTS" --max-new-tokens 64 \
-        --profile 1:plain \
+        --profile 1:plain --profile 1:plain-waiting \
         --profile 1:S4K2N14q --profile 4:plain --profile 4:S4K2N14q --json "$OUT/speculative_${GPU}_diag.json" \
         --png /tmp/speculative_${GPU}_diag.png ;;
     adaptive)  # the cost curve (up to 90 s on a fresh machine: carry .gpu/cost_curves.tar), then 4 rollouts

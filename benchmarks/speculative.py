@@ -42,6 +42,7 @@ STRATEGIES = [SpecStrategy.chain(3), SpecStrategy(4, 2, 8), SpecStrategy(5, 3, 1
 QUICK = ["S3K1N3", "S4K2N8", "S3K1N3q", "S4K2N14q"]
 
 
+PLAIN_ARMS = ("plain", "plain-waiting")  # --profile's plain runs: overlapped steps (the default), or not
 COMPILED_ENGINES: dict[int, RolloutEngine] = {}  # --compile: one engine per batch size serves every arm and plain
 ENGINE_SETUP: dict = {}  # the rollout dtype and whether CUDA graphs ran, as the engines had them (into the JSON)
 
@@ -62,13 +63,15 @@ def engine_for(loaded, drafter, batch, strategy, compile_mode, kernels="auto"):
 
 
 def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, sampling: dict, compile_mode="off",
-        kernels="auto", profile: dict | None = None):
+        kernels="auto", profile: dict | None = None, overlap: bool = True):
     """tok/s, the speculation summary and the step statistics of one timed generate(); sampling: SamplingParams'
-    temperature, top_k, top_p. profile: a dict that gets the profiler's table of that timed generate."""
+    temperature, top_k, top_p. profile: a dict that gets the profiler's table of that timed generate.
+    overlap=False: plain steps wait for their tokens (ModelRunner.overlap_steps off: the engine before 0647eef)."""
     # An engine's graph runner holds itself through its captured bodies: only the cyclic collector frees the
     # last engine's KV cache, graph pools and rollout copy (on CUDA up to ~1 GB each, ~10 engines per batch)
     gc.collect()
     engine = engine_for(loaded, drafter, batch, strategy, compile_mode, kernels)
+    engine.model_runner.overlap_steps = overlap
     params = SamplingParams(**sampling, max_new_tokens=max_new_tokens, stop_token_ids=(), seed=seed)
     requests = [Request(p, params=params) for p in prompts]
     if engine.runner is not None:  # CUDA: capture this run's graphs before timing it
@@ -152,8 +155,9 @@ def main(argv=None) -> dict:
                         "prompt is that prompt's (greedy on the H100, 2026-11-27: τ 1.53 on one prompt, 2.42 "
                         "on four)")
     parser.add_argument("--profile", metavar="BATCH:ARM", action="append", default=[], help="after the runs, one "
-                        "more timed run of ARM (or plain) at BATCH under torch.profiler: its top ops by device and "
-                        "host time and the device's busy seconds, into the JSON's `profiles` (repeatable)")
+                        "more timed run of ARM (or plain, or plain-waiting: plain steps that each wait for their "
+                        "tokens, as before overlapped steps) at BATCH under torch.profiler: its top ops by device "
+                        "and host time and the device's busy seconds, into the JSON's `profiles` (repeatable)")
     parser.add_argument("--add-greedy-to", metavar="FILE", help="only put --greedy-json's results into FILE, a "
                         "T=1 run's (a GPU session runs T=1 first, so that a short call still gets the T=1 file)")
     args = parser.parse_args(argv)
@@ -162,9 +166,9 @@ def main(argv=None) -> dict:
     for wanted in args.profile:
         batch, _, arm = wanted.partition(":")
         if not (batch.isdigit() and int(batch) > 0 and arm):
-            parser.error(f"--profile takes BATCH:ARM (e.g. 4:S4K2N14q or 4:plain), got {wanted!r}")
+            parser.error(f"--profile takes BATCH:ARM (e.g. 4:S4K2N14q, 4:plain or 4:plain-waiting), got {wanted!r}")
         try:
-            arm == "plain" or SpecStrategy.parse(arm)  # a bad arm fails here, before the model loads
+            arm in PLAIN_ARMS or SpecStrategy.parse(arm)  # a bad arm fails here, before the model loads
         except ValueError as error:
             parser.error(f"--profile {wanted}: {error}")
     if args.add_greedy_to:
@@ -205,9 +209,9 @@ def main(argv=None) -> dict:
     prompts_for = lambda batch: [task.prompt_ids(e) for e in task.sample(
         batch * max(args.rounds, -(-args.min_prompts // batch)), seed=100 + batch)]
     # Plain runs get no drafter, except with --compile, where one engine (built with the drafter) runs all.
-    measure_on = lambda prompts, batch, arm, profile=None: run(
+    measure_on = lambda prompts, batch, arm, profile=None, overlap=True: run(
         loaded, drafter if arm or args.compile != "off" else None, prompts, batch, arm, max_new, batch, sampling,
-        args.compile, args.kernels, profile=profile)
+        args.compile, args.kernels, profile=profile, overlap=overlap)
     for batch in batches:
         prompts = prompts_for(batch)
         key = str(batch)
@@ -258,9 +262,11 @@ def main(argv=None) -> dict:
         batch, _, arm = wanted.partition(":")
         profile = {"batch": int(batch), "arm": arm}
         results.setdefault("profiles", []).append(profile)
-        strategy = None if arm == "plain" else SpecStrategy.parse(arm)
+        strategy = None if arm in PLAIN_ARMS else SpecStrategy.parse(arm)
         # the table's prompts and engines at that batch size
-        _, _, profile["step_stats"] = measure_on(prompts_for(int(batch)), int(batch), strategy, profile)
+        tok_s, _, profile["step_stats"] = measure_on(prompts_for(int(batch)), int(batch), strategy, profile,
+                                                     overlap=arm != "plain-waiting")
+        profile["tok_s"] = tok_s
         save()
     add_greedy(results, args.greedy_json)
     results.update(ENGINE_SETUP)

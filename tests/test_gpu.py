@@ -71,6 +71,41 @@ def test_graph_replay_equals_eager_fp32(arch, batch):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_overlapped_plain_steps_on_cuda_sample_what_waiting_steps_sample(batch):
+    """Plain steps launched from the step before's tokens on the device (pinned copies back, events): the same
+    samples as steps that wait for their tokens, through EOS stops, budgets and admissions mid-rollout (fp32)."""
+    model, _ = markov_model(16, sharpness=1.5, context=0.05)
+    model = model.to(CUDA)
+    prompts = random_prompts([3, 9, 5, 1, 12, 7], vocab_size=16, seed=4)
+    requests = [Request(p, n=2, params=MIXED[i % len(MIXED)]) for i, p in enumerate(prompts)]
+    results = []
+    for overlap in (False, True):
+        engine = RolloutEngine(model, max_batch_size=batch, dtype="float32", eos_token_ids=[3])
+        engine.model_runner.overlap_steps = overlap
+        results.append(engine.generate(requests))
+    assert engine.model_runner.overlapped_steps > 0
+    waited, overlapped = results
+    assert [s.token_ids for s in overlapped.samples] == [s.token_ids for s in waited.samples]
+    assert {s.finish_reason for s in overlapped.samples} == {"stop", "length"}
+    for a, b in zip(overlapped.samples, waited.samples):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_an_overlapped_plain_step_is_in_flight_while_the_host_appends_the_one_before():
+    """Between overlapped steps a launched step is in flight, its tokens coming back into pinned memory behind an
+    event (a pageable copy would wait for the device)."""
+    model = tiny_model("llama").to(CUDA)
+    engine = RolloutEngine(model, max_batch_size=4, dtype="float32")
+    requests = [Request(p, params=SamplingParams(temperature=1.0, max_new_tokens=48, seed=2, stop_token_ids=()))
+                for p in random_prompts([4, 6, 5], seed=3)]
+    seen = []
+    engine.generate(requests, between_steps=lambda e: seen.append(e.model_runner._in_flight))
+    in_flight = [step for step in seen if step is not None]
+    assert len(in_flight) > 30
+    assert all(step.host.is_pinned() and step.done is not None for step in in_flight)
+
+
 @pytest.mark.parametrize("strategy", [SpecStrategy.chain(3), SpecStrategy(3, 2, 6), SpecStrategy(4, 3, 12),
                                       SpecStrategy.chain(4, "q")], ids=str)
 def test_speculative_greedy_identical_on_cuda_graphs(strategy):

@@ -25,7 +25,7 @@ from tlt.models.loading import eos_token_ids as eos_token_ids_of
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.graph_runner import GraphRunner
 from tlt.rollout.model_runner import ModelRunner, check_branching
-from tlt.rollout.policy import SpeculationPolicy, as_policy, check_arm, policy_strategies
+from tlt.rollout.policy import SpeculationPolicy, as_policy, check_arm, plain_only_above, policy_strategies
 from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
 from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.sequence import Sequence
@@ -206,8 +206,9 @@ class RolloutEngine:
                  collect_features=None) -> RolloutResult:
         """Sample every request's n responses.
 
-        between_steps(engine), if given, is called before every decode step with no forward in flight: the place
-        to hot-swap the drafter (`set_drafter`) mid-rollout; `engine.running_rows` and `engine.waiting_samples`
+        between_steps(engine), if given, is called before every decode step: the place to hot-swap the drafter
+        (`set_drafter`) mid-rollout (a plain step may still be in flight on a GPU, its tokens not yet appended:
+        plain steps read no drafter weights); `engine.running_rows` and `engine.waiting_samples`
         say where the rollout stands (the long tail: nothing waits and few rows run).
         collect_features(tokens, features), if given (an engine with a drafter), receives each finished sample's
         target features as the rollout computed them, before its cache row is reused: tokens [T] (the last
@@ -256,6 +257,7 @@ class RolloutEngine:
                     between_steps(self)
                 self._decode(scheduler.running, steps)
                 self._retire(bar, collect_features)
+        self.model_runner.drain()  # (every sample finished, so nothing is in flight: a guard)
         if bar is not None:
             bar.close()
         return RolloutResult(scheduler.outputs(), steps, time.perf_counter() - start)
@@ -283,12 +285,14 @@ class RolloutEngine:
         arm = self._choose(len(running))
         strategy = None if arm in (None, "off") else arm
         if strategy is not None:  # `_choose` picks one only when a drafter can serve this step
+            self.model_runner.drain()  # an overlapped plain step's tokens first: a row it stopped is not served
+            served = [seq for seq in running if seq.finish_reason is None]
             trace = self.model_runner.speculative_step(running, strategy)
             if self.drafter_version is not None:
-                for seq in running:
+                for seq in served:
                     seq.drafter_versions.add(self.drafter_version)
         else:
-            self.model_runner.decode(running)
+            self.model_runner.decode(running, overlap=self._plain_only(len(running)))
             trace = StepTrace("decode", len(running), len(running), 0.0)
         trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started, start_s=started - self._generate_start)
         steps.append(trace)
@@ -298,6 +302,16 @@ class RolloutEngine:
             self.speculation.observe(trace.batch_size, arm if arm is not None else "off", trace.new_tokens,
                                      trace.wall_s, verify_steps=trace.batch_size,
                                      timed=self.model_runner.warmups == warmups)
+
+    def _plain_only(self, batch_size: int) -> bool:
+        """Whether no speculative step can come at this batch size (nor a smaller one before a row retires, which
+        ends an overlapped step first): then a plain step may stay in flight into the next (see
+        `ModelRunner.decode`). Below a gate, where the policy weighs SD against plain steps, each step waits
+        for its tokens, so that its time is its own."""
+        if self.speculation is None or self.model_runner.serving is None or not self.drafter_trained:
+            return True
+        gate = plain_only_above(self.speculation)
+        return gate is not None and batch_size > gate
 
     def _choose(self, batch_size: int):
         if self.speculation is None or self.model_runner.serving is None or not self.drafter_trained:

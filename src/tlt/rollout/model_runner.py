@@ -10,6 +10,7 @@ eager and the graph path consume the same random numbers (a block at a time: rol
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -60,6 +61,10 @@ class ModelRunner:
         # speculative steps that had CUDA graphs yet ran eagerly (no bucket): a benchmark's diagnosis
         self.eager_speculative_steps = 0
         self.batch_rows = BatchRows()  # the running rows' settings and uniforms, while they stay the same
+        # graph path: plain steps appended one step late (`_decode_overlapped`); off: each step waits for its tokens
+        self.overlap_steps = True
+        self.overlapped_steps = 0  # steps launched from the previous step's tokens on the device (tests read it)
+        self._in_flight: InFlight | None = None
 
     @property
     def max_tree_size(self) -> int:
@@ -131,6 +136,7 @@ class ModelRunner:
             self.spec_decoder.allocate(cache.max_rows, cache.max_len)
         cache.lengths.zero_()
         self.batch_rows.release()  # the last rollout's rows
+        self._in_flight = None  # a step of a rollout that raised: its sequences are gone
         return cache
 
     # -- the steps ---------------------------------------------------------------------------------------------
@@ -139,6 +145,7 @@ class ModelRunner:
         """Prefill each group's prompt once and sample every sequence's first token; returns the sequences in
         the order they occupy rows first_row, first_row + 1, ...: the group leaders (prefilled), then each
         group's siblings in turn, whose rows receive a copy of their leader's prompt KV."""
+        self.drain()  # a plain step in flight: its tokens first (the scheduler admits between decode steps)
         with sampler_of(self.forward):
             return self._prefill_and_sample(groups, first_row)
 
@@ -172,31 +179,87 @@ class ModelRunner:
             self.serving.forget_rows(first_row, self.serving.cache.max_rows - first_row)
         return out.logits[:, 0]
 
-    def decode(self, running: list[Sequence]) -> None:
-        """One plain decode step: every running sequence gets one token."""
+    def decode(self, running: list[Sequence], *, overlap: bool = True) -> None:
+        """One plain decode step: every running sequence gets one token. On the graph path with `overlap_steps`
+        and `overlap` (the caller's: no speculative step can come next), its token is appended one step late
+        (`_decode_overlapped`)."""
         with sampler_of(self.forward):
-            self._decode(running)
+            if self.graphs is None:
+                self._decode_eagerly(running)
+            elif self.overlap_steps and overlap:
+                self._decode_overlapped(running)
+            else:
+                self.drain()
+                _append_in_flight(self._launch_decode(running, None))
 
-    def _decode(self, running: list[Sequence]) -> None:
+    def _decode_eagerly(self, running: list[Sequence]) -> None:
         rows = self.cache.rows(0, len(running))
-        ids = torch.tensor([[s.tokens[-1]] for s in running])  # host: the forward or the graph's buffer copies it
-        if self.graphs is None:
-            out = self.forward(ids, rows, logits_at="all")
-            self._store_slot_data(rows, ids, out.hidden)
-            rows.advance(1)
-            self._sample_into(running, out.logits[:, 0])
-            return
+        ids = torch.tensor([[s.tokens[-1]] for s in running])  # host: the forward copies it
+        out = self.forward(ids, rows, logits_at="all")
+        self._store_slot_data(rows, ids, out.hidden)
+        rows.advance(1)
+        self._sample_into(running, out.logits[:, 0])
+
+    def _launch_decode(self, running: list[Sequence], previous: "InFlight | None") -> "InFlight":
+        """Replay a plain step and start copying what it emits to the host; nothing waits for it. Its input
+        tokens are the sequences' last (host), or, when `previous` (the step before, not yet appended) is
+        given, that step's tokens where the device left them."""
+        rows = self.cache.rows(0, len(running))
+        if previous is None:
+            ids = torch.tensor([[s.tokens[-1]] for s in running])  # host: the graph's buffer copies it
+        else:
+            ids = previous.packed[:, :1].long()  # device: copied into the graph's buffer in stream order
+            self.overlapped_steps += 1
         settings = self.batch_rows.settings(running)  # host tensors, copied into the graph's buffers
         uniforms = self.batch_rows.uniforms(running, 1)
         # sampled, and the drafter's inputs stored, inside the graph
         packed = self.graphs.decode(ids, rows, settings, uniforms, store_drafter_inputs=self.serving is not None)
         rows.advance(1)
-        _append_packed(running, packed)
+        # Copied out before the next replay can overwrite the graph's output (stream order). On CUDA into pinned
+        # memory (a copy into pageable memory would wait for the device), an event marking when it has landed.
+        done = None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = packed.clone()
+        return InFlight(list(running), packed, host, done)
+
+    def _decode_overlapped(self, running: list[Sequence]) -> None:
+        """Plain steps one step late (as vLLM's and SGLang's engines overlap their schedulers): step n + 1 is
+        launched from step n's tokens on the device before step n's tokens reach the host, so the host's work
+        for step n (appending, stop checks, the next step's inputs) runs while the device decodes n + 1. A row
+        that stopped at step n got one token too many at n + 1: it is dropped (its uniforms were its own; its
+        cache row is retired). The lag ends (the in-flight step is appended: `drain`) before anything else
+        touches the rows: a prefill, a speculative step, rows that finished, or a row whose budget the next
+        step would pass (its cache has no slot past it)."""
+        previous = self._in_flight
+        if previous is not None and not _same_rows(previous.seqs, running):
+            self.drain()
+            previous = None
+        self._in_flight = None
+        launched = self._launch_decode(running, previous)
+        if previous is not None:
+            _append_in_flight(previous)
+        self._in_flight = launched
+        if any(s.finish_reason is not None or len(s.tokens) + 1 >= s.request.params.max_new_tokens
+               for s in running):
+            self.drain()
+
+    def drain(self) -> None:
+        """Append the in-flight plain step's tokens (if any): afterwards every step taken is in the sequences."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            _append_in_flight(in_flight)
 
     def speculative_step(self, running: list[Sequence], strategy: SpecStrategy) -> StepTrace:
         """One speculative step (draft → verify → accept → commit): each sequence gets 1 to depth + 1 tokens,
-        none past its stop token or budget. Its trace has no wall time yet (the caller measures the step)."""
+        none past its stop token or budget; a sequence that stopped in the overlapped plain step before it gets
+        none (its row is retired after). Its trace has no wall time yet (the caller measures the step)."""
         self._check(strategy)
+        self.drain()  # the pending tokens and lengths below are the host's
         rows = self.cache.rows(0, len(running))
         seen = self.spec_decoder.draft_rows(rows).lengths  # host: what each row's drafter has been fed
         if bool(((seen == 0) & (rows.lengths > 0)).any()):
@@ -217,6 +280,8 @@ class ModelRunner:
         emitted = 0
         for seq, tokens, logprobs, count in zip(running, result.tokens.tolist(), result.logprobs.tolist(),
                                                 result.emitted.tolist()):
+            if seq.finish_reason is not None:
+                continue  # stopped in the plain step drained above (an overlapped one): it takes nothing more
             for token, logprob in zip(tokens[:count], logprobs[:count]):
                 seq.append(token, logprob)
                 emitted += 1
@@ -293,6 +358,31 @@ def sampler_of(forward: LeanForward):
                         follow_q_path=tree_kernels.follow_q_path, tree_mask=tree_kernels.ancestor_mask,
                         commit_path=tree_kernels.commit_path, gather_pairs=tree_kernels.gather_pairs,
                         whole_tree=tree_kernels.whole_tree)
+
+
+@dataclass
+class InFlight:
+    """A launched plain step whose tokens are not yet appended: its rows, its output on the device (the next
+    step's input) and the host copy under way (`done`: recorded after it on CUDA; None where it is already done)."""
+
+    seqs: list[Sequence]
+    packed: torch.Tensor
+    host: torch.Tensor
+    done: "torch.cuda.Event | None"
+
+
+def _append_in_flight(step: InFlight) -> None:
+    """Append a launched step's tokens; a sequence that stopped before it (an overlapped step) takes none."""
+    if step.done is not None:
+        step.done.synchronize()
+    host = step.host
+    for seq, token, logprob in zip(step.seqs, host[:, 0].long().tolist(), host[:, 1].float().tolist()):
+        if seq.finish_reason is None:
+            seq.append(token, logprob)
+
+
+def _same_rows(a: list[Sequence], b: list[Sequence]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
