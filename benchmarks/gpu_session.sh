@@ -314,9 +314,11 @@ for phase in "$@"; do
       run adaptive 200 python3 benchmarks/adaptive_buckets.py --device cuda --drafter "$DRAFTER" --prompts 16 \
         --max-new-tokens 1024 --json "$OUT/adaptive_buckets_${GPU}.json" ;;
     throughput)
-      # the batch-1 step and the batch-64 ratio are #13's targets (add 16 when a call has time for it)
+      # the batch-1 step and the batch-64 ratio are #13's targets (add 16 when a call has time for it); beside the
+      # default engine the same engine with plain steps that wait for their tokens (overlap_speedup; torch's
+      # kernels were timed in the twelfth session: --also-kernels torch)
       run throughput 230 python3 benchmarks/rollout_throughput.py --device cuda --batches "$THROUGHPUT_BATCHES" \
-        --max-new-tokens 128 --also-kernels torch --compile inductor --skip-eager --json "$OUT/rollout_throughput_${GPU}.json" ;;
+        --max-new-tokens 128 --also-waiting --compile inductor --skip-eager --json "$OUT/rollout_throughput_${GPU}.json" ;;
     triton-tests)  # tiny models only: runs before the default model is on the machine
       run tests_triton 170 python3 -m pytest tests/test_triton_kernels.py tests/test_gpu.py -v -rfE \
         -o faulthandler_timeout=160 -k "triton" --junitxml="$OUT/tests_triton.xml" ;;

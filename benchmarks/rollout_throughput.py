@@ -77,9 +77,14 @@ def run_hf_generate(model, tokenizer, prompts, max_new_tokens, temperature, eos,
 
 
 def run_engine(engine, prompts, max_new_tokens, temperature) -> tuple[float, int, list[float]]:
+    """Seconds, tokens and each decode step's cycle in ms: from its start to the next decode step's start (the
+    host's work between steps included; with overlapped plain steps a step's own call returns before its tokens
+    do, so its call time alone would understate the step)."""
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=0)
     result = engine.generate([Request(p, n=1, params=params) for p in prompts])
-    decode_ms = [s.wall_s * 1000 for s in result.steps if s.kind == "decode"]
+    steps = result.steps
+    decode_ms = [(after.start_s - step.start_s) * 1000 for step, after in zip(steps, steps[1:])
+                 if step.kind == "decode" and after.kind == "decode"]
     return result.wall_s, result.generated_tokens, decode_ms
 
 
@@ -99,6 +104,8 @@ def main(argv=None) -> dict:
                         help="CUDA: also time the graphed engine on these kernels, side by side (e.g. torch: what "
                         "the engine ran before rollout.kernels=auto)")
     parser.add_argument("--skip-eager", action="store_true", help="CUDA: do not time the eager (uncaptured) engine")
+    parser.add_argument("--also-waiting", action="store_true", help="CUDA: also time the graphed engine with plain "
+                        "steps that each wait for their tokens (ModelRunner.overlap_steps off), side by side")
     args = parser.parse_args(argv)
     max_new = args.max_new_tokens or (96 if args.quick else 256)
     if args.device != "cpu":
@@ -162,6 +169,8 @@ def time_compiled(results: dict, key: str, engine, prompts, max_new, temperature
 def batch1_steps(results: dict) -> dict:
     steps = {"batch1_step_ms": results["step_ms"].get("1"),
              "batch1_step_ms_compiled": results.get("step_ms_compiled", {}).get("1")}
+    if "step_ms_waiting" in results:
+        steps["batch1_step_ms_waiting"] = results["step_ms_waiting"].get("1")
     for choice in ("torch", "triton"):
         if f"step_ms_{choice}" in results:
             steps[f"batch1_step_ms_{choice}"] = results[f"step_ms_{choice}"].get("1")
@@ -187,6 +196,22 @@ def time_other_kernels(results: dict, key: str, loaded, batch: int, prompts, max
     results[names["tokens"]][key] = tokens
     results[names["speedup"]][key] = results[names["tok_s"]][key] / results["hf_static_tok_s"][key]
     return f"  {choice} {results[names['tok_s']][key]:9.1f} tok/s step {results[names['step']][key]:.3f} ms"
+
+
+def time_waiting(results: dict, key: str, loaded, batch: int, prompts, max_new: int, temperature: float,
+                 kernels: str) -> str:
+    """The graphed engine with plain steps that wait for their tokens (no overlap), beside the headline one."""
+    for name in ("engine_waiting_tok_s", "step_ms_waiting", "overlap_speedup"):
+        results.setdefault(name, {})
+    engine = RolloutEngine(loaded, max_batch_size=batch, kernels=kernels)
+    engine.model_runner.overlap_steps = False
+    run_engine(engine, prompts, max_new, temperature)  # warm-up: the captures
+    seconds, tokens, decode_ms = run_engine(engine, prompts, max_new, temperature)
+    results["engine_waiting_tok_s"][key] = tokens / seconds
+    results["step_ms_waiting"][key] = statistics.median(decode_ms)
+    results["overlap_speedup"][key] = results["engine_tok_s"][key] / results["engine_waiting_tok_s"][key]
+    return (f"  waiting {results['engine_waiting_tok_s'][key]:9.1f} tok/s (overlap "
+            f"x{results['overlap_speedup'][key]:.2f})")
 
 
 def main_cuda(args, max_new: int) -> dict:
@@ -235,6 +260,10 @@ def main_cuda(args, max_new: int) -> dict:
         if args.also_kernels not in (None, graphed.kernels):
             line += time_other_kernels(results, key, loaded, batch, prompts, max_new, args.temperature,
                                        args.also_kernels)
+            results.update(batch1_steps(results))
+            write_json(args.json, results, echo=False)
+        if args.also_waiting:
+            line += time_waiting(results, key, loaded, batch, prompts, max_new, args.temperature, args.kernels)
             results.update(batch1_steps(results))
             write_json(args.json, results, echo=False)
         if not args.skip_eager:
