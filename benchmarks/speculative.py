@@ -92,7 +92,11 @@ def step_stats(result, model_runner, before: tuple[int, int]) -> dict:
     against a plain one's), the slow ones (over 3x the median: eager fallbacks, drafter rebuilds, captures),
     prefills, and the one-off work counted by the model runner during the timed run (it should be none: the
     untimed run before it met the same shapes)."""
-    decode = sorted(s.wall_s for s in result.steps if s.kind == "decode")
+    # a step's cycle, to the next step's start (an overlapped plain step's call returns before its tokens do);
+    # the last step, with no next, its own call
+    steps = result.steps
+    decode = sorted((after.start_s - step.start_s) if after is not None else step.wall_s
+                    for step, after in zip(steps, [*steps[1:], None]) if step.kind == "decode")
     prefill = [s.wall_s for s in result.steps if s.kind == "prefill"]
     median = statistics.median(decode) if decode else 0.0
     slow = [w for w in decode if w > 3 * median]
