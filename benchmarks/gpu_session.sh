@@ -70,9 +70,10 @@
 #   trainer's overhead, eager and graphed (#15's 3%), now that it trains on data.
 # Thirteenth session (2026-11-28, no GPU): the rows' settings and uniforms are kept while the rows stay
 # (rollout/batch_rows.py; same random numbers): a plain step's host work 1.6x less at batch 1, 2x at 64 on the CPU
-# (benchmarks/host_overhead.py). Plan D unchanged; its spec-diag and throughput numbers now include it. If spec-diag
-# shows the device idle between plain replays, the next build is one-step-late plain steps (docs/benchmarks.md
-# section 9, "Thirteenth session").
+# (benchmarks/host_overhead.py). And plain steps above the speculation gate now run one step late (overlapped:
+# step n+1 launched from step n's tokens on the device; docs/architecture.md), never run on CUDA: call 1's
+# tests-fixed runs their GPU tests (-k overlapped), spec-diag profiles 1:plain beside 1:plain-waiting, and
+# `throughput` (--also-waiting) times both when a call has room for it. Plan D otherwise unchanged.
 # Eleventh session (2026-11-28, no GPU): the drafter's capture now holds the process's capture lock beside the
 # rollout's (tlt/capture_lock.py; a review found a device-wide sync at the decode loop's capture could invalidate
 # it), a failed capture reports its own cause, and the tail test checks the tail-trained drafter's loss fell. If
