@@ -85,6 +85,8 @@ def run_engine(engine, prompts, max_new_tokens, temperature) -> tuple[float, int
     steps = result.steps
     decode_ms = [(after.start_s - step.start_s) * 1000 for step, after in zip(steps, steps[1:])
                  if step.kind == "decode" and after.kind == "decode"]
+    if not decode_ms:  # a single decode step: its call
+        decode_ms = [s.wall_s * 1000 for s in steps if s.kind == "decode"]
     return result.wall_s, result.generated_tokens, decode_ms
 
 

@@ -217,12 +217,17 @@ def test_trl_steps_reach_the_file_as_they_come():
 
 def test_speculative_step_statistics_place_the_wall_time():
     """speculative.py's step statistics (the GPU diagnosis of a step's cost): the median and p90 step, the slow
-    steps (over 3x the median), prefills, and the one-off work counted during the timed run only."""
+    steps (over 3x the median), prefills, and the one-off work counted during the timed run only. A step's time
+    is its cycle (to the next step's start: an overlapped plain step's call returns before its tokens); the
+    last step's, its call."""
     import speculative
     from tlt.rollout.request import RolloutResult, StepTrace
 
-    steps = [StepTrace("prefill", 2, 2, 0.5)] + [StepTrace("decode", 2, 4, 0.002)] * 9 + \
-        [StepTrace("decode", 2, 4, 0.05)]
+    walls = [0.5] + [0.002] * 9 + [0.05]
+    starts = [sum(walls[:i]) for i in range(len(walls))]
+    calls = [0.5] + [0.001] * 9 + [0.05]  # the calls return early; their cycles are the walls above
+    steps = [StepTrace("prefill" if i == 0 else "decode", 2, 2 if i == 0 else 4, call, start_s=start)
+             for i, (call, start) in enumerate(zip(calls, starts))]
     runner = argparse.Namespace(warmups=5, eager_speculative_steps=1)
     stats = speculative.step_stats(RolloutResult([], steps, 1.0), runner, before=(4, 1))
     assert stats["decode_steps"] == 10 and stats["step_ms_median"] == pytest.approx(2.0)

@@ -64,6 +64,8 @@ def test_overlapped_plain_steps_sample_what_waiting_steps_sample():
     engine, overlapped = rollout(True)
     assert engine.model_runner.overlapped_steps > 10
     assert_same_samples(overlapped, waited)
+    # the steps' tokens are the tokens that landed (a stopped row's dropped extra one is not counted)
+    assert sum(s.new_tokens for s in overlapped.steps) == overlapped.generated_tokens
 
 
 def test_an_sd_step_after_an_overlapped_one_serves_no_row_that_stopped_in_it(monkeypatch):
@@ -148,9 +150,11 @@ def test_a_row_that_stopped_takes_no_token_from_the_step_after():
     assert seqs[0].tokens == [5] and seqs[0].logprobs == [-0.5] and seqs[1].tokens == []
 
 
-def test_only_steps_above_the_policys_gate_overlap(monkeypatch):
+@pytest.mark.parametrize("trained", [True, False], ids=["trained-drafter", "untrained-drafter"])
+def test_only_steps_above_the_policys_gate_overlap(monkeypatch, trained):
     """Below its gate the adaptive policy weighs SD against plain steps by their times: each plain step there
-    waits for its tokens (its time its own); above it plain steps overlap."""
+    waits for its tokens (its time its own); above it plain steps overlap. Also while the drafter is untrained
+    (no SD step at all): the bandit records the plain steps below the gate all the same."""
     from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate
 
     batches = []
@@ -161,9 +165,10 @@ def test_only_steps_above_the_policys_gate_overlap(monkeypatch):
     policy = AdaptiveSpeculation([SpecStrategy(3, 2, 6)], gate=BatchSizeGate(threshold=5))
     engine = RolloutEngine(model, max_batch_size=12, speculation=policy, max_tree_size=16, eos_token_ids=[EOS])
     engine.runner = GraphRunner(engine.forward, capture=False)
-    engine.set_drafter(oracle_drafter(model))
+    engine.set_drafter(oracle_drafter(model), trained=trained)
     prompts = random_prompts([3, 6, 2, 5, 4, 7], vocab_size=16, seed=11)
     result = engine.generate([Request(p, n=2, params=SETTINGS[i % len(SETTINGS)]) for i, p in enumerate(prompts)])
     assert batches and min(batches) > 5 and engine.model_runner.overlapped_steps > 0
+    assert sum(s.new_tokens for s in result.steps) == result.generated_tokens
     plain_below = [s for s in result.steps if s.kind == "decode" and s.mode == "plain" and s.batch_size <= 5]
     assert plain_below  # the bandit tried plain steps there too: none of them overlapped

@@ -257,7 +257,7 @@ class RolloutEngine:
                     between_steps(self)
                 self._decode(scheduler.running, steps)
                 self._retire(bar, collect_features)
-        self.model_runner.drain()  # (every sample finished, so nothing is in flight: a guard)
+        self._drain(steps)  # (every sample finished, so nothing is in flight: a guard)
         if bar is not None:
             bar.close()
         return RolloutResult(scheduler.outputs(), steps, time.perf_counter() - start)
@@ -272,6 +272,7 @@ class RolloutEngine:
 
     def _prefill(self, groups: list[list[Sequence]], steps: list[StepTrace]) -> None:
         """The admitted groups take the rows after the running ones, each with its first token."""
+        self._drain(steps)
         started = time.perf_counter()
         new = self.model_runner.prefill(groups, first_row=self.scheduler.running_rows)
         self.scheduler.start(new)
@@ -285,15 +286,18 @@ class RolloutEngine:
         arm = self._choose(len(running))
         strategy = None if arm in (None, "off") else arm
         if strategy is not None:  # `_choose` picks one only when a drafter can serve this step
-            self.model_runner.drain()  # an overlapped plain step's tokens first: a row it stopped is not served
+            self._drain(steps)  # an overlapped plain step's tokens first: a row it stopped is not served
             served = [seq for seq in running if seq.finish_reason is None]
             trace = self.model_runner.speculative_step(running, strategy)
             if self.drafter_version is not None:
                 for seq in served:
                     seq.drafter_versions.add(self.drafter_version)
         else:
+            before = sum(len(seq.tokens) for seq in running)
             self.model_runner.decode(running, overlap=self._plain_only(len(running)))
-            trace = StepTrace("decode", len(running), len(running), 0.0)
+            # the tokens that landed: an overlapped step's are the step before's (a stopped row's extra one dropped)
+            emitted = sum(len(seq.tokens) for seq in running) - before
+            trace = StepTrace("decode", len(running), emitted, 0.0)
         trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started, start_s=started - self._generate_start)
         steps.append(trace)
         if self.speculation is not None:
@@ -303,13 +307,24 @@ class RolloutEngine:
                                      trace.wall_s, verify_steps=trace.batch_size,
                                      timed=self.model_runner.warmups == warmups)
 
+    def _drain(self, steps: list[StepTrace]) -> None:
+        """Append an overlapped plain step's tokens (if one is in flight), counted to the step that launched it."""
+        running = self.scheduler.running
+        before = sum(len(seq.tokens) for seq in running)
+        self.model_runner.drain()
+        landed = sum(len(seq.tokens) for seq in running) - before
+        if landed and steps and steps[-1].kind == "decode":
+            steps[-1] = dataclasses.replace(steps[-1], new_tokens=steps[-1].new_tokens + landed)
+
     def _plain_only(self, batch_size: int) -> bool:
         """Whether no speculative step can come at this batch size (nor a smaller one before a row retires, which
         ends an overlapped step first): then a plain step may stay in flight into the next (see
         `ModelRunner.decode`). Below a gate, where the policy weighs SD against plain steps, each step waits
         for its tokens, so that its time is its own."""
-        if self.speculation is None or self.model_runner.serving is None or not self.drafter_trained:
+        if self.speculation is None:
             return True
+        # by the gate alone, also while no trained drafter serves: the bandit records plain steps below it
+        # either way, and a drafter swapped in mid-rollout may make the next step speculative
         gate = plain_only_above(self.speculation)
         return gate is not None and batch_size > gate
 

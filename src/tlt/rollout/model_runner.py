@@ -222,7 +222,7 @@ class ModelRunner:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(packed.device))  # the copy's stream, whatever device is current
         else:
             host = packed.clone()
         return InFlight(list(running), packed, host, done)
