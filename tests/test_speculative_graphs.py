@@ -52,6 +52,10 @@ def engine_pair(model, drafter, speculation, batch, tree=16):
     graphed = RolloutEngine(model, max_batch_size=batch, speculation=speculation, max_tree_size=tree)
     graphed.runner = GraphRunner(graphed.forward, capture=False)
     graphed.set_drafter(drafter)
+    # The graph bodies against the eager steps: plain steps wait for their tokens, as eager ones do. (Overlapped
+    # steps retire a row that stopped on EOS one step later, so a gated policy may turn SD on a step later:
+    # other, equally exact samples. Their own tests: test_overlapped_steps.py.)
+    graphed.model_runner.overlap_steps = False
     return eager, graphed
 
 
