@@ -305,11 +305,12 @@ for phase in "$@"; do
     spec-diag)  # H200, 2026-11-28: an S4K2N14q step took ~2.7 ms at batch 1 and ~4.2 ms at batch 4 (from tok/s and
       # tau), a plain step ~1.45 ms at both: host-bound (the device idle between replays) or a kernel that grows?
       # (64 tokens a row: five profiled runs of ~250-400 kernels a step each, and the profiler's tables take time;
-      # 1:plain-waiting is the plain step before overlapped steps: their tok/s and device-busy share side by side)
+      # 1:plain-waiting is the plain step before overlapped steps: their tok/s and device-busy share side by side;
+      # in order of need: a run cut at the limit keeps the profiles it finished)
       run spec_diag 180 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
         --batches 1,4 --strategies S4K2N14q,S5K1q --min-prompts "$SPEC_MIN_PROMPTS" --max-new-tokens 64 \
-        --profile 1:plain --profile 1:plain-waiting \
-        --profile 1:S4K2N14q --profile 4:plain --profile 4:S4K2N14q --json "$OUT/speculative_${GPU}_diag.json" \
+        --profile 1:S4K2N14q --profile 4:S4K2N14q --profile 1:plain --profile 4:plain \
+        --profile 1:plain-waiting --json "$OUT/speculative_${GPU}_diag.json" \
         --png /tmp/speculative_${GPU}_diag.png ;;
     adaptive)  # the cost curve (up to 90 s on a fresh machine: carry .gpu/cost_curves.tar), then 4 rollouts
       run adaptive 200 python3 benchmarks/adaptive_buckets.py --device cuda --drafter "$DRAFTER" --prompts 16 \
