@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tlt.rollout.sequence import Sequence
+from tlt.rollout.sequence import Sequence, same_rows
 from tlt.sampling import RowSampling
 
 UNIFORM_BLOCK = 256  # uniforms per row drawn at once: 256 plain steps, or several speculative steps
@@ -72,8 +72,7 @@ class BatchRows:
         self._rows, self._settings = [], None
 
     def _hold(self, seqs: list[Sequence]) -> None:
-        rows = self._rows
-        if len(rows) == len(seqs) and all(a is b for a, b in zip(rows, seqs)):
+        if same_rows(self._rows, seqs):
             return
         self._settings = None
         if not self._keep_subset(seqs):

@@ -293,10 +293,8 @@ class RolloutEngine:
                 for seq in served:
                     seq.drafter_versions.add(self.drafter_version)
         else:
-            before = sum(len(seq.tokens) for seq in running)
-            self.model_runner.decode(running, overlap=self._plain_only(len(running)))
             # the tokens that landed: an overlapped step's are the step before's (a stopped row's extra one dropped)
-            emitted = sum(len(seq.tokens) for seq in running) - before
+            emitted = self.model_runner.decode(running, overlap=self._plain_only(len(running)))
             trace = StepTrace("decode", len(running), emitted, 0.0)
         trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started, start_s=started - self._generate_start)
         steps.append(trace)
@@ -309,10 +307,7 @@ class RolloutEngine:
 
     def _drain(self, steps: list[StepTrace]) -> None:
         """Append an overlapped plain step's tokens (if one is in flight), counted to the step that launched it."""
-        running = self.scheduler.running
-        before = sum(len(seq.tokens) for seq in running)
-        self.model_runner.drain()
-        landed = sum(len(seq.tokens) for seq in running) - before
+        landed = self.model_runner.drain()
         if landed and steps and steps[-1].kind == "decode":
             steps[-1] = dataclasses.replace(steps[-1], new_tokens=steps[-1].new_tokens + landed)
 

@@ -21,7 +21,7 @@ from tlt.models.lean_forward import LeanForward
 from tlt.rollout.batch_rows import BatchRows
 from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity, pack_tokens
 from tlt.rollout.request import StepTrace
-from tlt.rollout.sequence import Sequence
+from tlt.rollout.sequence import Sequence, same_rows
 from tlt.sampling import RowSampling, drawing_with, is_integer, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
@@ -179,18 +179,17 @@ class ModelRunner:
             self.serving.forget_rows(first_row, self.serving.cache.max_rows - first_row)
         return out.logits[:, 0]
 
-    def decode(self, running: list[Sequence], *, overlap: bool = True) -> None:
+    def decode(self, running: list[Sequence], *, overlap: bool = True) -> int:
         """One plain decode step: every running sequence gets one token. On the graph path with `overlap_steps`
         and `overlap` (the caller's: no speculative step can come next), its token is appended one step late
-        (`_decode_overlapped`)."""
+        (`_decode_overlapped`). Returns the tokens appended during the call."""
         with sampler_of(self.forward):
             if self.graphs is None:
                 self._decode_eagerly(running)
-            elif self.overlap_steps and overlap:
-                self._decode_overlapped(running)
-            else:
-                self.drain()
-                _append_in_flight(self._launch_decode(running, None))
+                return len(running)
+            if self.overlap_steps and overlap:
+                return self._decode_overlapped(running)
+            return self.drain() + _append_in_flight(self._launch_decode(running, None))
 
     def _decode_eagerly(self, running: list[Sequence]) -> None:
         rows = self.cache.rows(0, len(running))
@@ -227,7 +226,7 @@ class ModelRunner:
             host = packed.clone()
         return InFlight(list(running), packed, host, done)
 
-    def _decode_overlapped(self, running: list[Sequence]) -> None:
+    def _decode_overlapped(self, running: list[Sequence]) -> int:
         """Plain steps one step late (as vLLM's and SGLang's engines overlap their schedulers): step n + 1 is
         launched from step n's tokens on the device before step n's tokens reach the host, so the host's work
         for step n (appending, stop checks, the next step's inputs) runs while the device decodes n + 1. A row
@@ -235,24 +234,26 @@ class ModelRunner:
         cache row is retired). The lag ends (the in-flight step is appended: `drain`) before anything else
         touches the rows: a prefill, a speculative step, rows that finished, or a row whose budget the next
         step would pass (its cache has no slot past it)."""
+        appended = 0
         previous = self._in_flight
-        if previous is not None and not _same_rows(previous.seqs, running):
-            self.drain()
+        if previous is not None and not same_rows(previous.seqs, running):
+            appended += self.drain()
             previous = None
         self._in_flight = None
         launched = self._launch_decode(running, previous)
         if previous is not None:
-            _append_in_flight(previous)
+            appended += _append_in_flight(previous)
         self._in_flight = launched
         if any(s.finish_reason is not None or len(s.tokens) + 1 >= s.request.params.max_new_tokens
                for s in running):
-            self.drain()
+            appended += self.drain()
+        return appended
 
-    def drain(self) -> None:
-        """Append the in-flight plain step's tokens (if any): afterwards every step taken is in the sequences."""
+    def drain(self) -> int:
+        """Append the in-flight plain step's tokens (if any): afterwards every step taken is in the sequences.
+        Returns how many were appended."""
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            _append_in_flight(in_flight)
+        return 0 if in_flight is None else _append_in_flight(in_flight)
 
     def speculative_step(self, running: list[Sequence], strategy: SpecStrategy) -> StepTrace:
         """One speculative step (draft → verify → accept → commit): each sequence gets 1 to depth + 1 tokens,
@@ -371,18 +372,18 @@ class InFlight:
     done: "torch.cuda.Event | None"
 
 
-def _append_in_flight(step: InFlight) -> None:
-    """Append a launched step's tokens; a sequence that stopped before it (an overlapped step) takes none."""
+def _append_in_flight(step: InFlight) -> int:
+    """Append a launched step's tokens; a sequence that stopped before it (an overlapped step) takes none.
+    Returns how many were appended."""
     if step.done is not None:
         step.done.synchronize()
     host = step.host
+    appended = 0
     for seq, token, logprob in zip(step.seqs, host[:, 0].long().tolist(), host[:, 1].float().tolist()):
         if seq.finish_reason is None:
             seq.append(token, logprob)
-
-
-def _same_rows(a: list[Sequence], b: list[Sequence]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+            appended += 1
+    return appended
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:

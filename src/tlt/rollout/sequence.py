@@ -70,3 +70,8 @@ class Sequence:
     def output(self) -> SampleOutput:
         return SampleOutput(self.request_index, self.sample_index, self.request.prompt_ids, self.tokens,
                             self.logprobs, self.finish_reason, tuple(sorted(self.drafter_versions)))
+
+
+def same_rows(a: list[Sequence], b: list[Sequence]) -> bool:
+    """The same sequences in the same order (by identity: a step's rows are these objects)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
