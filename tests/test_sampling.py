@@ -55,6 +55,31 @@ def test_inverse_cdf_draws_follow_the_distribution_and_skip_removed_tokens():
     assert sample_from_logprobs(probs.log()[None], torch.tensor([0.9999999]))[0] == 4
 
 
+@pytest.mark.parametrize("vocab", [5, 256, 700])
+def test_the_blocked_cdf_draws_the_one_level_cdfs_tokens(vocab):
+    """A vocabulary of one block draws from one CDF, a larger one from block sums then within a block: both are
+    the textbook inverse CDF over the whole vocabulary (a float64 cumsum, searched), token for token but for
+    uniforms within rounding of a boundary. Rows with removed tokens, a removed first and last token, a whole
+    removed block; uniforms 0 and 1 - 2^-40 take the first and the last token of positive probability."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(64, vocab, generator=generator) * 3
+    logits[::3, ::2] = float("-inf")
+    logits[1::4, 0] = logits[1::4, -1] = float("-inf")
+    if vocab > 256:
+        logits[2::4, 256:512] = float("-inf")
+    logprobs = torch.log_softmax(logits, -1).repeat(50, 1)
+    uniforms = torch.rand(logprobs.shape[0], generator=generator, dtype=torch.float64)
+    uniforms[:64], uniforms[64:128] = 0.0, 1 - 2 ** -40
+    cdf = logprobs.exp().cumsum(-1, dtype=torch.float64)
+    reference = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
+    drawn = sample_from_logprobs(logprobs, uniforms)
+    assert bool(torch.isfinite(logprobs.gather(1, drawn[:, None])).all())  # never a removed token
+    assert int((drawn != reference).sum()) <= 2
+    positive = torch.isfinite(logprobs[:64])
+    assert torch.equal(drawn[:64], positive.int().argmax(-1))
+    assert torch.equal(drawn[64:128], vocab - 1 - positive.flip(-1).int().argmax(-1))
+
+
 def test_greedy_rows_take_the_argmax_and_report_untempered_logprob():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
     rows = RowSampling.from_params([SamplingParams(temperature=0), SamplingParams(temperature=0)], "cpu")

@@ -316,6 +316,8 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
     batch, vocab = logprobs.shape
     blocks = -(-vocab // CDF_BLOCK)
     probs = logprobs.exp()
+    if blocks == 1:  # one block: its CDF is the whole one (a small draft vocabulary, a test's model)
+        return _sample_from_one_block(probs, uniforms)
     padded = blocks * CDF_BLOCK != vocab
     if padded:
         probs = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - vocab))
@@ -333,6 +335,17 @@ def sample_from_logprobs(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torc
     # Only a NaN row reaches the padding past the vocabulary: kept in range, so a later gather cannot fail (a
     # device-side assert on CUDA); its NaN log-prob is what the caller reports.
     return token.clamp_(max=vocab - 1) if padded else token
+
+
+def _sample_from_one_block(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """`sample_from_logprobs` for a vocabulary of at most CDF_BLOCK tokens: one float64 CDF, not padded to a
+    block (a vocabulary of 5 padded to 256 was 50x the work)."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.to(cdf.device, torch.float64)[:, None] * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
+    # a NaN row's index may fall past the vocabulary: kept in range, as in the blocked path
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]
 
 
 def sample_next(logits: torch.Tensor, rows: RowSampling, uniforms: torch.Tensor):
