@@ -9,7 +9,7 @@ the buffers so a batch is a zero-copy slice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,10 +80,11 @@ class CacheRows:
     cache: KVCache
     start: int
     count: int
+    lengths: torch.Tensor = field(init=False, repr=False, compare=False)  # host [B], a view: writes go through
 
-    @property
-    def lengths(self) -> torch.Tensor:  # host tensor [B], a view: writes go through
-        return self.cache.lengths[self.start:self.start + self.count]
+    def __post_init__(self):
+        # made once: a step reads it ~10 times, and each new slice was a few µs of host work the device waits on
+        self.lengths = self.cache.lengths[self.start:self.start + self.count]
 
     def keys(self, layer: int) -> torch.Tensor:  # [B, Hkv, S, D]
         return self.cache.keys[layer][self.start:self.start + self.count]
