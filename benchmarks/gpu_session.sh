@@ -27,8 +27,8 @@
 #                                                      -> decode_step_h100.json, decode_step_h100_autotune.json (#13)
 #   spec-compiled  speculative.py with rollout.compile=inductor, T=0 and T=1, batches 1,4
 #                                                                  -> speculative_h100_compiled{,_greedy}.json (#13)
-#   tail        spot_training.py --lone-worker --drafter-graph, overhead (greedy, 2 steps; eager and graphed tail
-#               trainers vs frozen)                                              -> spot_training_h100.json (#15)
+#   tail        spot_training.py --lone-worker --drafter-graph --default-stream, overhead (greedy, 2 steps; eager
+#               and graphed tail trainers, and decoding on the default stream, vs frozen) -> spot_training_h100.json
 #   tail-tau    spot_training.py --lone-worker, tau vs frozen (TAU_STEPS steps) -> spot_training_tau_h100.json (#15)
 #   update      update_cost.py: one policy update of 16 samples (~1,450 tokens) as a run does it (token budget),
 #               in rows of 4 (the default before), with cuDNN's attention, with one shape repeated, with
@@ -287,9 +287,11 @@ for phase in "$@"; do
     tests-fixed)  # what the 2026-11-28 H200 session's tests found, fixed on the CPU: the CUDA tail trainer (its
       # features were queued in another order than drained; set_device refused an unindexed "cuda") and the
       # split attention's stale-count control (racy on a GPU), with the drafter's captured micro-step beside them;
-      # and the thirteenth session's overlapped plain steps (pinned copies and events: never run on CUDA)
+      # and the thirteenth session's overlapped plain steps (pinned copies and events: never run on CUDA), the
+      # fourteenth's high-priority decode stream beside a tail trainer (decoding_first; the tail test checks it)
       run tests_fixed 110 python3 -m pytest tests/test_gpu.py tests/test_triton_kernels.py -v \
-        -rfE -o faulthandler_timeout=100 -k "tail or stale_arrival or captured_drafter_micro_step or overlapped" \
+        -rfE -o faulthandler_timeout=100 \
+        -k "tail or stale_arrival or captured_drafter_micro_step or overlapped or decoding_first" \
         --junitxml="$OUT/tests_fixed.xml" ;;
     drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
     spec)  # T=1: speculative_${GPU}.json is the file #13 and #14 need (spec-greedy adds its results to it)
@@ -349,7 +351,7 @@ for phase in "$@"; do
       run head 120 python3 benchmarks/head_precision.py --device cuda --json "$OUT/head_precision_${GPU}.json" ;;
     tail)
       run tail 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \
-        --max-new-tokens 1024 --phases overhead --steps 2 --warmup-steps 1 --drafter-graph \
+        --max-new-tokens 1024 --phases overhead --steps 2 --warmup-steps 1 --drafter-graph --default-stream \
         --json "$OUT/spot_training_${GPU}.json" ;;
     tail-tau)  # 10 RL steps per mode as #15 asks: at 1024 tokens they do not fit a call, at TAU_TOKENS they may
       run tail_tau 540 python3 benchmarks/spot_training.py --lone-worker --device cuda --drafter "$DRAFTER" \

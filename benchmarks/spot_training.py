@@ -38,6 +38,8 @@ from rl_pairs import interleaved_runs, median  # noqa: E402
 
 from tlt.distributed.worker import RolloutWorker  # noqa: E402
 
+# --lone-worker's optional spot modes, beside spot and frozen: their results' key suffix
+EXTRA_SPOT_MODES = {"spot_graph": "_graph", "spot_default_stream": "_default_stream"}
 NEAR_GREEDY = 0.001  # the overhead phase's temperature (see the docstring)
 
 
@@ -53,6 +55,8 @@ def modes(args, temperature: float, seed: int, strategy: str) -> dict[str, list[
                 "frozen": common + ["run.tail_training=off", "run.spot_training=false"]}
         if args.drafter_graph:  # the drafter's micro-step as a CUDA graph: a third mode, interleaved with both
             both["spot_graph"] = both["spot"] + ["run.drafter_cuda_graph=true"]
+        if args.default_stream:  # decoding on the default stream beside the trainer (before decoding_first)
+            both["spot_default_stream"] = both["spot"] + ["run.tail_decode_priority=false"]
         return both
     common += ["run.workers=2", "run.backend=ray", "run.threads_per_worker=1",
                "optim.micro_batch_size=2"]  # 2: four resident workers fit in 24 GB
@@ -149,6 +153,9 @@ def main() -> None:
     parser.add_argument("--drafter-graph", action="store_true",
                         help="with --lone-worker: a third mode whose tail trainer replays its micro-step as a CUDA "
                              "graph (run.drafter_cuda_graph=true); results under overhead_graph")
+    parser.add_argument("--default-stream", action="store_true",
+                        help="with --lone-worker: a mode whose rollout decodes on the default stream beside the tail "
+                             "trainer (run.tail_decode_priority=false); results under overhead_default_stream")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--strategy", default="S4K2N8",
                         help="the overhead phase's static arm (near-greedy: either rule follows the argmax)")
@@ -178,9 +185,9 @@ def main() -> None:
             result[phase] = summarize(history)
             if phase == "overhead":
                 result["spot_overhead_ratio"] = result["overhead"]["overhead_ratio_median"]
-                if history.get("spot_graph"):
-                    result["overhead_graph"] = summarize({"spot": history["spot_graph"],
-                                                          "frozen": history["frozen"]})
+                for mode, suffix in EXTRA_SPOT_MODES.items():
+                    if history.get(mode):
+                        result[f"overhead{suffix}"] = summarize({"spot": history[mode], "frozen": history["frozen"]})
             else:
                 add_tau_gains(result)
             write_json(args.json, result, echo=False)
@@ -193,17 +200,19 @@ def main() -> None:
             history = interleaved_runs(modes(args, NEAR_GREEDY, 0, args.strategy), args.steps,
                                        on_step=partial("overhead"),
                                        warmup_steps=args.warmup_steps)
-        graph = history.pop("spot_graph", None)
+        extra = {mode: history.pop(mode, None) for mode in EXTRA_SPOT_MODES}
         result["overhead"] = summarize(history)
         result["overhead_serves_trained_versions"] = not args.lone_worker
         result["spot_overhead_ratio"] = result["overhead"]["overhead_ratio_median"]
         if args.lone_worker:
             result["overlap_slowdown_median"] = add_overlap_slowdown(result["overhead"], history)
-        if graph is not None:  # the same measures for the captured drafter step, against the same frozen steps
-            against = {"spot": graph, "frozen": history["frozen"]}
-            result["overhead_graph"] = summarize(against)
-            result["spot_overhead_ratio_graph"] = result["overhead_graph"]["overhead_ratio_median"]
-            result["overlap_slowdown_median_graph"] = add_overlap_slowdown(result["overhead_graph"], against)
+        for mode, suffix in EXTRA_SPOT_MODES.items():  # the same measures, against the same frozen steps
+            if extra[mode] is not None:
+                against = {"spot": extra[mode], "frozen": history["frozen"]}
+                result[f"overhead{suffix}"] = summarize(against)
+                result[f"spot_overhead_ratio{suffix}"] = result[f"overhead{suffix}"]["overhead_ratio_median"]
+                result[f"overlap_slowdown_median{suffix}"] = add_overlap_slowdown(result[f"overhead{suffix}"],
+                                                                                  against)
     if "tau" in args.phases:
         print(f"== tau over RL steps (T=1, {args.tau_strategy})")
         result["tau_strategy"] = args.tau_strategy

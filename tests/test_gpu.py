@@ -386,10 +386,12 @@ def test_cost_curve_on_cuda_times_the_graph_path():
 TAIL = 2000  # tokens of the two long samples: a tail of seconds even on an H100, so the trainer publishes in it
 
 
-def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
+def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path, monkeypatch):
     """One worker on CUDA trains its drafter on a side stream while its tail replays speculative graphs (new
     batch buckets and KV blocks are captured while the thread runs): no error, versions published and swapped in
-    mid-rollout, and greedy output equals a run without speculation (fp32: exact). The tail is long (2 rows of
+    mid-rollout, and greedy output equals a run without speculation (fp32: exact). With a tail trainer the
+    rollout decodes on a stream of the device's highest priority (`decoding_first`), without one on the default
+    stream; the stream is the default one again after the rollout. The tail is long (2 rows of
     2000 tokens; a 240-token tail can end on an H100 before the trainer's first publish). Greedy in effect:
     the config refuses temperature 0 for GRPO, and at 0.001 the model's smallest top-2 logit gap (0.1) leaves
     a non-argmax draw a chance of e^-100."""
@@ -415,15 +417,30 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
         config = load_config(None, [f"{k}={v}" for k, v in settings.items()])
         return DistributedGRPO(config, loaded=loaded, task=ShortLongTask(), reward=Reward(share_of_eights))
 
+    from tlt.distributed.worker import RolloutWorker
+
+    streams = []  # (priority, is the default stream) of the decode loop's stream, between its steps
+    between_steps = RolloutWorker._between_steps
+
+    def recording(worker, engine):
+        stream = torch.cuda.current_stream(CUDA)
+        streams.append((stream.priority, stream == torch.cuda.default_stream(CUDA)))
+        return between_steps(worker, engine)
+
+    monkeypatch.setattr(RolloutWorker, "_between_steps", recording)
+    highest = torch.cuda.Stream(CUDA, priority=-100).priority
     lengths = [12] * 6 + [TAIL] * 2
-    runs, graphs, losses = {}, None, {}
+    runs, graphs, losses, decoded_on = {}, None, {}, {}
     modes = {"tail": {"run.tail_training": "on"}, "plain": {"run.speculative": "off"},
              # the drafter's micro-step captured as a CUDA graph (thread_local) beside the decode loop's replays
              "tail_graph": {"run.tail_training": "on", "run.drafter_cuda_graph": True}}
     for name, overrides in modes.items():
         driver = controller(**overrides)
         try:
+            streams.clear()
             runs[name] = (driver.train_step(lengths=lengths), [s.token_ids for s in driver.last_rollout.samples])
+            decoded_on[name] = set(streams)
+            assert torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA)
             if name != "plain":
                 trainer = driver.backend.workers[0]._spot[1]
                 losses[name] = trained_and_untrained_loss(trainer)
@@ -432,6 +449,8 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path):
         finally:
             driver.close()
     assert graphs[1] is None and graphs[0] is not None and graphs[0].graph is not None, graphs
+    assert highest < 0 and decoded_on["plain"] == {(0, True)}, (highest, decoded_on)
+    assert decoded_on["tail"] == decoded_on["tail_graph"] == {(highest, False)}, (highest, decoded_on)
     for name in ("tail", "tail_graph"):
         metrics, tokens = runs[name]
         assert metrics["spot_train_errors"] == 0
@@ -519,6 +538,29 @@ def test_a_drafter_graph_capture_that_fails_leaves_the_trainer_eager(monkeypatch
     records = trainer.train_steps(2)
     assert trainer._graph_failure.startswith("CUDA error") and trainer._micro_step_graph is None
     assert all(r["loss"] > 0 for r in records) and trainer.steps == 2
+
+
+def test_decoding_first_runs_on_one_high_priority_stream_ordered_with_the_default_one():
+    """`decoding_first`: the block runs on the device's highest-priority stream (the same one each time: memory
+    freed on a stream is reused by it alone), after what was queued before it and before what is queued after
+    it (a long kernel on each side: the reads see the writes); disabled, the block stays on the caller's stream."""
+    from tlt.drafter.tail_trainer import decoding_first
+
+    default = torch.cuda.current_stream(CUDA)
+    big = torch.randn(4096, 4096, device=CUDA)
+    written = (big @ big).sum()  # queued on the default stream just before the block
+    seen = []
+    for _ in range(2):
+        with decoding_first(torch.device(CUDA)):
+            stream = torch.cuda.current_stream(CUDA)
+            seen.append(stream)
+            inside = written * 2 + (big @ big).sum() * 0  # reads the default stream's result
+        after = inside - written * 2  # queued on the default stream after the block
+        assert float(after) == 0.0
+    assert seen[0] == seen[1] and seen[0] != default and seen[0].priority < default.priority
+    assert torch.cuda.current_stream(CUDA) == default
+    with decoding_first(torch.device(CUDA), enabled=False):
+        assert torch.cuda.current_stream(CUDA) == default
 
 
 def test_a_cuda_tail_collects_features_on_a_copy_stream_and_trains_on_them_with_fused_adamw():

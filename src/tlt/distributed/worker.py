@@ -29,7 +29,7 @@ from tlt.distributed.collective import ProcessGroupReducer, open_group_store
 from tlt.distributed.hub import HubTimeout
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.drafter.gate import HOLDOUT_EVERY, PublishGate
-from tlt.drafter.tail_trainer import TailReport, TailTrainer
+from tlt.drafter.tail_trainer import TailReport, TailTrainer, decoding_first
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
 from tlt.metrics.step import speculation_metrics
 from tlt.metrics.timeline import WorkerTimeline
@@ -133,8 +133,10 @@ class RolloutWorker:
         collect = self.tail.collect(step) if self.tail is not None else None
         wall_start = time.time()
         try:
-            self._result = phases.rollout(self.replica, examples, step, between_steps=self._between_steps,
-                                          lengths=lengths, collect_features=collect, first=first)
+            # on CUDA with a tail trainer: decoding on a stream above the trainer's (`decoding_first`)
+            with decoding_first(self.engine.device, self.tail is not None and self.config.run.tail_decode_priority):
+                self._result = phases.rollout(self.replica, examples, step, between_steps=self._between_steps,
+                                              lengths=lengths, collect_features=collect, first=first)
         finally:  # the training thread never outlives the rollout (nor a failed one)
             tail = self.tail.stop() if self.tail is not None else TailReport()
         self.timeline.add_rollout(self._result, wall_start, time.time())

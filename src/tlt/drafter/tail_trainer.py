@@ -41,6 +41,38 @@ IDLE_WAIT_S = 0.05  # how long the thread sleeps when it has nothing to train on
 CUDA_SWITCH_INTERVAL_S = 0.0005
 
 
+# One high-priority decode stream per CUDA device for the process: memory the caching allocator frees on a stream is
+# reused only by that stream, so a new stream per rollout would strand the last one's KV cache and temporaries.
+_DECODE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+_DECODE_STREAMS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def decoding_first(device: torch.device, enabled: bool = True):
+    """Run the block (a rollout that a tail trainer shares the GPU with) on a CUDA stream of the device's highest
+    priority. The trainer's kernels run on a stream of the default, lowest priority, and the GPU's block scheduler
+    dispatches pending blocks of a higher-priority stream first: a decode step's small kernels then wait for the
+    training blocks already running, not for the training kernels queued. (The default stream is of the lowest
+    priority, so the training stream cannot be put below it: the decoding goes above.) Ordered after everything
+    queued before it (the optimizer step that wrote the weights) and before everything queued after it (the
+    update's forwards). A no-op off CUDA or when not enabled."""
+    device = indexed_device(device)
+    if device.type != "cuda" or not enabled:
+        yield
+        return
+    with _DECODE_STREAMS_LOCK:
+        stream = _DECODE_STREAMS.get(device.index)
+        if stream is None:  # priority: lower is higher; out-of-range values map to the device's highest
+            stream = _DECODE_STREAMS[device.index] = torch.cuda.Stream(device, priority=-100)
+    outer = torch.cuda.current_stream(device)
+    stream.wait_stream(outer)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        outer.wait_stream(stream)
+
+
 class Arrival(NamedTuple):
     """A finished sample's features on their way to the buffer (named: the CUDA path once queued its fields in
     another order than the drain read them, and every CUDA tail trained on nothing)."""

@@ -152,6 +152,8 @@ class RunConfig:
     spot_training: bool = True     # train the drafter on workers idle in the long tail (speculative modes)
     tail_training: str = "auto"    # one worker: train the drafter beside the rollout's long tail on its own device
                                    # (a background thread, a second CUDA stream): "auto" (= on), "on", "off"
+    tail_decode_priority: bool = True  # CUDA, with tail training: the rollout decodes on a high-priority stream, so
+                                   # the trainer's kernels take what decoding leaves of the GPU (not yet measured)
     publish_every: int = 10        # drafter optimizer steps between published versions (hot-swapped mid-rollout)
     swap_poll_s: float = 0.2       # how often a rolling-out worker checks for a newer drafter
     drafter_lr: float = 1e-3       # for a drafter trained from scratch; one warmed without its optimizer state loses
