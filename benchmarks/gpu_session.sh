@@ -74,6 +74,11 @@
 # step n+1 launched from step n's tokens on the device; docs/architecture.md), never run on CUDA: call 1's
 # tests-fixed runs their GPU tests (-k overlapped), spec-diag profiles 1:plain beside 1:plain-waiting, and
 # `throughput` (--also-waiting) times both when a call has room for it. Plan D otherwise unchanged.
+# Fourteenth session (2026-11-28, no GPU): with a tail trainer the rollout decodes on a high-priority CUDA stream
+# (tail_trainer.decoding_first, run.tail_decode_priority=true by default, never run on CUDA): call 1's tests-fixed
+# runs its GPU tests (-k decoding_first, and the tail test checks the decode loop's stream); `tail` A/Bs it as a
+# fourth mode (--default-stream: overhead_default_stream beside the default's overhead). If decoding on the
+# default stream is no slower, say so and turn the default off. Plan D otherwise unchanged.
 # Eleventh session (2026-11-28, no GPU): the drafter's capture now holds the process's capture lock beside the
 # rollout's (tlt/capture_lock.py; a review found a device-wide sync at the decode loop's capture could invalidate
 # it), a failed capture reports its own cause, and the tail test checks the tail-trained drafter's loss fell. If
