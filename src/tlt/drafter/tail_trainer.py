@@ -135,6 +135,7 @@ class TailTrainer:
         self._streams_lock = threading.Lock()
         self._switch_interval: float | None = None  # the process's, while start() has set CUDA's
         self._prepare: Callable[[], object] | None = None  # start()'s, run on the training thread
+        self._decode_mark: "torch.cuda.Event | None" = None  # start(): recorded on the decode loop's stream
 
     # -- the decode loop's side (main thread) -------------------------------------------------------------
 
@@ -198,6 +199,11 @@ class TailTrainer:
         if self.device.type == "cuda":
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(CUDA_SWITCH_INTERVAL_S)
+            # the decode loop's stream so far (`decoding_first`'s, not the default one): the thread waits for it too
+            # (without a usable CUDA the thread fails at its own stream: a training error, not the rollout's)
+            self._decode_mark = torch.cuda.Event() if torch.cuda.is_available() else None
+            if self._decode_mark is not None:
+                self._decode_mark.record(torch.cuda.current_stream(self.device))
         self._thread = threading.Thread(target=self._run, name="tlt-tail-trainer", daemon=True)
         self._thread.start()
 
@@ -279,6 +285,8 @@ class TailTrainer:
         # after everything queued so far (the optimizer step that wrote the embedding and lm_head it reads, the
         # drafter state loaded for it): once per tail, not per micro-step
         stream.wait_stream(torch.cuda.default_stream(self.device))
+        if self._decode_mark is not None:  # and what the decode loop had queued when start() was called
+            stream.wait_event(self._decode_mark)
         with torch.cuda.stream(stream):
             try:
                 yield
