@@ -463,23 +463,26 @@ def test_in_process_workers_freeze_what_they_built_until_the_backend_shuts_down(
     assert gc.get_freeze_count() == 0
 
 
-def test_ray_start_up_leaves_tlts_sigterm_handler_in_place():
+def test_ray_start_up_leaves_tlts_signal_handlers_in_place():
     """ray.init puts its own SIGTERM handler (sys.exit) in place of the CLI's, so a multi-worker run stopped by a
-    scheduler exited 15 without saying what it saved (found by review). The start-up keeps the handler as it was."""
+    scheduler exited 15 without saying what it saved (found by review). The start-up keeps the handlers (SIGTERM
+    and SIGINT) as they were."""
     import signal
 
-    from tlt.distributed.backends import _keeping_sigterm
+    from tlt.distributed.backends import _keeping_signal_handlers
 
     def tlts(signum, frame):
         raise AssertionError("not called here")
 
-    before = signal.signal(signal.SIGTERM, tlts)
+    before = {signum: signal.signal(signum, tlts) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with _keeping_sigterm():
-            signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as ray.init does
-        assert signal.getsignal(signal.SIGTERM) is tlts
+        with _keeping_signal_handlers():
+            for signum in before:
+                signal.signal(signum, lambda signum, frame: None)  # as ray.init does
+        assert all(signal.getsignal(signum) is tlts for signum in before)
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def test_a_spot_session_takes_this_runs_drafter_lr_and_leaves_the_hubs_saved_state_alone(tmp_path):

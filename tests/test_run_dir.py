@@ -107,6 +107,60 @@ def test_sigterm_is_handled_as_ctrl_c(tmp_path, monkeypatch, capsys):
     assert signal.getsignal(signal.SIGTERM) == handler  # given back
 
 
+@pytest.mark.parametrize("handled", [True, False], ids=["handled", "control-python-default"])
+def test_a_second_ctrl_c_does_not_cut_the_clean_up_short(tmp_path, monkeypatch, capsys, handled):
+    """Ctrl-C twice (found by QA): the second one interrupted the clean-up (here while an interrupted --overwrite
+    puts the old run back), and the process died on an abort. Every interrupt after the first is now ignored
+    (said once) until the command has cleaned up. Control: Python's own handler lets the second one through,
+    and the old run stays aside."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    from tlt import cli
+    from tlt.distributed import run as run_module
+
+    run(tmp_path, steps=2)
+    before = snapshot(tmp_path)
+    trainer = make_trainer(tmp_path, **{"run.steps": 3, "optim.lr": 0.02})
+
+    def interrupted_mid_step():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # the handler raises before this ends
+        raise AssertionError("SIGINT was not handled")
+
+    restore = run_module.restore_replaced
+
+    def interrupted_again(run_dir):
+        signal.raise_signal(signal.SIGINT)
+        return restore(run_dir)
+
+    @contextlib.contextmanager
+    def python_default(received):
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    monkeypatch.setattr(trainer, "train_step", interrupted_mid_step)
+    monkeypatch.setattr(run_module, "restore_replaced", interrupted_again)
+    monkeypatch.setattr(cli, "_run_command", lambda args: train(trainer.config, overwrite=True, trainer=trainer))
+    if not handled:
+        monkeypatch.setattr(cli, "_signals_as_one_interrupt", python_default)
+    handler = signal.getsignal(signal.SIGINT)
+    assert cli.main(["report", str(tmp_path)]) == 130  # (the command is stood in for)
+    output = capsys.readouterr()
+    assert "tlt: interrupted" in output.err
+    if handled:
+        assert "further interrupts are ignored" in output.err and "is back in" in output.out
+        assert snapshot(tmp_path) == before and not (tmp_path / ".replaced").exists()
+    else:
+        assert "is back in" not in output.out and (tmp_path / ".replaced").exists()
+    assert signal.getsignal(signal.SIGINT) == handler  # given back
+
+
 def test_resume_of_files_no_tlt_run_wrote_does_not_advise_overwrite(tmp_path):
     """--resume said 'start over with --overwrite', which then refused the same directory (found by QA)."""
     (tmp_path / "final").mkdir()

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     signals = []  # the SIGTERMs received (a library on the way may turn the exception into a KeyboardInterrupt)
     try:
-        with _sigterm_as_interrupt(signals):
+        with _signals_as_one_interrupt(signals):
             return _run_command(args)
     except TltError as error:
         print(f"tlt: error: {error}", file=sys.stderr)
@@ -116,22 +116,34 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt(received: list):
+def _signals_as_one_interrupt(received: list):
+    """SIGTERM and Ctrl-C (SIGINT) raise one interrupt; every later one, of either kind, is ignored (said once) until
+    the command has finished its clean-up: saying what was saved, putting back a run --overwrite set aside. A
+    second Ctrl-C used to interrupt that clean-up, and the process died on an abort from a thread still running."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
+    state = {"interrupted": False, "told": False}
 
-    def terminate(signum, frame):
-        # once: a second SIGTERM must not cut the clean-up short (putting back a run --overwrite set aside)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        received.append(signum)
-        raise Terminated()
+    def interrupt(signum, frame):
+        if state["interrupted"]:
+            if not state["told"]:
+                state["told"] = True
+                print("tlt: still stopping (saving what it has): further interrupts are ignored", file=sys.stderr,
+                      flush=True)
+            return
+        state["interrupted"] = True
+        if signum == signal.SIGTERM:
+            received.append(signum)
+            raise Terminated()
+        raise KeyboardInterrupt()
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def _run_command(args) -> int:

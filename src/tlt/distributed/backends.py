@@ -46,16 +46,18 @@ def threads_per_worker(config) -> int:
 
 
 @contextlib.contextmanager
-def _keeping_sigterm():
-    """The process's SIGTERM handler as it was before the block (only the main thread may set handlers)."""
+def _keeping_signal_handlers():
+    """The process's SIGTERM and SIGINT handlers as they were before the block (only the main thread may set
+    handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    handler = signal.getsignal(signal.SIGTERM)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def make_backend(config, placement, **kwargs):
@@ -146,7 +148,7 @@ class RayBackend:
         self.workers, self._hub, self._group = [], None, None
         threads = threads_per_worker(config)
         if not ray.is_initialized():
-            with _keeping_sigterm():  # ray.init puts its own (sys.exit) in place of tlt's: cli._sigterm_as_interrupt
+            with _keeping_signal_handlers():  # ray.init puts its own in place of tlt's: cli._signals_as_one_interrupt
                 # ERROR: Ray's start-up notices (e.g. its token-auth warning) would otherwise open every run's log
                 ray.init(num_cpus=max(os.cpu_count() or 1, self.size * threads), include_dashboard=False,
                          log_to_driver=True, logging_level="ERROR")
