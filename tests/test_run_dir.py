@@ -311,6 +311,43 @@ def test_a_run_inside_another_runs_directory_is_refused(tmp_path, inside):
     assert prepare_run_dir(tmp_path / inside, config, resume=False, overwrite=False) is None
 
 
+@pytest.mark.parametrize("below", ["a", "group/a"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_run_in_a_directory_holding_other_runs_is_refused(tmp_path, below, overwrite):
+    """`run.out_dir=runs` for `runs/x` was accepted: the runs below then lay inside it, and each refused its own
+    --resume (found by QA). Refused before anything is written, naming the run; directories without a run, a
+    model's directory and the run's own checkpoints are not runs below it."""
+    from tlt.rl.config import TrainConfig
+
+    config = TrainConfig().to_dict()
+    runs = tmp_path / "runs"
+    (runs / below).mkdir(parents=True)
+    fake_run(runs / below, config)
+    (runs / "notes").mkdir()
+    (runs / "notes" / "x.txt").write_text("mine")
+    (runs / "model").mkdir()
+    (runs / "model" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(RunDirError, match=f"holds another run \\({runs / below}\\).*run.out_dir={runs / 'new-run'}"):
+        prepare_run_dir(runs, config, resume=False, overwrite=overwrite)
+    assert not (runs / "config.json").exists()
+    assert prepare_run_dir(runs / below, config, resume=True, overwrite=False) is not None  # still resumable
+    shutil.rmtree(runs / below.split("/")[0])
+    assert prepare_run_dir(runs, config, resume=False, overwrite=overwrite) is None  # control: no run below
+    fake_run(runs, config)  # its own checkpoint (step-000001/) is not a run below it
+    assert prepare_run_dir(runs, config, resume=False, overwrite=True) is None
+
+
+def test_a_drafters_directory_is_refused_as_a_run_directory(tmp_path):
+    """A run wrote its config, checkpoints and final policy beside a drafter's files (found by QA)."""
+    from tlt.rl.config import TrainConfig
+
+    (tmp_path / "drafter_config.json").write_text("{}")
+    (tmp_path / "drafter.safetensors").write_bytes(b"")
+    with pytest.raises(RunDirError, match="holds a drafter .*drafter_config.json.*run.drafter="):
+        prepare_run_dir(tmp_path, TrainConfig().to_dict(), resume=False, overwrite=False)
+    assert not (tmp_path / "config.json").exists()
+
+
 def test_resume_accepts_a_new_device_batch_size_and_path_spelling_and_names_what_changed(tmp_path, monkeypatch):
     """--resume refused model.device, rollout.max_batch_size, optim.micro_batch_size (memory and speed, not
     meaning) and `./data.jsonl` for `data.jsonl`; its error named the keys without their values (found by review)."""

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tlt.errors import TltError
 from tlt.files import refuse_an_unwritable_place, write_whole
+from tlt.models.eagle import CONFIG_FILE as DRAFTER_CONFIG_FILE, WEIGHTS_FILE as DRAFTER_WEIGHTS_FILE
 from tlt.models.loading import is_default_source
 from tlt.rl.checkpoint import checkpoint_dirs, checkpoint_step, latest_checkpoint, read_state, recover_retired
 from tlt.rl.config import PATH_KEYS, TrainConfig
@@ -32,6 +33,7 @@ RUN_DIRS = ("timeline", "tensorboard", "wandb", "report", "final")
 # --overwrite moves the old run here and deletes it only once the new run has a checkpoint: a new run that
 # fails (or is killed) before that has lost nothing, the old run is put back.
 REPLACED_DIR = ".replaced"
+RUNS_BELOW_DEPTH = 2  # how deep a fresh run's directory is searched for other runs (runs/x, runs/group/x)
 LOCK_FILE = ".tlt-lock"  # held by the run writing here (hold_run_dir); not part of the run, never deleted
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
@@ -71,6 +73,8 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
         _drop_staging(run_dir)
         return checkpoint
     _refuse_foreign_entries(run_dir)
+    _refuse_a_drafter_directory(run_dir)
+    _refuse_runs_below(run_dir)
     if holds_run(run_dir):
         if not overwrite:
             # --resume only where there is a checkpoint: without one it would fail with "nothing to resume"
@@ -165,14 +169,56 @@ def _refuse_nested(run_dir: Path) -> None:
     """A run inside another run's directory (`run.out_dir=runs/a/step-000004`, or `runs/a/final`) is pruned,
     replaced or overwritten with that run's own files."""
     for parent in Path(run_dir).resolve().parents:
-        if (parent / "config.json").is_file() and holds_run(parent):
-            try:
-                is_run = _is_tlt_config(json.loads((parent / "config.json").read_text()))
-            except (OSError, ValueError):
-                is_run = False
-            if is_run:
-                raise RunDirError(f"run.out_dir={run_dir} lies inside the run in {parent}, whose checkpoints, "
-                                  f"--overwrite and final policy would take it with them: set another run.out_dir")
+        if is_tlt_run(parent):
+            raise RunDirError(f"run.out_dir={run_dir} lies inside the run in {parent}, whose checkpoints, "
+                              f"--overwrite and final policy would take it with them: set another run.out_dir")
+
+
+def is_tlt_run(path: Path) -> bool:
+    """A directory holding a tlt run: a tlt config.json beside what a new run would destroy."""
+    if not (path / "config.json").is_file() or not holds_run(path):
+        return False
+    try:
+        return _is_tlt_config(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def _refuse_runs_below(run_dir: Path) -> None:
+    """A fresh run in a directory that holds other runs (`run.out_dir=runs` for `runs/x`; found by QA): each of
+    them would then lie inside this run, which `_refuse_nested` makes them refuse (their --resume included),
+    and this run's files would mix with their directories."""
+    below = _run_below(run_dir, RUNS_BELOW_DEPTH)
+    if below is not None:
+        raise RunDirError(f"run.out_dir={run_dir} holds another run ({below}): a run here would hold it inside its "
+                          f"own directory, and that run could not be resumed; give this run a directory of its "
+                          f"own, e.g. run.out_dir={run_dir / 'new-run'}")
+
+
+def _run_below(directory: Path, depth: int) -> Path | None:
+    """The first tlt run in a subdirectory of `directory`, `depth` levels down at most; a run's own entries
+    (checkpoints, final/, ...) and hidden directories are not looked into."""
+    own = {path.name for path in run_entries(directory)}
+    try:
+        children = sorted(p for p in directory.iterdir()
+                          if p.is_dir() and not p.name.startswith(".") and p.name not in own)
+    except OSError:  # unreadable: nothing tlt could have written there either
+        return None
+    for child in children:
+        if is_tlt_run(child):
+            return child
+        if depth > 1 and (found := _run_below(child, depth - 1)) is not None:
+            return found
+    return None
+
+
+def _refuse_a_drafter_directory(run_dir: Path) -> None:
+    """A drafter's directory (`tlt drafter warmup --out`) as run.out_dir: a run would write its files beside the
+    drafter's (found by QA)."""
+    found = [name for name in (DRAFTER_CONFIG_FILE, DRAFTER_WEIGHTS_FILE) if (run_dir / name).exists()]
+    if found:
+        raise RunDirError(f"run.out_dir={run_dir} holds a drafter ({', '.join(found)}): a run would write its "
+                          f"files beside it; set another run.out_dir (to train from it: run.drafter={run_dir})")
 
 
 def _refuse_foreign_config(run_dir: Path) -> None:
