@@ -214,6 +214,11 @@ def test_export_without_model_names_the_default_it_loaded(tmp_path, monkeypatch,
     assert main(["drafter", "export", str(tmp_path / "drafter"), "--out", str(tmp_path / "eagle")]) == 2
     err = capsys.readouterr().err
     assert "do not fit the target's" in err and "no --model: the default smollm2 was loaded; pass --model" in err
+    weights = tmp_path / "drafter" / "drafter.safetensors"  # a damaged file: no model would fit it (found by QA)
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert main(["drafter", "export", str(tmp_path / "drafter"), "--out", str(tmp_path / "eagle")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read the drafter" in err and "--model" not in err
     assert main(["drafter", "export", str(tmp_path / "nothing"), "--out", str(tmp_path / "eagle")]) == 2
     assert "is not a tlt drafter" in capsys.readouterr().err  # before any model loads
 

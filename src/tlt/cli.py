@@ -271,7 +271,7 @@ def _run_export(args) -> int:
     from tlt.drafter.export import (DTYPES, ExportError, auto_serving_dtype, check_export_out, check_exportable,
                                     export_eagle, export_notes, serve_command)
     from tlt.models import load_model
-    from tlt.models.eagle import DrafterError, EagleDrafter, check_drafter_dir
+    from tlt.models.eagle import DrafterError, DrafterFileError, EagleDrafter, check_drafter_dir
     from tlt.models.default_model import default_model_dir
     from tlt.models.loading import is_default_source
 
@@ -285,7 +285,7 @@ def _run_export(args) -> int:
     try:
         drafter = EagleDrafter.load(args.directory, loaded.model)
     except DrafterError as error:
-        if args.model is not None:
+        if args.model is not None or isinstance(error, DrafterFileError):  # a damaged file: no model would help
             raise
         raise DrafterError(f"{error} (no --model: the default smollm2 was loaded; pass --model, the model the "
                            f"drafter was trained for)") from None

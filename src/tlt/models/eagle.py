@@ -42,6 +42,10 @@ class DrafterError(TltError):
     """A drafter that does not fit its target, or a bad drafter file."""
 
 
+class DrafterFileError(DrafterError):
+    """A drafter directory whose files cannot be read, or disagree with each other (whatever the target)."""
+
+
 def _decoder_layer_class(model_type: str):
     if model_type == "llama":
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer as layer
@@ -387,12 +391,12 @@ class EagleDrafter(nn.Module):
             tensors = load_file(str(directory / WEIGHTS_FILE))
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, corrupt safetensors
             # first_line: transformers' config validation puts its reason on the line after "...validator X:"
-            raise DrafterError(f"{directory}: cannot read the drafter ({type(error).__name__}: "
+            raise DrafterFileError(f"{directory}: cannot read the drafter ({type(error).__name__}: "
                                f"{first_line(error)})") from None
         vocab = tensors.get("draft_to_target")
         if "draft_vocab_size" in meta and meta["draft_vocab_size"] != (None if vocab is None else int(vocab.shape[0])):
             # a weights file without its draft vocabulary loaded as a full-vocabulary drafter, every draft wrong
-            raise DrafterError(f"{directory}: its config has a draft vocabulary of {meta.get('draft_vocab_size')} "
+            raise DrafterFileError(f"{directory}: its config has a draft vocabulary of {meta.get('draft_vocab_size')} "
                                f"tokens, its weights {'none' if vocab is None else int(vocab.shape[0])}")
         drafter = cls(config, vocab)
         drafter.attach(target)
