@@ -491,12 +491,18 @@ def test_settings_a_run_cannot_use_here_are_named_not_dropped_silently(tmp_path,
     from tlt.rl.replica import build_engine
 
     loaded = load_model(model_dir(tmp_path))
-    config = load_config(None, ["run.speculative=off", "rollout.compile=inductor", f"run.drafter={tmp_path}"])
+    config = load_config(None, ["run.speculative=off", "rollout.compile=inductor", f"run.drafter={tmp_path}",
+                                "run.strategy=S5K1q", "run.gate=3"])
     with caplog.at_level("WARNING", logger="tlt.rl.replica"):
         engine = build_engine(loaded, config)
     assert engine.spec_decoder is None
     assert "rollout.compile=inductor is ignored on cpu" in caplog.text
     assert f"run.drafter={tmp_path} is not used: run.speculative=off" in caplog.text
+    assert "run.strategy=S5K1q, run.gate=3 not used: run.speculative=off" in caplog.text  # (found by QA)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tlt.rl.replica"):  # control: the defaults say nothing
+        build_engine(loaded, load_config(None, ["run.speculative=off"]))
+    assert "not used" not in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="tlt.rl.replica"):  # the same for the Triton kernels
         engine = build_engine(loaded, load_config(None, ["run.speculative=off", "rollout.kernels=triton"]))

@@ -137,6 +137,19 @@ def _normalized_byte_length(tokenizer):
     return lambda text: len(normalizer.normalize_str(text).encode())
 
 
+# run.* keys that only speculative decoding reads (run.drafter has its own warning)
+SPECULATION_KEYS = ("strategy", "gate", "draft_vocab", "tail_training", "tail_decode_priority", "publish_every",
+                    "swap_poll_s", "drafter_lr", "drafter_lr_ramp", "publish_gate", "drafter_cuda_graph",
+                    "drafter_buffer_tokens")
+
+
+def unused_speculation_settings(run) -> list[str]:
+    """`run.KEY=value` of each speculation-only setting changed from its default (found by QA: run.speculative=off
+    with run.strategy=... ran without a word)."""
+    default = type(run)()
+    return [f"run.{key}={getattr(run, key)}" for key in SPECULATION_KEYS if getattr(run, key) != getattr(default, key)]
+
+
 def build_engine(loaded, config: TrainConfig, *, task=None, announce: bool = True) -> RolloutEngine:
     """The rollout engine for a run mode. Every mode shares the rest of the step, so comparisons are fair.
     `task`: where a drafter trained from scratch takes its draft vocabulary from (its prompts)."""
@@ -157,6 +170,9 @@ def build_engine(loaded, config: TrainConfig, *, task=None, announce: bool = Tru
     if run.speculative == "off":
         if run.drafter:  # not refused: an A/B pair of configs may differ in run.speculative alone
             log.warning("run.drafter=%s is not used: run.speculative=off decodes without a drafter", run.drafter)
+        unused = unused_speculation_settings(run)
+        if unused:
+            log.warning("%s not used: run.speculative=off decodes without speculation", ", ".join(unused))
         return RolloutEngine(loaded, max_batch_size=batch, **precision)
     if run.drafter:
         drafter = EagleDrafter.load(run.drafter, loaded.model)
