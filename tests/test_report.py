@@ -83,7 +83,11 @@ def test_missing_run_dir_and_metrics(tmp_path):
         write_report(tmp_path)
     (tmp_path / "metrics.jsonl").rmdir()
     (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe")  # there, but not a record (found by QA)
-    with pytest.raises(TltError, match="metrics.jsonl: holds no step record"):
+    with pytest.raises(TltError, match="metrics.jsonl: holds no step record; is .* a `tlt train` run directory"):
+        write_report(tmp_path)
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "config.json").write_text("{}")  # a run in its first step: it is one (found by QA)
+    with pytest.raises(TltError, match="missing or empty: the run in .* has not finished its first step yet"):
         write_report(tmp_path)
 
 

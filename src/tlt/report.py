@@ -65,6 +65,9 @@ def write_report(run_dir, out=None) -> Path:
     if not metrics:
         file = run_dir / "metrics.jsonl"
         what = "holds no step record" if file.is_file() and file.stat().st_size else "missing or empty"
+        if (run_dir / "config.json").is_file():  # a run's (refused otherwise before it writes its config)
+            raise TltError(f"{file}: {what}: the run in {run_dir} has not finished its first step yet (or ended "
+                           f"before it); report it once a step is logged")
         raise TltError(f"{file}: {what}; is {run_dir} a `tlt train` run directory?")
     if out is not None:  # RUN_DIR/report is tlt's own (a page there from before the marker is replaced too)
         _refuse_a_foreign_page(Path(out) / "index.html")
