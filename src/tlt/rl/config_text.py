@@ -88,7 +88,8 @@ def coerce(key: str, value, annotation):
                 return coerce(key, value, option)
             except ConfigError:
                 pass
-        raise ConfigError(f"{key} expects {' or '.join(a.__name__ for a in args)}, got {value!r}")
+        got = "an empty value" if value is None else repr(value)
+        raise ConfigError(f"{key} expects {' or '.join(a.__name__ for a in args)}, got {got}")
     if is_name_list(annotation):
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
@@ -118,4 +119,5 @@ def coerce(key: str, value, annotation):
         if isinstance(value, bool):
             raise ConfigError(f"{key} expects a string, but YAML read {value!r} (from off/no/yes/on...): "
                               f"quote it, e.g. \"off\"")
-    raise ConfigError(f"{key} expects {getattr(annotation, '__name__', annotation)}, got {value!r}")
+    got = "an empty value" if value is None else repr(value)  # `key=` on the command line, `key:` in YAML
+    raise ConfigError(f"{key} expects {getattr(annotation, '__name__', annotation)}, got {got}")
