@@ -23,13 +23,15 @@ from tlt.rl.config import load_config  # noqa: E402
 @pytest.mark.parametrize("temperature,strategy", [(spot_training.NEAR_GREEDY, "S4K2N8"), (1.0, "S5K1q")])
 def test_spot_training_modes_load(device, lone_worker, temperature, strategy):
     args = argparse.Namespace(drafter="/tmp/drafter", max_new_tokens=1024, device=device, lone_worker=lone_worker,
-                              drafter_graph=lone_worker, drafter_lr=1e-4)
+                              drafter_graph=lone_worker, default_stream=lone_worker, drafter_lr=1e-4)
     modes = spot_training.modes(args, temperature, 0, strategy)
-    assert set(modes) == ({"spot", "frozen", "spot_graph"} if lone_worker else {"spot", "frozen"})
+    assert set(modes) == ({"spot", "frozen", "spot_graph", "spot_default_stream"} if lone_worker
+                          else {"spot", "frozen"})
     for name, overrides in modes.items():
         config = load_config(None, overrides)
         assert config.rollout.temperature == temperature and config.run.strategy == strategy
         assert config.run.drafter_cuda_graph == (name == "spot_graph")
+        assert config.run.tail_decode_priority == (name != "spot_default_stream")
         assert config.run.drafter_lr == 1e-4  # the warmed drafter goes on at its warm-up's final lr
 
 
