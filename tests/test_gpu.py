@@ -428,6 +428,15 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path, monkeyp
         return between_steps(worker, engine)
 
     monkeypatch.setattr(RolloutWorker, "_between_steps", recording)
+    after_rollout = []  # on the worker's own thread (the in-process backend's pool): the stream it is left on
+    rollout = RolloutWorker.rollout
+
+    def rolling_out(worker, *args, **kwargs):
+        result = rollout(worker, *args, **kwargs)
+        after_rollout.append(torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA))
+        return result
+
+    monkeypatch.setattr(RolloutWorker, "rollout", rolling_out)
     highest = torch.cuda.Stream(CUDA, priority=-100).priority
     lengths = [12] * 6 + [TAIL] * 2
     runs, graphs, losses, decoded_on = {}, None, {}, {}
@@ -440,7 +449,8 @@ def test_tail_training_on_a_second_stream_beside_graph_replays(tmp_path, monkeyp
             streams.clear()
             runs[name] = (driver.train_step(lengths=lengths), [s.token_ids for s in driver.last_rollout.samples])
             decoded_on[name] = set(streams)
-            assert torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA)
+            assert after_rollout and all(after_rollout), after_rollout  # the default stream again
+            after_rollout.clear()
             if name != "plain":
                 trainer = driver.backend.workers[0]._spot[1]
                 losses[name] = trained_and_untrained_loss(trainer)

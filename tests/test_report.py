@@ -89,6 +89,9 @@ def test_missing_run_dir_and_metrics(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a run in its first step: it is one (found by QA)
     with pytest.raises(TltError, match="missing or empty: the run in .* has not finished its first step yet"):
         write_report(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # a model's directory (runs/x/final)
+    with pytest.raises(TltError, match="missing or empty; is .* a `tlt train` run directory"):
+        write_report(tmp_path)
 
 
 def test_a_run_set_aside_by_a_killed_overwrite_is_named_not_called_missing(tmp_path):

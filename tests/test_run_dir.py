@@ -154,11 +154,27 @@ def test_a_second_ctrl_c_does_not_cut_the_clean_up_short(tmp_path, monkeypatch, 
     output = capsys.readouterr()
     assert "tlt: interrupted" in output.err
     if handled:
-        assert "further interrupts are ignored" in output.err and "is back in" in output.out
+        assert "interrupt once more to abort at once" in output.err and "is back in" in output.out
         assert snapshot(tmp_path) == before and not (tmp_path / ".replaced").exists()
     else:
         assert "is back in" not in output.out and (tmp_path / ".replaced").exists()
     assert signal.getsignal(signal.SIGINT) == handler  # given back
+
+
+def test_a_signal_the_process_inherited_as_ignored_stays_ignored():
+    """`tlt train ... &` from a script inherits SIGINT ignored: the CLI's handler must not take it over."""
+    import signal
+
+    from tlt import cli
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with cli._signals_as_one_interrupt([]):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # (not inherited ignored: taken)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_resume_of_files_no_tlt_run_wrote_does_not_advise_overwrite(tmp_path):
@@ -334,6 +350,11 @@ def test_a_run_in_a_directory_holding_other_runs_is_refused(tmp_path, below, ove
     shutil.rmtree(runs / below.split("/")[0])
     assert prepare_run_dir(runs, config, resume=False, overwrite=overwrite) is None  # control: no run below
     fake_run(runs, config)  # its own checkpoint (step-000001/) is not a run below it
+    assert prepare_run_dir(runs, config, resume=False, overwrite=True) is None
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    fake_run(elsewhere, config)
+    (runs / "linked").symlink_to(elsewhere)  # linked in, not inside: not refused
     assert prepare_run_dir(runs, config, resume=False, overwrite=True) is None
 
 

@@ -117,28 +117,34 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def _signals_as_one_interrupt(received: list):
-    """SIGTERM and Ctrl-C (SIGINT) raise one interrupt; every later one, of either kind, is ignored (said once) until
-    the command has finished its clean-up: saying what was saved, putting back a run --overwrite set aside. A
-    second Ctrl-C used to interrupt that clean-up, and the process died on an abort from a thread still running."""
+    """SIGTERM and Ctrl-C (SIGINT) raise one interrupt; the next one is ignored (said, with how to abort) while the
+    command cleans up: saying what was saved, putting back a run --overwrite set aside (a second Ctrl-C used to
+    cut that short, and the process died on an abort from a thread still running; found by QA). A third ends the
+    process at once (exit 130): a clean-up can wait minutes for an in-process worker to finish its phase, and
+    what it skips is safe (a checkpoint is renamed into place whole; a run set aside is put back by the next
+    `tlt train` there). A signal the process inherited as ignored (`tlt train ... &` from a script) stays so."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
-    state = {"interrupted": False, "told": False}
+    seen = []
 
     def interrupt(signum, frame):
-        if state["interrupted"]:
-            if not state["told"]:
-                state["told"] = True
-                print("tlt: still stopping (saving what it has): further interrupts are ignored", file=sys.stderr,
-                      flush=True)
+        seen.append(signum)
+        if len(seen) == 2:
+            print("tlt: still stopping (saving what it has); interrupt once more to abort at once", file=sys.stderr,
+                  flush=True)
+        if len(seen) >= 3:
+            print("tlt: aborted", file=sys.stderr, flush=True)
+            os._exit(143 if signum == signal.SIGTERM else 130)
+        if len(seen) > 1:
             return
-        state["interrupted"] = True
         if signum == signal.SIGTERM:
             received.append(signum)
             raise Terminated()
         raise KeyboardInterrupt()
 
-    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)
+                if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 from tlt.errors import TltError, first_line
 from tlt.metrics.figures import TAU_KEYS, draw_curves, draw_timeline, is_number
 from tlt.metrics.logger import read_metrics
-from tlt.rl.run_dir import REPLACED_DIR
+from tlt.rl.run_dir import REPLACED_DIR, has_tlt_config
 
 # (header, metric key, format) of the step table; a column appears when any step has its key
 STEP_COLUMNS = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), ("accuracy", "accuracy", "{:.3f}"),
@@ -65,7 +65,7 @@ def write_report(run_dir, out=None) -> Path:
     if not metrics:
         file = run_dir / "metrics.jsonl"
         what = "holds no step record" if file.is_file() and file.stat().st_size else "missing or empty"
-        if (run_dir / "config.json").is_file():  # a run's (refused otherwise before it writes its config)
+        if has_tlt_config(run_dir):  # a run's config.json (a model's directory has one of its own)
             raise TltError(f"{file}: {what}: the run in {run_dir} has not finished its first step yet (or ended "
                            f"before it); report it once a step is logged")
         raise TltError(f"{file}: {what}; is {run_dir} a `tlt train` run directory?")

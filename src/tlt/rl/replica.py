@@ -138,7 +138,8 @@ def _normalized_byte_length(tokenizer):
 
 
 # run.* keys that only speculative decoding reads (run.drafter has its own warning)
-SPECULATION_KEYS = ("strategy", "gate", "draft_vocab", "tail_training", "tail_decode_priority", "publish_every",
+# (not run.tail_training: off, with no drafter, is what turns speculation off on one worker: distributed/placement.py)
+SPECULATION_KEYS = ("strategy", "gate", "draft_vocab", "tail_decode_priority", "publish_every",
                     "swap_poll_s", "drafter_lr", "drafter_lr_ramp", "publish_gate", "drafter_cuda_graph",
                     "drafter_buffer_tokens")
 
@@ -171,7 +172,7 @@ def build_engine(loaded, config: TrainConfig, *, task=None, announce: bool = Tru
         if run.drafter:  # not refused: an A/B pair of configs may differ in run.speculative alone
             log.warning("run.drafter=%s is not used: run.speculative=off decodes without a drafter", run.drafter)
         unused = unused_speculation_settings(run)
-        if unused:
+        if unused and announce:  # (once: rank 0 announces, the other workers build quietly)
             log.warning("%s not used: run.speculative=off decodes without speculation", ", ".join(unused))
         return RolloutEngine(loaded, max_batch_size=batch, **precision)
     if run.drafter:

@@ -175,9 +175,16 @@ def _refuse_nested(run_dir: Path) -> None:
 
 
 def is_tlt_run(path: Path) -> bool:
-    """A directory holding a tlt run: a tlt config.json beside what a new run would destroy."""
-    if not (path / "config.json").is_file() or not holds_run(path):
+    """A directory holding a tlt run: a tlt config.json beside what a new run would destroy. False for one this
+    user cannot read (a volume's lost+found, another user's folder): no run of theirs could be harmed there."""
+    try:
+        return holds_run(path) and has_tlt_config(path)
+    except OSError:
         return False
+
+
+def has_tlt_config(path: Path) -> bool:
+    """Whether the directory's config.json is a tlt run's (not a model's, not cut short)."""
     try:
         return _is_tlt_config(json.loads((path / "config.json").read_text()))
     except (OSError, ValueError):
@@ -198,10 +205,11 @@ def _refuse_runs_below(run_dir: Path) -> None:
 def _run_below(directory: Path, depth: int) -> Path | None:
     """The first tlt run in a subdirectory of `directory`, `depth` levels down at most; a run's own entries
     (checkpoints, final/, ...) and hidden directories are not looked into."""
-    own = {path.name for path in run_entries(directory)}
     try:
-        children = sorted(p for p in directory.iterdir()
-                          if p.is_dir() and not p.name.startswith(".") and p.name not in own)
+        own = {path.name for path in run_entries(directory)}
+        # not a link: a run elsewhere linked in here does not lie inside this one (_refuse_nested resolves paths)
+        children = sorted(p for p in directory.iterdir() if not p.name.startswith(".") and p.name not in own
+                          and not p.is_symlink() and p.is_dir())
     except OSError:  # unreadable: nothing tlt could have written there either
         return None
     for child in children:
