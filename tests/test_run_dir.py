@@ -81,23 +81,11 @@ def test_resuming_a_directory_that_does_not_exist_leaves_none_behind(tmp_path):
 def test_sigterm_is_handled_as_ctrl_c(tmp_path, monkeypatch, capsys):
     """SIGTERM (a scheduler's stop, `kill`) ended `tlt train` without a word, an interrupted --overwrite leaving
     the old run aside until the next start (found by review). Now it is Ctrl-C: said, and the old run put back."""
-    import os
     import signal
-    import time
 
     from tlt import cli
 
-    run(tmp_path, steps=2)
-    before = snapshot(tmp_path)
-    trainer = make_trainer(tmp_path, **{"run.steps": 3, "optim.lr": 0.02})
-
-    def terminated_mid_step():
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(30)  # the handler raises before this ends
-        raise AssertionError("SIGTERM was not handled")
-
-    monkeypatch.setattr(trainer, "train_step", terminated_mid_step)
-    monkeypatch.setattr(cli, "_run_command", lambda args: train(trainer.config, overwrite=True, trainer=trainer))
+    before = overwrite_signalled_mid_step(tmp_path, monkeypatch, signal.SIGTERM)
     handler = signal.getsignal(signal.SIGTERM)
     assert cli.main(["report", str(tmp_path)]) == 143  # (the command is stood in for)
     output = capsys.readouterr()
@@ -107,29 +95,41 @@ def test_sigterm_is_handled_as_ctrl_c(tmp_path, monkeypatch, capsys):
     assert signal.getsignal(signal.SIGTERM) == handler  # given back
 
 
-@pytest.mark.parametrize("handled", [True, False], ids=["handled", "control-python-default"])
-def test_a_second_ctrl_c_does_not_cut_the_clean_up_short(tmp_path, monkeypatch, capsys, handled):
-    """Ctrl-C twice (found by QA): the second one interrupted the clean-up (here while an interrupted --overwrite
-    puts the old run back), and the process died on an abort. Every interrupt after the first is now ignored
-    (said once) until the command has cleaned up. Control: Python's own handler lets the second one through,
-    and the old run stays aside."""
-    import contextlib
+def overwrite_signalled_mid_step(tmp_path, monkeypatch, signum) -> dict:
+    """A 2-step run in tmp_path, then `tlt train --overwrite` (the CLI's command stood in for) whose first step
+    sends this process `signum`; returns the old run's snapshot."""
     import os
-    import signal
     import time
 
     from tlt import cli
-    from tlt.distributed import run as run_module
 
     run(tmp_path, steps=2)
     before = snapshot(tmp_path)
     trainer = make_trainer(tmp_path, **{"run.steps": 3, "optim.lr": 0.02})
 
-    def interrupted_mid_step():
-        os.kill(os.getpid(), signal.SIGINT)
+    def signalled_mid_step():
+        os.kill(os.getpid(), signum)
         time.sleep(30)  # the handler raises before this ends
-        raise AssertionError("SIGINT was not handled")
+        raise AssertionError(f"signal {signum} was not handled")
 
+    monkeypatch.setattr(trainer, "train_step", signalled_mid_step)
+    monkeypatch.setattr(cli, "_run_command", lambda args: train(trainer.config, overwrite=True, trainer=trainer))
+    return before
+
+
+@pytest.mark.parametrize("handled", [True, False], ids=["handled", "control-python-default"])
+def test_a_second_ctrl_c_does_not_cut_the_clean_up_short(tmp_path, monkeypatch, capsys, handled):
+    """Ctrl-C twice (found by QA): the second one interrupted the clean-up (here while an interrupted --overwrite
+    puts the old run back), and the process died on an abort. The second is now ignored (said, with how to
+    abort) until the command has cleaned up. Control: Python's own handler lets the second one through, and the
+    old run stays aside."""
+    import contextlib
+    import signal
+
+    from tlt import cli
+    from tlt.distributed import run as run_module
+
+    before = overwrite_signalled_mid_step(tmp_path, monkeypatch, signal.SIGINT)
     restore = run_module.restore_replaced
 
     def interrupted_again(run_dir):
@@ -144,9 +144,7 @@ def test_a_second_ctrl_c_does_not_cut_the_clean_up_short(tmp_path, monkeypatch, 
         finally:
             signal.signal(signal.SIGINT, previous)
 
-    monkeypatch.setattr(trainer, "train_step", interrupted_mid_step)
     monkeypatch.setattr(run_module, "restore_replaced", interrupted_again)
-    monkeypatch.setattr(cli, "_run_command", lambda args: train(trainer.config, overwrite=True, trainer=trainer))
     if not handled:
         monkeypatch.setattr(cli, "_signals_as_one_interrupt", python_default)
     # Python's own SIGINT handler, whatever an earlier test left (Ray's start-up in another test leaves SIGINT
