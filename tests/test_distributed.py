@@ -265,14 +265,38 @@ def test_a_worker_failing_mid_step_ends_the_step_at_once_naming_it(tmp_path, pha
     started = time.perf_counter()
     closed = threading.Event()
     try:
-        with pytest.raises(WorkerError, match=f"worker 1 failed during {phase} of RL step 1 .*boom in {phase}"):
+        with pytest.raises(WorkerError, match=f"worker 1 failed during {phase} of RL step 1 .*boom in {phase}") as info:
             controller.train_step()
+        assert "out of memory" not in str(info.value)  # the control of the test below
     finally:
         closer = threading.Thread(target=lambda: (controller.close(), closed.set()), daemon=True)
         closer.start()
         closer.join(60)
     assert closed.is_set(), "closing the workers hung"
     assert time.perf_counter() - started < 60
+
+
+def test_a_worker_out_of_memory_is_told_what_needs_less(tmp_path):
+    """A CLI trial's 8k-token prompt failed its update with the CPU allocator's message only: the error now names
+    the settings that lower a step's memory (the allocators' messages and torch's OutOfMemoryError alike)."""
+    from tlt.distributed.controller import _memory_hint
+
+    controller = make_controller(tmp_path)
+
+    def allocation_fails(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:124] . DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 25769803776 bytes. Error code 12 (Cannot allocate memory)")
+
+    controller.backend.workers[1].update = allocation_fails
+    try:
+        with pytest.raises(WorkerError, match="during update .*can't allocate memory.* — out of memory: "
+                                              "optim.grad_checkpointing=true"):
+            controller.train_step()
+    finally:
+        controller.close()
+    assert _memory_hint(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) != ""
+    assert _memory_hint(MemoryError()) != ""
+    assert _memory_hint(RuntimeError("shape mismatch")) == ""
 
 
 def test_each_workers_bandit_state_survives_a_resume(tmp_path):

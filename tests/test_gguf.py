@@ -108,6 +108,37 @@ def test_cache_builder_writes_a_safetensors_directory_atomically(tiny_gguf, tmp_
     assert calls == [1]  # the second call reuses the cache
 
 
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_damaged_default_cache_is_rebuilt_from_its_gguf(tiny_gguf, tmp_path, monkeypatch, caplog, damage):
+    """A cached default model cut short (or its weights deleted) failed with safetensors' own "incomplete
+    metadata, file not fully covered", naming no way out (found by a CLI trial): the cache is tlt's, so it is
+    converted again, said once. A cache still damaged after that (here: the conversion writes it cut short
+    again) fails with the checked directory's message: no loop."""
+    from tlt.models import default_model
+
+    source, path = tiny_gguf
+    monkeypatch.setenv("TLT_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(default_model, "find_or_download_gguf", lambda: calls.append(1) or path)
+    weights = default_model.default_model_dir() / "model.safetensors"
+    size = weights.stat().st_size
+    cut = lambda: weights.write_bytes(weights.read_bytes()[: size // 2]) if damage == "truncated" else weights.unlink()
+    cut()
+    loaded = load_model(None, device="cpu")
+    assert calls == [1, 1] and "cached default model is damaged" in caplog.text
+    ids = [9, 8, 7, 250]
+    assert (logits_of(loaded.model, ids) - logits_of(source, ids)).abs().max() < 1e-4
+    load_model("smollm2", device="cpu")
+    assert calls == [1, 1]  # a sound cache is not converted again
+
+    build = default_model.build_cache_from_gguf
+    monkeypatch.setattr(default_model, "build_cache_from_gguf", lambda *a: (build(*a), cut()))
+    cut()
+    with pytest.raises(ModelLoadError, match="truncated|no .safetensors weights"):
+        load_model(None, device="cpu")
+    assert calls == [1, 1, 1]
+
+
 def test_interrupted_conversion_leaves_no_half_directory(tiny_gguf, tmp_path, monkeypatch):
     from tlt.models import default_model
 

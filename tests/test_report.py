@@ -171,6 +171,27 @@ def test_out_holding_another_index_html_is_refused_and_tlts_own_is_replaced(run_
     assert "generator" in write_report(run_dir).read_text()  # RUN_DIR/report is tlt's own
 
 
+@pytest.mark.parametrize("holds", ["model", "checkpoint", "run", "drafter"])
+def test_out_inside_a_model_checkpoint_or_run_is_refused(run_dir, tmp_path, holds):
+    """`tlt report RUN --out RUN/final` (or a checkpoint) wrote index.html and the PNGs among the policy's files
+    (found by a CLI trial): refused, nothing written. A folder of unrelated files is the control."""
+    from tlt.errors import TltError
+    from tlt.report import write_report
+
+    target = tmp_path / f"out-{holds}"
+    target.mkdir()
+    files = {"model": ["config.json", "model.safetensors"], "checkpoint": ["state.json"],
+             "run": ["metrics.jsonl"], "drafter": ["drafter_config.json", "drafter.safetensors"]}[holds]
+    for name in files:
+        (target / name).write_text("{}")
+    with pytest.raises(TltError, match=f"--out {target} holds a model, checkpoint or run .*{files[0]}"):
+        write_report(run_dir, target)
+    assert sorted(p.name for p in target.iterdir()) == sorted(files)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("x")
+    assert write_report(run_dir, tmp_path / "notes").is_file()
+
+
 def test_a_step_without_speculative_steps_logs_no_tau():
     """τ is a mean over SD steps: a step with none logged 0.0, which the τ curve and table drew as a collapse
     (found by review). A step with one SD step logs its τ."""

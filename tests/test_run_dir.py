@@ -483,6 +483,20 @@ def test_step_lines_never_wrap_and_the_run_ends_saying_where_it_is(tmp_path, cap
                          f"see it with: tlt report {tmp_path}")
 
 
+def test_the_command_a_run_ends_with_survives_a_path_with_spaces_and_brackets(tmp_path, capsys, monkeypatch):
+    """`tlt report sp ace/r un` pasted into a shell is two arguments (found by a CLI trial), and rich read
+    "[b]" as markup and dropped it: the suggested command is quoted, the path printed as it is."""
+    import shlex
+
+    monkeypatch.setenv("COLUMNS", "80")
+    run_dir = tmp_path / "sp ace" / "r [b] un"
+    run_dir.mkdir(parents=True)
+    run(run_dir, steps=1)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"run saved in {run_dir} ("), last
+    assert shlex.split(last.split("see it with: ")[1]) == ["tlt", "report", str(run_dir)]
+
+
 def fake_run(run_dir, config_dict, checkpoint=True):
     """A run directory as tlt leaves it, without training: config.json, metrics, maybe one checkpoint."""
     (run_dir / "config.json").write_text(json.dumps(config_dict))

@@ -50,6 +50,19 @@ def _refuse_a_foreign_page(path: Path) -> None:
                        f"another --out (or delete it)")
 
 
+# What a directory holding a model, a drafter, a checkpoint or a run has: a report's PNGs do not belong there
+NOT_A_REPORT_DIR = ("config.json", "state.json", "metrics.jsonl", "drafter_config.json")
+
+
+def _refuse_a_model_or_run(out: Path) -> None:
+    """--out RUN/final wrote the page and its PNGs among the final policy's files (found by a CLI trial), where
+    `tlt drafter export` refuses the like."""
+    held = [name for name in NOT_A_REPORT_DIR if (out / name).is_file()] + [p.name for p in out.glob("*.safetensors")]
+    if held:
+        raise TltError(f"--out {out} holds a model, checkpoint or run ({', '.join(held[:3])}): the report would be "
+                       f"mixed into it; choose another --out (default: RUN_DIR/report)")
+
+
 def write_report(run_dir, out=None) -> Path:
     """Write `index.html` and its PNGs to `out` (default RUN_DIR/report) and return the HTML path."""
     run_dir = Path(run_dir)
@@ -71,6 +84,7 @@ def write_report(run_dir, out=None) -> Path:
         raise TltError(f"{file}: {what}; is {run_dir} a `tlt train` run directory?")
     if out is not None:  # RUN_DIR/report is tlt's own (a page there from before the marker is replaced too)
         _refuse_a_foreign_page(Path(out) / "index.html")
+        _refuse_a_model_or_run(Path(out))
     out = Path(out) if out is not None else run_dir / "report"
     try:
         out.mkdir(parents=True, exist_ok=True)

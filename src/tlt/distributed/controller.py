@@ -164,7 +164,8 @@ class DistributedGRPO:
         except Exception as error:  # noqa: BLE001 - any worker failure ends the step with one clear message
             raise WorkerError(
                 f"worker {rank} failed during {phase} of RL step {self.step + 1} "
-                f"({type(error).__name__}: {first_line(error)}); nothing of this step was saved{self._next_move()}"
+                f"({type(error).__name__}: {first_line(error)}){_memory_hint(error)}; nothing of this step was "
+                f"saved{self._next_move()}"
             ) from error
 
     def _next_move(self) -> str:
@@ -260,3 +261,17 @@ def _sum_totals(parts: list[dict]) -> dict:
     totals = {key: sum(part[key] for part in parts) for key in ("tokens", "sequences")}
     totals["max_tokens"] = parts[0]["max_tokens"]
     return totals
+
+
+# How an allocation failure reads: torch's CUDA OutOfMemoryError, and its CPU allocator's RuntimeError
+OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
+
+
+def _memory_hint(error: BaseException) -> str:
+    """What lowers a step's memory, when a worker ran out of it (a CLI trial's 8k-token prompt failed its update
+    with the allocator's message only)."""
+    if not (isinstance(error, (MemoryError, torch.OutOfMemoryError))
+            or any(marker in str(error).lower() for marker in OUT_OF_MEMORY)):
+        return ""
+    return (" — out of memory: optim.grad_checkpointing=true, a smaller optim.micro_batch_size or "
+            "rollout.max_batch_size, or shorter prompts and rollout.max_new_tokens need less")

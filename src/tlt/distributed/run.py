@@ -4,6 +4,7 @@ metrics line per step, the timeline, checkpoints, resume."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from rich.console import Console
@@ -40,8 +41,9 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
           trainer=None):
     """Run config.run.steps RL steps (continuing from the latest checkpoint with resume=True; overwrite=True
     replaces a run already in run.out_dir). The run directory is checked before the policy loads."""
-    # soft_wrap: a step line stays one line in logs and pipes (rich wraps at 80 columns off a terminal)
-    console = console or Console(soft_wrap=True)
+    # soft_wrap: a step line stays one line in logs and pipes (rich wraps at 80 columns off a terminal);
+    # markup off: a path with brackets in it ("runs/[a]") is printed as it is
+    console = console or Console(soft_wrap=True, markup=False)
     validate(config)  # a config built in code gets the same checks as one from the command line
     owned = trainer is None
     dataset = None
@@ -91,12 +93,16 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
                               f"(--overwrite) is back in {run_dir}")
             raise
         discard_replaced(run_dir)  # a run of zero steps saves no checkpoint, only its final policy
-    console.print(f"run saved in {run_dir} (final policy: {final}); see it with: tlt report {run_dir}")
+    # the commands suggested are quoted for a shell: a path may hold spaces
+    console.print(f"run saved in {run_dir} (final policy: {final}); see it with: "
+                  f"tlt report {shlex.quote(str(run_dir))}")
     drafter = Path(final) / FINAL_DRAFTER_DIR
     if drafter.is_dir():
-        serving = (f"for vLLM / SGLang: tlt drafter export {drafter} --model {final} --out DIR; "
+        serving = (f"for vLLM / SGLang: tlt drafter export {shlex.quote(str(drafter))} --model "
+                   f"{shlex.quote(str(final))} --out DIR; "
                    if drafter_model_type(drafter) in EXPORTABLE else "")  # their EAGLE loaders read Llama drafters
-        console.print(f"its drafter: {drafter} ({serving}to go on training it: run.drafter={drafter})")
+        console.print(f"its drafter: {drafter} ({serving}to go on training it: "
+                      f"{shlex.quote(f'run.drafter={drafter}')})")
     elif isinstance(trainer, DistributedGRPO) and trainer.config.run.speculative != "off":  # as placed (resolve
         # may have turned it off, and said why); GRPOTrainer saves none
         console.print(f"no drafter in {final}: the run's drafter never trained (no spot-training step ran: a short "

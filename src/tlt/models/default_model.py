@@ -40,6 +40,11 @@ def default_model_dir() -> Path:
     return target
 
 
+def rebuild_default_model(target: Path) -> None:
+    """The cache built again from the GGUF (a damaged one is replaced whole)."""
+    build_cache_from_gguf(find_or_download_gguf(), target)
+
+
 def _name_architectures(target: Path) -> None:
     """A cache built before 2026-11-27 has a config.json without `architectures`: vLLM and SGLang need it to serve
     the directory (`tlt drafter export` prints a command that does). Added in place when the cache is writable."""

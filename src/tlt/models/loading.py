@@ -6,13 +6,14 @@ a .gguf file (dequantized by transformers), or an in-memory transformers causal 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tlt.errors import ModelLoadError
-from tlt.models.default_model import default_model_dir
+from tlt.models.default_model import default_model_dir, rebuild_default_model
 from tlt.models.model_files import (
     check_weights,
     load_gguf,
@@ -23,6 +24,8 @@ from tlt.models.model_files import (
 from tlt.models.spec import ModelSpec, check_supported
 
 DEFAULT_MODEL_ALIASES = ("smollm2", "default", "SmolLM2-135M-Instruct")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,11 +69,24 @@ def check_tokenizer_fits(tokenizer, config, label: str) -> None:
 
 
 def _load_from_path(source):
-    path = default_model_dir() if is_default_source(source) else check_model_path(source)
+    path = _checked_default_model() if is_default_source(source) else check_model_path(source)
     if path.is_file():
         model, tokenizer = load_gguf(path)
         return model, tokenizer, str(path)
     return (*load_hf_dir(path), str(path))
+
+
+def _checked_default_model() -> Path:
+    """The cached default model, checked as a user's directory is, and rebuilt from its GGUF when damaged (a file
+    cut short or deleted). The cache is tlt's own and its conversion deterministic, so a rebuild loses nothing;
+    the raw load error ("incomplete metadata, file not fully covered") named no way out (found by a CLI trial)."""
+    path = default_model_dir()
+    try:
+        return check_model_path(path)
+    except ModelLoadError as error:
+        log.warning("the cached default model is damaged (%s): rebuilding it from its GGUF", error)
+    rebuild_default_model(path)
+    return check_model_path(path)
 
 
 def is_default_source(source) -> bool:
