@@ -404,3 +404,40 @@ def test_the_policys_dropout_is_disabled_for_rl(caplog):
         assert disable_dropout(model) and not disable_dropout(model)  # on once, then off
         assert torch.equal(model(ids).logits, model(ids).logits)
         assert torch.equal(model(ids).logits, model.eval()(ids).logits)
+
+
+def test_an_update_that_may_not_fit_in_memory_says_so_first(tmp_path, rollout, monkeypatch, caplog):
+    """A CLI trial's 8k-token prompt had its CPU update killed by the system's out-of-memory killer, silently: the
+    update now warns first when its largest micro-batch's activations (estimated) pass the free memory, naming the
+    settings that need less, once per shape; the step still runs. Control: enough free memory, no warning."""
+    from tlt.rl import update_memory
+
+    examples, result = rollout
+    trainer = make_trainer(tmp_path, **{"optim.micro_batch_size": 12})
+    batch = trainer.score(examples, result)
+    longest = max(len(s.prompt_ids) + len(s.token_ids) for s in result.samples)
+    estimate = update_memory.activation_bytes(trainer.model.config, 12 * longest, element_size=4, checkpointed=False)
+    monkeypatch.setattr(update_memory, "WARNED", set())
+    monkeypatch.setattr(update_memory, "available_bytes", lambda device: estimate)
+    trainer.update(batch)
+    assert "may run out" not in caplog.text  # it fits, just
+    monkeypatch.setattr(update_memory, "available_bytes", lambda device: estimate - 1)
+    trainer.update(batch)
+    trainer.update(batch)
+    warnings = [r.getMessage() for r in caplog.records if "may run out of memory" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f"12 row(s) of {longest} tokens" in warnings[0] and "optim.grad_checkpointing=true" in warnings[0]
+
+
+def test_the_activation_estimate_follows_the_measured_rule():
+    """The rule the warning uses: SmolLM2-135M's shape, 4,096 fp32 tokens at 1.57 MB a token by the rule
+    (measured 1.77 MB a token with the weights' gradients); half with gradient checkpointing."""
+    from transformers import LlamaConfig
+
+    from tlt.rl.update_memory import activation_bytes
+
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30)
+    full = activation_bytes(config, 4096, element_size=4, checkpointed=False)
+    assert full == 30 * (12 * 576 + 4 * 1536) * 4 * 4096
+    assert activation_bytes(config, 4096, element_size=4, checkpointed=True) == full // 2
+    assert activation_bytes(config, 4096, element_size=2, checkpointed=False) == full // 2

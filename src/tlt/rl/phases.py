@@ -38,6 +38,7 @@ from tlt.rl.config import TrainConfig, filtered_sampling
 from tlt.rl.grpo import group_advantages, policy_loss
 from tlt.rl.optim import advance_schedule, training_autocast
 from tlt.rl.replica import PolicyReplica
+from tlt.rl.update_memory import warn_if_it_may_not_fit
 from tlt.rollout.replay import length_matched, regroup
 from tlt.rollout.request import Request, RolloutResult
 from tlt.sampling import SamplingParams
@@ -258,6 +259,7 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
         # optimizer step, which would still move the weights by AdamW's momentum and decay
         advance_schedule(replica.scheduler, batch.step)
         return {"loss": 0.0, "tokens": 0.0}
+    _warn_if_the_largest_micro_batch_may_not_fit(replica, batch.packed)
     model.train()
     parts: list[dict] = []  # each micro-batch's loss parts, every pass
     grad_norms, skipped = [], 0
@@ -290,6 +292,15 @@ def update(replica: PolicyReplica, batch: StepBatch, totals: dict | None = None,
     if skipped:
         summary["skipped_updates"] = skipped
     return summary
+
+
+def _warn_if_the_largest_micro_batch_may_not_fit(replica: PolicyReplica, packed: PackedSamples) -> None:
+    lengths = [p + r for p, r in zip(packed.prompt_lengths, packed.response_lengths)]
+    rows, width = max(((len(chunk), max(lengths[i] for i in chunk)) for chunk in micro_batches(replica.config, packed)),
+                      key=lambda shape: shape[0] * shape[1])
+    dtype = replica.autocast_dtype or next(replica.model.parameters()).dtype
+    warn_if_it_may_not_fit(replica.model, rows, width, element_size=dtype.itemsize,
+                           checkpointed=replica.config.optim.grad_checkpointing)
 
 
 def combine_loss_parts(parts: list[dict], passes: int = 1) -> dict:
