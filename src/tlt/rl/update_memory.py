@@ -16,10 +16,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Bytes a token's activations take, per layer, in units of the element size: measured on the CPU in fp32 with
-# SmolLM2-135M (30 layers, hidden 576, intermediate 1536), forward and backward of one row: 1.69 MB a token at
-# 2,048 tokens, 1.77 at 4,096, against 30 x (12 x 576 + 4 x 1536) x 4 B = 1.57 MB by this rule (the rest: the
-# weights' gradients, a fixed 0.54 GB). With gradient checkpointing 0.90 MB a token at 4,096: about half.
+# Bytes a token's activations take, per layer, in units of the element size. Measured on the CPU in fp32 with
+# SmolLM2-135M (30 layers, hidden 576, intermediate 1536), forward and backward of one row
+# (benchmarks/update_memory.py): 1.69 MB a token at 2,048 tokens, 1.77 at 4,096, against 30 x (12 x 576 + 4 x 1536)
+# x 4 B = 1.57 MB by this rule (the rest: the weights' gradients, a fixed 0.54 GB). With gradient checkpointing
+# 0.99 and 0.76 MB a token: about half.
 HIDDEN_FACTOR, INTERMEDIATE_FACTOR = 12, 4
 CHECKPOINTED_SHARE = 0.5
 WARNED: set = set()  # (rows, length bucket) already warned about in this process
