@@ -447,6 +447,34 @@ def test_warmup_holds_out_whole_prompts_and_names_its_numbers(tmp_path, monkeypa
         assert label in text, label
 
 
+def test_a_warmup_without_eval_prompts_skips_the_measured_tau_and_says_so(tmp_path, monkeypatch):
+    """On tiny settings most of a warm-up went into its measured τ (8 held-out prompts at batch 1, found by a CLI
+    trial): --eval-prompts 0 skips it, and the summary says it was not measured (not "every response ended at
+    its first token"). The control: one eval prompt runs the engine once."""
+    import tlt.drafter.warmup as warmup_module
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.tasks.synthetic import TargetTokenTask
+
+    loaded = _markov_loaded()
+    measured = []
+    original = warmup_module.RolloutEngine.generate
+    monkeypatch.setattr(warmup_module.RolloutEngine, "generate", lambda self, requests, **k: (
+        measured.append(self.speculation is not None) or original(self, requests, **k)))
+    for eval_prompts in (0, 1):
+        config = WarmupConfig(prompts=4, samples_per_prompt=2, eval_prompts=eval_prompts, max_new_tokens=8, steps=3,
+                              draft_vocab=0, eval_strategy=SpecStrategy.chain(2))
+        lines = []
+        report = warmup(loaded, TargetTokenTask(vocab_size=16), tmp_path / f"drafter-{eval_prompts}", config,
+                        log=lines.append)
+        text = "\n".join(lines)
+        if eval_prompts == 0:
+            assert measured == [False] and report["measured_tau"] is None  # the sampling only
+            assert "not measured (--eval-prompts 0)" in text and "measuring τ" not in text
+        else:
+            assert measured == [False, False, True] and report["measured_tau"] is not None
+            assert "not measured" not in text
+
+
 def test_warmup_goes_on_from_an_earlier_drafter_with_its_optimizer(tmp_path):
     import json
 
@@ -596,7 +624,8 @@ def test_a_drafter_save_killed_midway_leaves_the_previous_one_whole(tmp_path, mo
 
 @pytest.mark.parametrize("flags,message", [(["--prompts", "1"], "at least 2 prompts"),
                                            (["--steps", "0"], "--steps must be >= 1"),
-                                           (["--out", "FILE"], "is a file, not a directory")])
+                                           (["--out", "FILE"], "is a file, not a directory"),
+                                           (["--eval-prompts", "-1"], "--eval-prompts must be >= 0")])
 def test_cli_warmup_refuses_bad_flags_before_loading_the_model(tmp_path, monkeypatch, capsys, flags, message):
     """They were checked only once the model had loaded (the default model's first load takes a minute)."""
     import tlt.models

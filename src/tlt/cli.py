@@ -219,6 +219,9 @@ def _add_warmup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts on which the trained "
+                        "drafter's τ is measured by speculative decoding at batch 1 (0: not measured, a quicker "
+                        "warm-up)")
     parser.add_argument("--draft-vocab", type=int, default=None, help="the drafter's output vocabulary: the most "
                         "frequent tokens of the sampled responses (0, or at least the model's: the full vocabulary; "
                         "default: 8192 for a new drafter, the --init drafter's own)")
@@ -241,7 +244,7 @@ def _run_warmup(args) -> int:
     from tlt.tasks import ArithmeticTask, ChatTask, DatasetTask, load_examples
 
     config = WarmupConfig(prompts=args.prompts, steps=args.steps, max_new_tokens=args.max_new_tokens,
-                          draft_vocab=args.draft_vocab, seed=args.seed, init=args.init, lr_schedule=args.lr_schedule)
+                          eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab, seed=args.seed, init=args.init, lr_schedule=args.lr_schedule)
     train_config = DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature)
     check_warmup(args.out, config, train_config, args.overwrite)  # before the model loads
     if args.config is not None:

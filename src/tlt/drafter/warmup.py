@@ -41,7 +41,7 @@ SAVE_EVERY_S = 60.0
 class WarmupConfig:
     prompts: int = 64               # training prompts
     samples_per_prompt: int = 2
-    eval_prompts: int = 8           # held-out prompts for the measured τ
+    eval_prompts: int = 8           # held-out prompts for the measured τ (0: not measured)
     max_new_tokens: int = 256
     temperature: float = 1.0        # the RL rollout temperature: the drafter learns what it will face
     steps: int = 300                # optimizer steps
@@ -122,8 +122,10 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
     engine.speculation = config.eval_strategy
     engine.max_batch_size = 1
     eval_requests = [Request(task.prompt_ids(e), n=1, params=params) for e in eval_examples]
-    log(f"measuring τ: speculative decoding at batch 1 on {len(eval_requests)} held-out prompts")
-    measured = engine.generate(eval_requests, progress=True).speculation_summary()
+    measured = {"tau": None, "acceptance_by_depth": None}
+    if eval_requests:  # (--eval-prompts 0: a quick warm-up skips the slowest part of a small one)
+        log(f"measuring τ: speculative decoding at batch 1 on {len(eval_requests)} held-out prompts")
+        measured = engine.generate(eval_requests, progress=True).speculation_summary()
     report = {"pairs": pairs, "generated_tokens": rollout.generated_tokens, "generate_s": generated_s,
               "train_s": trained_s, "steps": config.steps, "held_out_prompts": held_prompts,
               "held_out_responses": len(prompts) - held_from, "held_out": held_out, "held_out_chain": chain.to_dict(),
@@ -142,6 +144,8 @@ def check_warmup(out: str | Path, config: WarmupConfig, train_config: DrafterTra
     first: the default model's first load takes a minute)."""
     if config.prompts < 2:
         raise TltError(f"drafter warm-up needs at least 2 prompts (one is held out), got {config.prompts}")
+    if config.eval_prompts < 0:
+        raise TltError(f"--eval-prompts must be >= 0 (0: no measured τ), got {config.eval_prompts}")
     check_settings(config, train_config)
     check_out(Path(out), config.init, overwrite)
 
@@ -242,6 +246,8 @@ def summary_lines(report: dict, config: WarmupConfig) -> list[str]:
         (f"  predicted τ of a greedy depth-{chain['depth']} chain, target-only rule, T={temp}: {chain['tau']:.2f} "
          f"(reaches depth 1..{chain['depth']} with probability {reach}; {chain['chains']} chains)"),
         (f"measured τ of SD in the engine ({report['eval_strategy']}, {rule} rule, T={temp}, batch 1, "
-         f"{config.eval_prompts} other held-out prompts): {_tau_text(report['measured_tau'])}; warm-up took "
+         f"{config.eval_prompts} other held-out prompts): "
+         f"{_tau_text(report['measured_tau']) if config.eval_prompts else 'not measured (--eval-prompts 0)'}; "
+         f"warm-up took "
          f"{report['total_s'] / 60:.1f} min"),
     ]
