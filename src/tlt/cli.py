@@ -244,7 +244,8 @@ def _run_warmup(args) -> int:
     from tlt.tasks import ArithmeticTask, ChatTask, DatasetTask, load_examples
 
     config = WarmupConfig(prompts=args.prompts, steps=args.steps, max_new_tokens=args.max_new_tokens,
-                          eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab, seed=args.seed, init=args.init, lr_schedule=args.lr_schedule)
+                          eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab, seed=args.seed,
+                          init=args.init, lr_schedule=args.lr_schedule)
     train_config = DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature)
     check_warmup(args.out, config, train_config, args.overwrite)  # before the model loads
     if args.config is not None:
