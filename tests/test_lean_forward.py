@@ -209,3 +209,35 @@ def test_packed_linear_leaves_autograd_to_the_plain_weight():
     weight = torch.randn(4, 3, requires_grad=True)
     linear(torch.randn(2, 3), weight, None).sum().backward()  # grad enabled: no packed (autograd-free) weight
     assert weight.grad is not None and not linear._packs
+
+
+@pytest.mark.parametrize("duck_sizing", [False, True], ids=["ours", "control-duck-sizing"])
+def test_compiled_decode_forward_traces_once_past_the_batch_of_one(monkeypatch, duck_sizing):
+    """rollout.compile traces the decode forward without duck sizing: rows that finish one by one (4 -> 3 -> 2 -> 1)
+    cost one trace for the dynamic batch and one for the batch of 1 (which Dynamo always specializes). With
+    duck sizing (the control: torch.compile as it comes) the batch is tied to the cache's rows while both are 4,
+    and the first smaller batch traces again. Dynamo's eager backend: this counts traces, not Inductor's code."""
+    from torch._dynamo.utils import counters
+
+    import tlt.models.lean_forward as lean_forward
+    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.graph_runner import GraphRunner
+    from tlt.rollout.request import Request
+    from tlt.sampling import SamplingParams
+
+    compile_as_given = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode, dynamic: compile_as_given(fn, backend="eager",
+                                                                                       dynamic=dynamic))
+    if duck_sizing:
+        monkeypatch.setattr(lean_forward, "compile_static", lambda fn, mode: torch.compile(fn, mode=mode,
+                                                                                            dynamic=True))
+    engine = RolloutEngine(tiny_model(layers=1), max_batch_size=4)
+    engine.runner = GraphRunner(engine.forward, capture=False)
+    engine.model_runner.overlap_steps = False  # each step waits for its tokens: rows leave at known steps
+    engine.forward.compile("inductor")
+    torch._dynamo.reset()  # no code cached by earlier tests: their guards would decide what traces here
+    counters.clear()
+    requests = [Request(p, params=SamplingParams(temperature=0, max_new_tokens=4 + 3 * i))
+                for i, p in enumerate(random_prompts([3, 5, 4, 6]))]
+    engine.generate(requests)
+    assert counters["stats"]["unique_graphs"] == (3 if duck_sizing else 2)

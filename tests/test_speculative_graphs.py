@@ -399,14 +399,11 @@ def test_compiled_steps_step_as_the_eager_ones(monkeypatch):
     generation, so the compile is kept to what that needs (cold, as on CI: ~210 s -> ~100 s on 2 cores):
     - scalar C++ (no vector ISA): it compiles ~1.5x faster than vectorized code;
     - speculative steps only once one row is left (gate 1, the batch where SD runs on a GPU; Dynamo gives a batch
-      of 1 a graph of its own anyway), so the step compiles once, not for batch 2 and again for 1;
-    - no duck sizing, which ties the decode batch to the cache's rows while they are equal (4) and so compiled
-      the forward again at 3."""
+      of 1 a graph of its own anyway), so the step compiles once, not for batch 2 and again for 1.
+    rollout.compile traces without duck sizing itself (test_lean_forward.py counts its traces)."""
     import torch._inductor.config as inductor_config
-    import torch.fx.experimental._config as fx_config
 
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", False)
-    monkeypatch.setattr(fx_config, "use_duck_shape", False)
     model, _ = markov_model(16, sharpness=3.0, context=0.05)
     drafter = EagleDrafter(model.config, torch.arange(0, 16, 2)).attach(model)
     eager, compiled = engine_pair(model, drafter, FixedSpeculation(SpecStrategy.chain(4, "q"), gate=1), 4)

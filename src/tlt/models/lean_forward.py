@@ -113,6 +113,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 # rollout.compile's values -> torch.compile modes. Never "reduce-overhead": the graph runner captures the step
 # itself, with its own static buffers, and Inductor's own CUDA graphs would nest inside that capture.
 COMPILE_MODES = {"inductor": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def compile_static(function, mode: str):
+    """`function` Inductor-compiled with dynamic shapes (`rollout.compile`), traced without duck sizing: Dynamo
+    otherwise assumes that sizes equal when first met stay equal (a decode batch and the cache's rows, both 4
+    at first), so the first smaller bucket compiled the forward again (3 graphs instead of 2 where the CPU test
+    counts them: ~25 s per compile on an H100)."""
+    import torch.fx.experimental._config as fx_config
+
+    compiled = torch.compile(function, mode=COMPILE_MODES[mode], dynamic=True)
+
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():  # inlined into an enclosing compiled step: its trace's settings hold
+            return compiled(*args, **kwargs)
+        with fx_config.patch(use_duck_shape=False):  # read when a trace starts: guards never tie sizes
+            return compiled(*args, **kwargs)
+    return run
 # rollout.kernels' values: torch's own kernels, the fused Triton kernels of models/kernels.py (CUDA), or "auto":
 # Triton's where they run (`resolve_kernels`). Measured on an H200 (2026-11-27, benchmarks/results/
 # rollout_throughput_h200.json): the graphed bf16 decode step 2.05 -> 1.06 ms at batch 1, 2.48 -> 1.44 at batch 64.
@@ -303,7 +320,7 @@ class LeanForward:
         # dynamic=True: with Dynamo's default (specialize, then recompile what changed) each new KV span and batch
         # cost a compile of 23-30 s on the H100 before the shapes went dynamic (about 4 per arm, found by review
         # with Dynamo on the CPU); graphs capture one shape per key either way.
-        self._compiled_run = torch.compile(self._static_run, mode=COMPILE_MODES[mode], dynamic=True)
+        self._compiled_run = compile_static(self._static_run, mode)
         self.compile_mode = mode
 
     @property

@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tlt.capture_lock import CAPTURING
 from tlt.models.kv_cache import CacheRows, KVCache
-from tlt.models.lean_forward import ATTENTION_ALIGN, COMPILE_MODES, ForwardOutput, LeanForward
+from tlt.models.lean_forward import ATTENTION_ALIGN, ForwardOutput, LeanForward, compile_static
 from tlt.sampling import RowSampling, sample_next
 from tlt.speculative.decoder import (
     SpecOutcome,
@@ -323,7 +323,7 @@ class GraphRunner:
             return decoder.run
         if self._compiled_step is None:
             # dynamic=True as in LeanForward.compile: one compile per arm, not one per KV span and batch first met
-            self._compiled_step = torch.compile(SpeculativeDecoder.run, mode=COMPILE_MODES[mode], dynamic=True)
+            self._compiled_step = compile_static(SpeculativeDecoder.run, mode)
         return lambda *args, **kwargs: self._compiled_or_eager(decoder, *args, **kwargs)
 
     def _compiled_or_eager(self, decoder: SpeculativeDecoder, rows, draft_rows, inputs, shape: StepShape, **kwargs):
