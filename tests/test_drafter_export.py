@@ -78,6 +78,50 @@ def test_sglang_export_carries_the_draft_vocabulary_as_its_token_map(tmp_path):
     assert not (tmp_path / "sglang" / "draft_vocab.pt").exists()
 
 
+def test_an_sglang_export_reads_back_with_its_draft_vocabulary(tmp_path):
+    """import_eagle takes draft_vocab.pt: the read-back drafter proposes over the same target tokens."""
+    model = tiny_model("llama")
+    torch.manual_seed(2)
+    drafter = EagleDrafter(model.config, draft_vocab=torch.tensor([5, 0, 96, 17, 3, 40])).attach(model)
+    export_eagle(drafter, tmp_path, "sglang", dtype=torch.float32)
+    back = import_eagle(tmp_path, model)
+    assert back.draft_to_target.tolist() == drafter.draft_to_target.tolist()
+    torch.testing.assert_close(back.head_weight(), drafter.head_weight())
+    (tmp_path / "draft_vocab.pt").write_bytes(b"not a token map")
+    with pytest.raises(ExportError, match="draft_vocab.pt: not a draft vocabulary"):
+        import_eagle(tmp_path, model)
+
+
+@pytest.mark.parametrize("name", ["drafter.safetensors", "model-00001-of-00002.safetensors",
+                                  "model.safetensors.index.json"])
+def test_export_refuses_a_folder_with_weights_the_engines_would_also_read(tmp_path, name):
+    """vLLM loads every *.safetensors of a draft directory (or only what an index names): another file there
+    breaks or replaces the export's weights."""
+    model = tiny_model("llama")
+    (tmp_path / name).write_bytes(b"{}")
+    with pytest.raises(ExportError, match=f"also holds {name}"):
+        export_eagle(EagleDrafter(model.config).attach(model), tmp_path, "vllm", overwrite=True)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_the_export_carries_the_targets_rope_which_the_drafter_drafts_with(tmp_path, caplog):
+    """A drafter built for another target of the same shapes (here another RoPE theta and scaling) drafts with
+    its target's RoPE in tlt: attaching it says so, and the export writes the target's, not the drafter's."""
+    first = tiny_model("llama")
+    second = tiny_model("llama", rope_theta=500000.0,
+                        rope_scaling={"rope_type": "linear", "factor": 2.0})
+    drafter = EagleDrafter(first.config)
+    with caplog.at_level("WARNING", logger="tlt.models.eagle"):
+        drafter.attach(first)
+        assert not caplog.records  # its own target: nothing to say
+        drafter.attach(second)
+    assert "drafts (and is exported) with the target's" in caplog.text
+    export_eagle(drafter, tmp_path, "vllm")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_theta"] == 500000.0
+    assert config["rope_scaling"]["rope_type"] == "linear" and config["rope_scaling"]["factor"] == 2.0
+
+
 @pytest.mark.parametrize("target", ["vllm", "sglang"])
 def test_round_trip_in_the_serving_dtype(tmp_path, target):
     model = tiny_model("llama")

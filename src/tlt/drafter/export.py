@@ -53,6 +53,11 @@ def check_export_out(out: str | Path, overwrite: bool = False) -> None:
     by the one-layer draft's (--overwrite included: an earlier export carries EXPORT_MARK in its config)."""
     out = Path(out)
     refuse_an_unwritable_place(out, "--out", ExportError)
+    others = _other_weights(out)
+    if others:
+        raise ExportError(f"{out} also holds {', '.join(others[:3])}: vLLM's and SGLang's loaders read every "
+                          f"*.safetensors file of a draft directory (or only those its index names), so the "
+                          f"draft would not load; choose an empty --out")
     held = [name for name in EXPORT_FILES if (out / name).exists()]
     if not held:
         return
@@ -62,6 +67,15 @@ def check_export_out(out: str | Path, overwrite: bool = False) -> None:
     if not overwrite:
         raise ExportError(f"{out} already holds an earlier export ({' and '.join(held)}): pass --overwrite to "
                           f"replace it, or another --out")
+
+
+def _other_weights(out: Path) -> list[str]:
+    """Weight files in `out` that an export does not write: another model's shards, a drafter's own files, a
+    safetensors index."""
+    if not out.is_dir():
+        return []
+    names = [p.name for p in out.iterdir() if p.name.endswith((".safetensors", ".safetensors.index.json"))]
+    return sorted(name for name in names if name != "model.safetensors")
 
 
 def _is_an_export(out: Path) -> bool:
@@ -131,12 +145,30 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
     share_as_umask(out / "model.safetensors")  # the serving engine may run as another user
     _write_draft_vocab(drafter, out, target)
     config = drafter.config.to_dict()
+    positions = _target_positions(drafter)
+    if positions:  # the drafter's own, of another spelling (rope_theta beside rope_parameters), go too
+        config = {key: value for key, value in config.items() if key not in TARGET_POSITION_KEYS} | positions
     dtype_name = str(dtype).removeprefix("torch.")
     config.update(architectures=[ARCHITECTURES[target]], num_hidden_layers=1, tie_word_embeddings=False,
                   dtype=dtype_name, torch_dtype=dtype_name, **{EXPORT_MARK: target})
     config.pop("layer_types", None)
     (out / "config.json").write_text(json.dumps(_with_legacy_keys(config), indent=1))
     return out
+
+
+# What tlt's drafter takes from its target rather than from its own config (`EagleDrafter.step` rotates with the
+# target's RoPE): the export says what the drafter was trained and verified with.
+TARGET_POSITION_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "max_position_embeddings")
+
+
+def _target_positions(drafter: EagleDrafter) -> dict:
+    """The attached target's RoPE and position settings, to write over the drafter's own (a drafter reused for a
+    target of the same shapes, e.g. another RoPE scaling, carries its first target's)."""
+    target = getattr(drafter, "_target", None)
+    if target is None:
+        return {}
+    config = target.decoder.config.to_dict()
+    return {key: config[key] for key in TARGET_POSITION_KEYS if key in config}
 
 
 def _write_draft_vocab(drafter: EagleDrafter, out: Path, target: str) -> None:
@@ -233,7 +265,7 @@ def import_eagle(directory: str | Path, target_model) -> EagleDrafter:
         raise ExportError(f"{directory}: weights an EAGLE-1 Llama draft does not hold: {unknown[:3]}")
     if "fc.bias" in tensors and bool(tensors["fc.bias"].abs().max() > 0):
         raise ExportError(f"{directory}: fc has a non-zero bias, which tlt's drafter does not model")
-    drafter = EagleDrafter(config).attach(target_model)
+    drafter = EagleDrafter(config, _read_draft_vocab(directory, tensors["fc.weight"].device)).attach(target_model)
     layer = {k[len("layers.0."):]: v for k, v in tensors.items() if k.startswith("layers.0.")}
     layer.pop("input_layernorm.weight", None)  # identity in EAGLE's first layer
     with torch.no_grad():  # in place and seen by version-keyed caches (a .data write would not be)
@@ -243,3 +275,15 @@ def import_eagle(directory: str | Path, target_model) -> EagleDrafter:
         raise ExportError(f"{directory}: layer weights do not fit (missing {missing[:3]}, unexpected "
                           f"{unexpected[:3]})")
     return drafter
+
+
+def _read_draft_vocab(directory: Path, device) -> torch.Tensor | None:
+    """An SGLang export's draft vocabulary (`--speculative-token-map`: the target id of each draft-head row)."""
+    path = directory / "draft_vocab.pt"
+    if not path.exists():
+        return None
+    try:
+        ids = torch.load(path, weights_only=True)
+        return torch.as_tensor(ids, dtype=torch.long, device=device)
+    except Exception as error:  # noqa: BLE001 - a damaged or foreign file: named, never unpickled beyond weights_only
+        raise ExportError(f"{path}: not a draft vocabulary (a list of target token ids): {error}") from error

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -26,6 +27,9 @@ from tlt.models.lean_forward import (LeanForward, aligned_span, grouped_attentio
                                     mask_capacity)
 from tlt.models.rollout_copy import FusedLayer, fuse_layer
 from tlt.models.spec import ModelSpec, check_supported
+
+log = logging.getLogger(__name__)
+WARNED_POSITIONS: set[tuple[str, str]] = set()  # (drafter's, target's) RoPE already warned about
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -187,6 +191,7 @@ class EagleDrafter(nn.Module):
             raise DrafterError(f"drafter shapes (hidden, heads, kv heads, head dim, vocab, type) {found} do not fit "
                                f"the target's {expected}")
         object.__setattr__(self, "_target", lean)  # a plain attribute: not a submodule, not in state_dict
+        _warn_if_positions_differ(self.config, lean.decoder.config)
         return self.to(device=lean.device, dtype=lean.dtype)
 
     def inference_copy(self, target: LeanForward) -> "EagleDrafter":
@@ -403,6 +408,19 @@ class EagleDrafter(nn.Module):
         own = drafter.state_dict()
         wrong = [k for k, v in tensors.items() if k not in own or own[k].shape != v.shape]
         if wrong or set(own) - set(tensors):
-            raise DrafterError(f"{directory}: drafter weights do not match its config ({(wrong or sorted(set(own) - set(tensors)))[:3]})")
+            names = (wrong or sorted(set(own) - set(tensors)))[:3]
+            raise DrafterError(f"{directory}: drafter weights do not match its config ({names})")
         drafter.load_state_dict(tensors)
         return drafter.to(device=drafter.target.device, dtype=drafter.target.dtype)
+
+
+def _warn_if_positions_differ(drafter_config, target_config) -> None:
+    """A drafter built for another target of the same shapes (e.g. another RoPE scaling) drafts with its target's
+    RoPE, which is not what it was trained with: said once per pair (its export carries the target's)."""
+    ours, theirs = (str(getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None))
+                    for config in (drafter_config, target_config))
+    if ours == theirs or (ours, theirs) in WARNED_POSITIONS:
+        return
+    WARNED_POSITIONS.add((ours, theirs))
+    log.warning("the drafter was built for a target with RoPE %s; this target's is %s: it drafts (and is "
+                "exported) with the target's. A drafter trained for another model is accepted less.", ours, theirs)
