@@ -257,6 +257,7 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("rollout.top_k=1", "rollout.top_k=1 samples greedily: the samples of one prompt are identical"),
     ("rollout.max_new_tokens=0", "rollout.max_new_tokens must be >= 1"), ("run.steps=-1", "run.steps must be >= 1"),
     ("rollout.max_new_tokens=", "rollout.max_new_tokens expects int, got an empty value"),  # was "got None" (QA)
+    ("model.path=", "model.path= is empty (an unset shell variable?)"),  # was the default model, silently (QA)
     # nan passes every range check (comparisons are false) and an unchecked field took it into the rewards;
     # an empty run.out_dir (e.g. an unset shell variable) wrote the run into the current directory
     ("task.format_reward=nan", "task.format_reward must be a finite number, got nan"),

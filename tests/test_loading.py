@@ -108,3 +108,42 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_naming_both(tm
     save_model_dir(tiny_model("llama", vocab_size=200, eos_token_id=199), byte_tokenizer(), tmp_path)
     with pytest.raises(ModelLoadError, match=r"its tokenizer has 257 tokens but the model's vocab_size is 200"):
         load_model(tmp_path, device="cpu")
+
+
+@pytest.mark.parametrize("file,auto_map", [
+    ("config.json", {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"}),
+    ("tokenizer_config.json", {"AutoTokenizer": ["custom.CustomTokenizer", None]})])
+def test_code_a_model_directory_names_never_runs(tmp_path, file, auto_map):
+    """A directory whose config or tokenizer config maps to its own Python module (`auto_map`): refused in one line
+    naming the file, and the module is never imported (transformers asked "run the custom code? [y/N]" on the
+    terminal, and ran it on "y": found by a CLI trial)."""
+    import json
+
+    from test_verify import byte_tokenizer
+
+    save_model_dir(tiny_model("llama", vocab_size=257), byte_tokenizer(), tmp_path)
+    ran = tmp_path / "RAN"
+    (tmp_path / "custom.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
+    data = json.loads((tmp_path / file).read_text())
+    data["auto_map"] = auto_map
+    if file == "config.json":
+        data["model_type"] = "custom"  # a type transformers has no class of: only the module could read it
+    else:
+        data["tokenizer_class"] = "CustomTokenizer"
+    (tmp_path / file).write_text(json.dumps(data))
+    with pytest.raises(ModelLoadError, match=f"{file} names custom code .*tlt never runs code"):
+        load_model(tmp_path, device="cpu")
+    assert not ran.exists()
+
+
+def test_a_folder_named_like_the_default_model_is_the_users(tmp_path, monkeypatch):
+    """`--model SmolLM2-135M-Instruct` where such a folder exists: the folder, not tlt's cached default (a user
+    who cloned the model there trained tlt's dequantized copy instead, silently: found by a CLI trial)."""
+    from test_verify import byte_tokenizer
+
+    from tlt.models.loading import is_default_source
+
+    save_model_dir(tiny_model("llama", vocab_size=257), byte_tokenizer(), tmp_path / "SmolLM2-135M-Instruct")
+    monkeypatch.chdir(tmp_path)
+    assert not is_default_source("SmolLM2-135M-Instruct") and is_default_source("smollm2")
+    assert load_model("SmolLM2-135M-Instruct", device="cpu").spec.num_layers == 2

@@ -97,6 +97,20 @@ def test_a_nan_or_inf_reward_scores_0_as_a_failure():
     assert scores.rewards == [0.0, 1.0, 0.0, 0.0] and scores.failures == 3
 
 
+
+def test_a_reward_too_large_for_the_groups_statistics_scores_0_as_a_failure():
+    """1e308 is finite, but its group's mean overflowed and every update was skipped for a NaN gradient, the
+    message blaming the gradient (found by a CLI trial). 1e15 is the largest accepted."""
+    from tlt.rl.grpo import group_advantages
+
+    values = iter([1e308, -1e16, 1e15, 1.0])
+    scores = Reward(lambda completion, ex: next(values)).score(["a", "b", "c", "d"], [example(3)] * 4)
+    assert scores.rewards == [0.0, 0.0, 1e15, 1.0] and scores.failures == 2
+    import torch
+
+    assert torch.isfinite(group_advantages(torch.tensor([[1e15, -1e15, 0.0, 1.0]]))).all()
+
+
 def test_math_verify_scores_on_worker_threads_as_on_the_main_thread():
     """math-verify's timeouts use signal.alarm, main thread only: on the in-process backend's worker threads
     every call raised, so every answer scored 0 and counted as a failure (found by review). Off the main thread

@@ -41,6 +41,21 @@ def test_jsonl_gsm8k_answers_and_missing_fields(tmp_path):
         load_examples(path)
 
 
+def test_numeric_golds_in_plain_digits_score_as_written(tmp_path):
+    """JSON numbers Python prints with an exponent (5e-05, 1e+16) become plain digits, which a response's own
+    answer matches; the control shows the exponent text never scored."""
+    from tlt.rl.rewards import math_verify_match
+
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"question": "q", "answer": a}) for a in (0.00005, 1e16, 2.5, 7)) + "\n")
+    examples = load_examples(path)
+    assert [e.answer for e in examples] == ["0.00005", "10000000000000000", "2.5", "7"]
+    assert math_verify_match(r"\boxed{0.00005}", examples[0]) == 1.0
+    assert math_verify_match(r"\boxed{10^{16}}", examples[1]) == 1.0
+    control = type(examples[0])(examples[0].prompt, "5e-05")
+    assert math_verify_match(r"\boxed{0.00005}", control) == 0.0
+
+
 def test_parquet_round_trip(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

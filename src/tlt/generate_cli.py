@@ -11,6 +11,7 @@ from tlt.models.eagle import EagleDrafter, check_drafter_dir
 from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import tail_rows
 from tlt.speculative.strategy import SpecStrategy
+from tlt.tasks.chat import NO_TOKENIZER
 
 DEFAULT_STRATEGY = "S5K1q"  # with --drafter: the fastest arm at batch 1 on 2 CPU cores (docs/benchmarks.md §2)
 DEFAULT_GATE = 4            # with --drafter: speculate in the tail only, where it pays
@@ -54,7 +55,9 @@ def run_generate(args, *, demo: bool) -> int:
     pick_threads(args.threads)  # a negative count is refused here, before the model loads
     with console.status("loading model (first run: fetches and converts SmolLM2-135M-Instruct, ~1 min)"):
         loaded = load_model(args.model)
-    if loaded.tokenizer is None or not getattr(loaded.tokenizer, "chat_template", None):
+    if loaded.tokenizer is None:
+        raise TltError(f"{loaded.source}: {NO_TOKENIZER}")
+    if not getattr(loaded.tokenizer, "chat_template", None):
         raise TltError(f"{loaded.source} has no tokenizer with a chat template: cannot format the prompts")
     requests = [Request(_chat_ids(loaded.tokenizer, p), n=args.n, params=params, label=f"prompt {i + 1}")
                 for i, p in enumerate(prompts)]

@@ -90,7 +90,8 @@ def _checked_default_model() -> Path:
 
 
 def is_default_source(source) -> bool:
-    return source is None or str(source) in DEFAULT_MODEL_ALIASES
+    # an existing path of that name wins (a clone in ./SmolLM2-135M-Instruct is the user's, not tlt's dequantized copy)
+    return source is None or (str(source) in DEFAULT_MODEL_ALIASES and not Path(str(source)).expanduser().exists())
 
 
 def check_model_path(source) -> Path:

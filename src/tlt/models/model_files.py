@@ -87,9 +87,10 @@ def read_hf_config(path: Path):
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as error:  # bad JSON, unknown model_type, unreadable file
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {first_line(error)}") from None
+        raise ModelLoadError(custom_code_error(path / "config.json", error)
+                             or f"cannot read {path / 'config.json'}: {first_line(error)}") from None
     check_supported(config)
     return config
 
@@ -103,7 +104,8 @@ def load_hf_dir(path: Path):
     tokenizer = _load_tokenizer(path)  # first: cheap, and a broken one then fails before the weights' progress bar
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True,
-                                                     use_safetensors=True, dtype=torch.float32)
+                                                     use_safetensors=True, dtype=torch.float32,
+                                                     trust_remote_code=False)
     except Exception as error:
         raise ModelLoadError(f"cannot load the weights in {path}: {first_line(error)}") from None
     return model, tokenizer
@@ -115,8 +117,11 @@ def _load_tokenizer(path: Path):
     if not _has_tokenizer(path):
         return None
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as error:
+        reason = custom_code_error(path / "tokenizer_config.json", error)
+        if reason:
+            raise ModelLoadError(reason) from None
         if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise ModelLoadError(f"cannot load the tokenizer in {path}: it has a tokenizer_config.json but no "
                                  f"tokenizer.json (nor tokenizer.model or vocab.json); copy the model's tokenizer "
@@ -124,11 +129,21 @@ def _load_tokenizer(path: Path):
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {first_line(error)}") from None
 
 
+def custom_code_error(file: Path, error: Exception) -> str | None:
+    """One line for a file whose `auto_map` names code of the model's own (transformers' refusal, under
+    trust_remote_code=False, points at the Hub and an option tlt does not have); None for any other error."""
+    if "trust_remote_code" not in str(error):
+        return None
+    return (f"{file} names custom code (auto_map): tlt never runs code from a model directory; use a model of a "
+            f"supported architecture (Llama, Qwen2, Qwen3) with transformers' own classes")
+
+
 def read_gguf_config(path: Path):
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True,
+                                            trust_remote_code=False)
     except Exception as error:
         raise ModelLoadError(gguf_error(path, error)) from None
     check_supported(config)
@@ -140,7 +155,7 @@ def load_gguf(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
-    kwargs = dict(gguf_file=path.name, local_files_only=True)
+    kwargs = dict(gguf_file=path.name, local_files_only=True, trust_remote_code=False)
     config = read_gguf_config(path)  # given to the model: each read of a GGUF's header parses all of it (seconds)
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, config=config, dtype=torch.float32, **kwargs)

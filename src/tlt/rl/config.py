@@ -448,8 +448,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         key, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} must look like section.key=value")
+        if key.strip() in PATHS_NEVER_EMPTY and not raw.strip():
+            raise ConfigError(f"{key.strip()}= is empty (an unset shell variable?): give a path, or leave the "
+                              f"override out for the default")
         config = config.override(key.strip(), raw.strip(), text=True)
     return validate(resolve_loggers(expand_home(config)))
+
+
+# Paths whose empty override (`model.path=$MODEL`, the variable unset) would silently mean the default model or
+# no file: refused on the command line (a YAML `path:` with no value is written on purpose)
+PATHS_NEVER_EMPTY = ("model.path", "task.path", "run.drafter")
 
 
 def resolve_loggers(config: TrainConfig) -> TrainConfig:

@@ -181,7 +181,15 @@ def _finite(value) -> float:
         raise BadReward(f"returned {value!r}, not a number") from None
     if not math.isfinite(number):
         raise BadReward(f"returned {number}, not a finite number")
+    if abs(number) > MAX_REWARD:
+        raise BadReward(f"returned {number}, past +-{MAX_REWARD:g}: a group's mean and spread would overflow to "
+                        f"inf and every advantage become NaN (scale the reward down)")
     return number
+
+
+# A group's mean, spread and advantages stay finite in float32 (max ~3.4e38) with rewards this large; a reward of
+# 1e308 was accepted, its group mean overflowed, and every update was skipped for a NaN gradient (a CLI trial)
+MAX_REWARD = 1e15
 
 
 def build_reward(config) -> Reward:

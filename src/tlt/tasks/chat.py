@@ -5,7 +5,13 @@ from __future__ import annotations
 from tlt.errors import TltError, first_line
 
 
+NO_TOKENIZER = ("the model has no tokenizer (its directory holds no tokenizer.json, tokenizer_config.json or "
+                "tokenizer.model): copy the model's tokenizer files there")
+
+
 def chat_prompt_ids(tokenizer, prompt: str, system_prompt: str | None = None) -> list[int]:
+    if tokenizer is None:
+        raise TltError(NO_TOKENIZER)
     if not getattr(tokenizer, "chat_template", None):
         raise TltError("the tokenizer has no chat template: tlt formats every prompt with it")
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \

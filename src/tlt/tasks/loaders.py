@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from decimal import Decimal
 from pathlib import Path
 
 from tlt.errors import TltError
@@ -36,6 +37,10 @@ def _text_field(value, name: str, where: str, *, answer: bool) -> str:
                 "user's text in the field)" if isinstance(value, list) and not answer else
                 " (a gold answer is one text or number)" if answer else "")
         raise DatasetError(f"{where}: field {name!r} is {type(value).__name__}, not text{hint}")
+    if numeric and isinstance(value, float) and "e" in repr(value):
+        # in plain digits: Python writes 0.00005 as "5e-05" and 1e16 as "1e+16", which no response's answer
+        # (0.00005, 10^{16}) matches as text or as math-verify parses it (found by a CLI trial)
+        value = format(Decimal(repr(value)), "f")
     text = normalize_answer(value) if answer else value
     if not str(text).strip():
         after = " after '####'" if answer and GSM8K_ANSWER.search(str(value)) else ""
@@ -54,7 +59,8 @@ def load_examples(path: str | Path, prompt_field: str = "question", answer_field
         return records_to_examples(_parquet_records(path), prompt_field, answer_field, str(path), unit="row")
     if path.suffix.lower() in (".jsonl", ".json"):
         return records_to_examples(_jsonl_records(path), prompt_field, answer_field, str(path))
-    raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
+    raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet; a .csv file "
+                       f"or a datasets directory reads with task.name=hf)")
 
 
 def check_format(name: str, path: str | Path) -> None:
@@ -65,7 +71,8 @@ def check_format(name: str, path: str | Path) -> None:
         raise DatasetError(f"task.path={path} is a directory: give one {' or '.join(expected)} file")
     if expected is not None and suffix not in expected:
         raise DatasetError(f"task.name={name} but task.path={path} is a {suffix or 'suffix-less'} file: set "
-                           f"task.name to its format ({' or '.join(expected)} files for {name})")
+                           f"task.name to its format ({' or '.join(expected)} files for {name}; task.name=hf "
+                           f"reads .csv files and datasets directories too)")
 
 
 def records_to_examples(records, prompt_field: str, answer_field: str, source: str, unit: str = "line"
