@@ -110,6 +110,32 @@ def test_an_overlapped_plain_step_is_left_in_flight_with_a_pinned_copy_behind_an
     assert all(step.host.is_pinned() and step.done is not None for step in in_flight)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, 6), SpecStrategy.chain(4, "q")], ids=str)
+def test_overlapped_speculative_steps_on_cuda_sample_what_waiting_steps_sample(strategy, batch):
+    """Speculative steps launched from the step before's tokens and lengths on the device (pinned copies back,
+    events) sample what waiting steps sample, through EOS stops, budgets, admissions mid-rollout and a row past
+    a 256-slot KV block (spans bounded from the host's lengths while a step is in flight); fp32."""
+    model = markov_model(32, sharpness=1.5, context=0.05)[0].to(CUDA)
+    prompts = random_prompts([3, 9, 5, 1, 12, 7], vocab_size=32, seed=4)
+    requests = [Request(p, n=2, params=MIXED[i % len(MIXED)]) for i, p in enumerate(prompts)]
+    requests.append(Request(prompts[0], params=SamplingParams(temperature=1.0, max_new_tokens=300, seed=5,
+                                                              stop_token_ids=())))
+    results, in_flight = [], []
+    for overlap in (False, True):
+        engine = RolloutEngine(model, max_batch_size=batch, dtype="float32", eos_token_ids=[3],
+                               drafter=noisy_drafter(model, 0.3), speculation=strategy, max_tree_size=16)
+        engine.model_runner.overlap_steps = overlap
+        results.append(engine.generate(requests, between_steps=lambda e: in_flight.append(e.model_runner._in_flight)))
+    assert engine.model_runner.overlapped_steps > 20
+    waited, overlapped = results
+    assert token_ids(overlapped.samples) == token_ids(waited.samples)
+    for a, b in zip(overlapped.samples, waited.samples):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    steps = [step for step in in_flight if step is not None]
+    assert steps and all(step.host.is_pinned() and step.done is not None for step in steps)
+
+
 @pytest.mark.parametrize("strategy", [SpecStrategy.chain(3), SpecStrategy(3, 2, 6), SpecStrategy(4, 3, 12),
                                       SpecStrategy.chain(4, "q")], ids=str)
 def test_speculative_greedy_identical_on_cuda_graphs(strategy):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import markov_model, oracle_drafter, random_prompts
 
+from tlt.rollout import in_flight
 from tlt.rollout import model_runner as model_runner_module
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.graph_runner import GraphRunner
@@ -78,9 +79,9 @@ def test_an_sd_step_after_an_overlapped_one_serves_no_row_that_stopped_in_it(mon
     served_stopped = []
     speculative_step = model_runner_module.ModelRunner.speculative_step
 
-    def recording(self, running, strategy):
+    def recording(self, running, strategy, **kwargs):
         served_stopped.append(sum(s.finish_reason is not None for s in running))
-        return speculative_step(self, running, strategy)
+        return speculative_step(self, running, strategy, **kwargs)
 
     monkeypatch.setattr(model_runner_module.ModelRunner, "speculative_step", recording)
     # The engine overlaps only where its policy cannot speculate (above a gate it knows); a drafter hot-swapped
@@ -146,7 +147,7 @@ def test_a_row_that_stopped_takes_no_token_from_the_step_after():
                      torch.Generator()) for index in range(2)]
     seqs[1].finish_reason = "stop"  # stopped at the step before: the overlapped step's token is dropped
     host = torch.tensor([[5.0, -0.5], [7.0, -1.5]], dtype=torch.float64)
-    model_runner_module._append_in_flight(model_runner_module.InFlight(seqs, host, host, None))
+    in_flight.land_plain(in_flight.InFlight(seqs, host, host, None))
     assert seqs[0].tokens == [5] and seqs[0].logprobs == [-0.5] and seqs[1].tokens == []
 
 

@@ -224,6 +224,9 @@ def test_engine_does_not_time_steps_that_build_a_graph_or_rebuild_the_drafter():
     model = tiny_model("llama")
     engine = RolloutEngine(model, max_batch_size=4, max_tree_size=16)
     engine.runner = GraphRunner(engine.forward, capture=False)
+    # steps that wait for their tokens: each call is one step (what overlapped steps observe:
+    # test_overlapped_speculative_steps.py)
+    engine.model_runner.overlap_steps = False
     engine.set_drafter(EagleDrafter(model.config))
     # plain steps: before SD starts (its first SD step rebuilds every row) and one in between (the next SD
     # step catches up a few pairs only: timed)

@@ -24,6 +24,7 @@ from tlt.models.eagle import EagleDrafter
 from tlt.models.loading import eos_token_ids as eos_token_ids_of
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.graph_runner import GraphRunner
+from tlt.rollout.in_flight import merge_hists
 from tlt.rollout.model_runner import ModelRunner, check_branching
 from tlt.rollout.policy import SpeculationPolicy, as_policy, check_arm, plain_only_above, policy_strategies
 from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
@@ -281,14 +282,15 @@ class RolloutEngine:
 
     def _decode(self, running: list[Sequence], steps: list[StepTrace]) -> None:
         """One decode step of every running row, speculative when the policy picks an arm."""
-        started = time.perf_counter()
-        warmups = self.model_runner.warmups
         arm = self._choose(len(running))
         strategy = None if arm in (None, "off") else arm
+        if not self.model_runner.continues(running, strategy):
+            self._drain(steps)  # the step in flight first (a row it stopped is not served): its time is its own
+        started = time.perf_counter()
+        warmups = self.model_runner.warmups
         if strategy is not None:  # `_choose` picks one only when a drafter can serve this step
-            self._drain(steps)  # an overlapped plain step's tokens first: a row it stopped is not served
             served = [seq for seq in running if seq.finish_reason is None]
-            trace = self.model_runner.speculative_step(running, strategy)
+            trace = self.model_runner.speculative_step(running, strategy, overlap=True)
             if self.drafter_version is not None:
                 for seq in served:
                     seq.drafter_versions.add(self.drafter_version)
@@ -300,16 +302,23 @@ class RolloutEngine:
         steps.append(trace)
         if self.speculation is not None:
             # A step that captured a graph or rebuilt a drafter state timed one-off work, not its arm: its tokens
-            # count, its wall time does not.
+            # count, its wall time does not; nor does that of a call that landed no step or two (an overlapped
+            # step's first, and the one that ends the lag).
             self.speculation.observe(trace.batch_size, arm if arm is not None else "off", trace.new_tokens,
-                                     trace.wall_s, verify_steps=trace.batch_size,
-                                     timed=self.model_runner.warmups == warmups)
+                                     trace.wall_s, verify_steps=trace.batch_size * trace.landed,
+                                     timed=self.model_runner.warmups == warmups and trace.landed == 1)
 
     def _drain(self, steps: list[StepTrace]) -> None:
-        """Append an overlapped plain step's tokens (if one is in flight), counted to the step that launched it."""
+        """Append the step in flight (if any), counted to the step that launched it; a speculative one's tokens
+        also count for its arm's τ (not its time: its call returned before it ran)."""
         landed = self.model_runner.drain()
-        if landed and steps and steps[-1].kind == "decode":
-            steps[-1] = dataclasses.replace(steps[-1], new_tokens=steps[-1].new_tokens + landed)
+        if landed.steps and steps and steps[-1].kind == "decode":
+            last = steps[-1]
+            steps[-1] = dataclasses.replace(last, new_tokens=last.new_tokens + landed.tokens,
+                                            accepted_hist=merge_hists(last.accepted_hist, landed.accepted_hist))
+        if landed.arm is not None and self.speculation is not None and steps:
+            self.speculation.observe(steps[-1].batch_size, landed.arm, landed.tokens, 0.0,
+                                     verify_steps=steps[-1].batch_size, timed=False)
 
     def _plain_only(self, batch_size: int) -> bool:
         """Whether no speculative step can come at this batch size (nor a smaller one before a row retires, which

@@ -103,6 +103,18 @@ class _Buffers:
     sources: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class StepStart:
+    """Where a speculative step starts: each row's committed length and the pairs its drafter has seen (host
+    tensors, or device tensors when the step follows one still in flight), and the host's bounds on their
+    largest values, which size the attention spans."""
+
+    committed: torch.Tensor
+    seen: torch.Tensor
+    longest: int
+    most_seen: int
+
+
 class GraphRunner:
     """CUDA-graph replays of `LeanForward.run` and of whole speculative steps over one model runner's KV cache."""
 
@@ -191,10 +203,23 @@ class GraphRunner:
         return packed[:batch]
 
     def speculative_step(self, decoder: SpeculativeDecoder, cache: CacheRows, pending: torch.Tensor,
-                    settings: RowSampling, uniforms: torch.Tensor, strategy: SpecStrategy) -> SpecOutcome | None:
+                         settings: RowSampling, uniforms: torch.Tensor, strategy: SpecStrategy) -> SpecOutcome | None:
         """One whole speculative step as a graph; None when it must run eagerly (rows not from cache row 0, no
         bucket). pending [B] and uniforms [B, U] may be host tensors: they are copied into
         static buffers. Returns host results; the caches' host lengths are advanced."""
+        packed = self.launch_speculative(decoder, cache, pending, settings, uniforms, strategy)
+        if packed is None:
+            return None
+        return SpecOutcome(decoder.finish(cache, decoder.draft_rows(cache), packed), 0.0, 0.0)
+
+    def launch_speculative(self, decoder: SpeculativeDecoder, cache: CacheRows, pending: torch.Tensor,
+                           settings: RowSampling, uniforms: torch.Tensor, strategy: SpecStrategy,
+                           after: "StepStart | None" = None) -> torch.Tensor | None:
+        """Replay a speculative step and return its `pack(...)` output on the device (a static buffer's view:
+        valid until the next replay); nothing waits for it and no host length moves (`decoder.commit` does,
+        with the results). None: no graph for it (see `speculative_step`).
+        after: this step follows one not yet committed on the host: its committed and seen lengths are device
+        tensors, and the host gives only bounds for the attention spans (`StepStart`)."""
         batch = pending.shape[0]
         bucket = self._bucket(cache, batch)
         if bucket is None:
@@ -203,12 +228,15 @@ class GraphRunner:
         # A row misses the accepted path + 1 pair after an SD step, and one pair more when a plain step came
         # between: + 2 spares `bring_within` an eager drafter pass and its host syncs then (one padded pair)
         width = strategy.depth + 2
-        decoder.bring_within(cache, width)
-        draft_rows = decoder.draft_rows(cache)
+        if after is None:
+            decoder.bring_within(cache, width)
+            draft_rows = decoder.draft_rows(cache)
+            after = StepStart(cache.lengths, draft_rows.lengths, int(cache.lengths.max()),
+                              int(draft_rows.lengths.max()))
         target_max, draft_max = cache.cache.max_len, decoder.cache.max_len
-        target_kv, draft_kv = spans(strategy, int(cache.lengths.max()), int(draft_rows.lengths.max()), width)
+        target_kv, draft_kv = spans(strategy, after.longest, after.most_seen, width)
         shape = StepShape(strategy, width, kv_bucket(target_kv, 0, target_max), kv_bucket(draft_kv, 0, draft_max))
-        inputs = {"pending": pending, "committed": cache.lengths, "seen": draft_rows.lengths,
+        inputs = {"pending": pending, "committed": after.committed, "seen": after.seen,
                   **_settings_inputs(settings), "uniforms": uniforms}
         kind = ("speculative", strategy.name, *_sampling_kind(settings))
         decoder.drafter.head_weight()  # re-slices the draft head in place if the target's lm_head changed
@@ -216,9 +244,13 @@ class GraphRunner:
         step = self._step_function(decoder)
         body = lambda static: self._speculative_body(step, rows, all_draft_rows, shape, kind, static)
         packed, = self._replay((bucket, width, kind), (shape.target_kv, shape.draft_kv), batch, inputs, body)
-        return SpecOutcome(decoder.finish(cache, draft_rows, packed), 0.0, 0.0)
+        return packed[:batch]
 
     # -- capture and replay ------------------------------------------------------------------------------------
+
+    def serves(self, cache: CacheRows) -> bool:
+        """Whether these rows' steps replay graphs (rows from cache row 0, a batch within the buckets)."""
+        return cache.start == 0 and batch_bucket(cache.count, cache.cache.max_rows) is not None
 
     def _bucket(self, cache: CacheRows, batch: int) -> int | None:
         if cache.start != 0:

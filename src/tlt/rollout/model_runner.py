@@ -10,7 +10,6 @@ eager and the graph path consume the same random numbers (a block at a time: rol
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +19,8 @@ from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
 from tlt.rollout.batch_rows import BatchRows
 from tlt.rollout.graph_runner import GraphRunner, batch_bucket, cache_capacity, pack_tokens
+from tlt.rollout.in_flight import (InFlight, Landed, SpeculativeInFlight, accepted_hist, append_accepted,
+                                  copy_to_host, land_plain, land_speculative, merge_hists)
 from tlt.rollout.request import StepTrace
 from tlt.rollout.sequence import Sequence, same_rows
 from tlt.sampling import RowSampling, drawing_with, is_integer, sample_next
@@ -61,10 +62,11 @@ class ModelRunner:
         # speculative steps that had CUDA graphs yet ran eagerly (no bucket): a benchmark's diagnosis
         self.eager_speculative_steps = 0
         self.batch_rows = BatchRows()  # the running rows' settings and uniforms, while they stay the same
-        # graph path: plain steps appended one step late (`_decode_overlapped`); off: each step waits for its tokens
+        # graph path: steps appended one step late (`_decode_overlapped`, `_speculative_overlapped`); off: each
+        # step waits for its tokens
         self.overlap_steps = True
-        self.overlapped_steps = 0  # steps launched from the previous step's tokens on the device (tests read it)
-        self._in_flight: InFlight | None = None
+        self.overlapped_steps = 0  # steps launched from the previous step's results on the device (tests read it)
+        self._in_flight: InFlight | None = None  # a plain or a speculative step
 
     @property
     def max_tree_size(self) -> int:
@@ -101,6 +103,8 @@ class ModelRunner:
     def set_drafter(self, drafter) -> None:
         """Serve this drafter; the drafter's cache is reset, to be rebuilt from the per-slot features."""
         current = self.spec_decoder
+        if isinstance(self._in_flight, SpeculativeInFlight):  # it drafted with the old drafter's state
+            self._in_flight.drafter_reset = True
         if current is not None and self.graphs is not None and _same_layout(current.drafter, drafter):
             # Captured graphs read the serving drafter's tensors: load the new weights into them in place.
             current.drafter.load_serving_weights(drafter)
@@ -189,7 +193,7 @@ class ModelRunner:
                 return len(running)
             if self.overlap_steps and overlap:
                 return self._decode_overlapped(running)
-            return self.drain() + _append_in_flight(self._launch_decode(running, None))
+            return self.drain().tokens + land_plain(self._launch_decode(running, None)).tokens
 
     def _decode_eagerly(self, running: list[Sequence]) -> None:
         rows = self.cache.rows(0, len(running))
@@ -214,17 +218,8 @@ class ModelRunner:
         # sampled, and the drafter's inputs stored, inside the graph
         packed = self.graphs.decode(ids, rows, settings, uniforms, store_drafter_inputs=self.serving is not None)
         rows.advance(1)
-        # Copied out before the next replay can overwrite the graph's output (stream order). On CUDA into pinned
-        # memory (a copy into pageable memory would wait for the device), an event marking when it has landed.
-        done = None
-        if packed.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(packed.device))  # the copy's stream, whatever device is current
-        else:
-            host = packed.clone()
-        return InFlight(list(running), packed, host, done)
+        # copied out before the next replay can overwrite the graph's output (stream order)
+        return InFlight(list(running), packed, *copy_to_host(packed))
 
     def _decode_overlapped(self, running: list[Sequence]) -> int:
         """Plain steps one step late (as vLLM's and SGLang's engines overlap their schedulers): step n + 1 is
@@ -236,35 +231,55 @@ class ModelRunner:
         step would pass (its cache has no slot past it)."""
         appended = 0
         previous = self._in_flight
-        if previous is not None and not same_rows(previous.seqs, running):
-            appended += self.drain()
+        if previous is not None and not (self.continues(running, None) and same_rows(previous.seqs, running)):
+            appended += self.drain().tokens
             previous = None
         self._in_flight = None
         launched = self._launch_decode(running, previous)
         if previous is not None:
-            appended += _append_in_flight(previous)
+            appended += land_plain(previous).tokens
         self._in_flight = launched
         if any(s.finish_reason is not None or len(s.tokens) + 1 >= s.request.params.max_new_tokens
                for s in running):
-            appended += self.drain()
+            appended += self.drain().tokens
         return appended
 
-    def drain(self) -> int:
-        """Append the in-flight plain step's tokens (if any): afterwards every step taken is in the sequences.
-        Returns how many were appended."""
+    def drain(self) -> Landed:
+        """Append the in-flight step's tokens (if any): afterwards every step taken is in the sequences."""
         in_flight, self._in_flight = self._in_flight, None
-        return 0 if in_flight is None else _append_in_flight(in_flight)
+        if in_flight is None:
+            return Landed()
+        if isinstance(in_flight, SpeculativeInFlight):
+            return land_speculative(in_flight, self.cache.rows(0, len(in_flight.seqs)), self.spec_decoder)
+        return land_plain(in_flight)
 
-    def speculative_step(self, running: list[Sequence], strategy: SpecStrategy) -> StepTrace:
+    def continues(self, running: list[Sequence], strategy: SpecStrategy | None) -> bool:
+        """Whether the next step (plain: strategy None) may be launched behind the one in flight, which it then
+        lands itself: a plain step behind a plain one, or a speculative step behind one of the same arm over the
+        same rows. Otherwise the caller drains first (`drain`)."""
+        step = self._in_flight
+        if step is None:
+            return True
+        if not isinstance(step, SpeculativeInFlight):
+            return strategy is None
+        return (strategy is not None and step.strategy == strategy and not step.drafter_reset
+                and same_rows(step.seqs, running))
+
+    def speculative_step(self, running: list[Sequence], strategy: SpecStrategy, *,
+                         overlap: bool = False) -> StepTrace:
         """One speculative step (draft → verify → accept → commit): each sequence gets 1 to depth + 1 tokens,
         none past its stop token or budget; a sequence that stopped in the overlapped plain step before it gets
-        none (its row is retired after). Its trace has no wall time yet (the caller measures the step)."""
+        none (its row is retired after). On the graph path with `overlap_steps` and `overlap` (the caller's), its
+        tokens are appended one step late (`_speculative_overlapped`). Its trace has no wall time yet (the
+        caller measures the step)."""
         self._check(strategy)
+        if overlap and self.overlap_steps and self.graphs is not None:
+            trace = self._speculative_overlapped(running, strategy)
+            if trace is not None:
+                return trace
         self.drain()  # the pending tokens and lengths below are the host's
         rows = self.cache.rows(0, len(running))
-        seen = self.spec_decoder.draft_rows(rows).lengths  # host: what each row's drafter has been fed
-        if bool(((seen == 0) & (rows.lengths > 0)).any()):
-            self._rebuilds += 1  # this step feeds that row's drafter its whole context first
+        self._count_rebuilds(rows)
         pending = torch.tensor([s.tokens[-1] for s in running])
         settings = self.batch_rows.settings(running)
         uniforms = self.batch_rows.uniforms(running, strategy.uniforms_per_row)
@@ -278,19 +293,58 @@ class ModelRunner:
                 outcome = self.spec_decoder.step(rows, pending.to(self.device), settings.to(self.device),
                                                 uniforms.to(self.device), strategy)
         result = outcome.acceptance
-        emitted = 0
-        for seq, tokens, logprobs, count in zip(running, result.tokens.tolist(), result.logprobs.tolist(),
-                                                result.emitted.tolist()):
-            if seq.finish_reason is not None:
-                continue  # stopped in the plain step drained above (an overlapped one): it takes nothing more
-            for token, logprob in zip(tokens[:count], logprobs[:count]):
-                seq.append(token, logprob)
-                emitted += 1
-                if seq.finish_reason is not None:
-                    break  # nothing after a stop token or past the length budget is emitted
-        accepted = torch.bincount(result.accepted, minlength=strategy.depth + 1).tolist()
-        return StepTrace("decode", len(running), emitted, 0.0, mode="sd", strategy=strategy.name,
-                         accepted_hist=tuple(accepted), draft_s=outcome.draft_s, verify_s=outcome.verify_s)
+        return StepTrace("decode", len(running), append_accepted(running, result), 0.0, mode="sd",
+                         strategy=strategy.name, accepted_hist=accepted_hist(result, strategy),
+                         draft_s=outcome.draft_s, verify_s=outcome.verify_s)
+
+    def _count_rebuilds(self, rows: CacheRows) -> None:
+        seen = self.spec_decoder.draft_rows(rows).lengths  # host: what each row's drafter has been fed
+        if bool(((seen == 0) & (rows.lengths > 0)).any()):
+            self._rebuilds += 1  # this step feeds that row's drafter its whole context first
+
+    def _speculative_overlapped(self, running: list[Sequence], strategy: SpecStrategy) -> StepTrace | None:
+        """Speculative steps one step late, as `_decode_overlapped` does plain ones: step n + 1 is launched from
+        step n's results on the device (each row's last token, its committed length), then step n is committed
+        and appended on the host while the device runs n + 1. Only behind a step of the same arm over the same
+        rows (`continues`), and only while no row can stop in the step left in flight but by a stop token:
+        every row's budget leaves room for two more paths (a row past it would need cache slots it has not).
+        A row that stopped at step n got step n + 1 too: its tokens are dropped, and the lag ends then. None:
+        no graph serves this batch."""
+        rows = self.cache.rows(0, len(running))
+        if not self.graphs.serves(rows):
+            return None
+        landed = Landed() if self.continues(running, strategy) else self.drain()
+        previous = self._in_flight
+        self._in_flight = self._launch_speculative(running, strategy, previous)
+        if previous is not None:
+            landed += land_speculative(previous, rows, self.spec_decoder)
+        if any(s.finish_reason is not None or len(s.tokens) + strategy.depth + 2 > s.request.params.max_new_tokens
+               for s in running):
+            landed += self.drain()
+        hist = merge_hists(landed.accepted_hist, (0,) * (strategy.depth + 1))  # the first call lands none
+        return StepTrace("decode", len(running), landed.tokens, 0.0, mode="sd", strategy=strategy.name,
+                         accepted_hist=hist, landed=landed.steps)
+
+    def _launch_speculative(self, running: list[Sequence], strategy: SpecStrategy,
+                            previous: SpeculativeInFlight | None) -> SpeculativeInFlight:
+        """Replay a speculative step and start copying its results to the host; nothing waits for it. It starts
+        from the host's state, or from `previous` (launched before it, not yet committed) on the device."""
+        rows = self.cache.rows(0, len(running))
+        if previous is None:
+            self._count_rebuilds(rows)
+            pending, start = torch.tensor([s.tokens[-1] for s in running]), None
+            committed, longest = rows.lengths.to(self.device, non_blocking=True, copy=True), int(rows.lengths.max())
+        else:
+            pending, start = previous.following()
+            committed, longest = start.committed, start.longest
+            self.overlapped_steps += 1
+        settings = self.batch_rows.settings(running)
+        uniforms = self.batch_rows.uniforms(running, strategy.uniforms_per_row)
+        with sampler_of(self.forward):
+            packed = self.graphs.launch_speculative(self.spec_decoder, rows, pending, settings, uniforms, strategy,
+                                                    start)
+        # copied out before the next replay can overwrite the graph's output (stream order)
+        return SpeculativeInFlight(list(running), packed, *copy_to_host(packed), strategy, committed, longest)
 
     def check_tree_room(self, strategy: SpecStrategy) -> None:
         """A strategy whose tree needs more cache slots past the committed tokens than max_tree_size reserves."""
@@ -359,31 +413,6 @@ def sampler_of(forward: LeanForward):
                         follow_q_path=tree_kernels.follow_q_path, tree_mask=tree_kernels.ancestor_mask,
                         commit_path=tree_kernels.commit_path, gather_pairs=tree_kernels.gather_pairs,
                         whole_tree=tree_kernels.whole_tree)
-
-
-@dataclass
-class InFlight:
-    """A launched plain step whose tokens are not yet appended: its rows, its output on the device (the next
-    step's input) and the host copy under way (`done`: recorded after it on CUDA; None where it is already done)."""
-
-    seqs: list[Sequence]
-    packed: torch.Tensor
-    host: torch.Tensor
-    done: "torch.cuda.Event | None"
-
-
-def _append_in_flight(step: InFlight) -> int:
-    """Append a launched step's tokens; a sequence that stopped before it (an overlapped step) takes none.
-    Returns how many were appended."""
-    if step.done is not None:
-        step.done.synchronize()
-    host = step.host
-    appended = 0
-    for seq, token, logprob in zip(step.seqs, host[:, 0].long().tolist(), host[:, 1].float().tolist()):
-        if seq.finish_reason is None:
-            seq.append(token, logprob)
-            appended += 1
-    return appended
 
 
 def _append(seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:

@@ -231,10 +231,16 @@ class SpeculativeDecoder:
     def finish(self, target_rows: CacheRows, draft_rows: CacheRows, packed: torch.Tensor) -> Acceptance:
         """The step's one device-to-host transfer; commits the accepted path (target) and the caught-up pairs
         (drafter) on the host lengths. packed: `pack(...)` for these rows (a graph's may have more rows)."""
-        host = packed[:target_rows.count].cpu()
-        acceptance = unpack(host)
-        draft_rows.lengths.copy_(target_rows.lengths)  # the drafter has now seen every committed pair
-        target_rows.advance(acceptance.emitted)        # root + accepted path
+        return self.commit(target_rows, draft_rows, unpack(packed[:target_rows.count].cpu()))
+
+    @staticmethod
+    def commit(target_rows: CacheRows, draft_rows: CacheRows, acceptance: Acceptance, *,
+               drafter_fed: bool = True) -> Acceptance:
+        """Advance the host lengths past a finished step: the accepted path (target) and the caught-up pairs
+        (drafter; drafter_fed=False: its state was reset since the step was launched, and is rebuilt)."""
+        if drafter_fed:
+            draft_rows.lengths.copy_(target_rows.lengths)  # the drafter has now seen every committed pair
+        target_rows.advance(acceptance.emitted)            # root + accepted path
         return acceptance
 
 
