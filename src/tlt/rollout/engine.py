@@ -104,6 +104,9 @@ class RolloutEngine:
         self.scheduler: Scheduler | None = None  # the running generate()'s (the last one's once it returns)
         self._generate_start = time.perf_counter()
         self._generating = threading.Lock()  # held by the running generate()
+        # the wall time of the last call when it launched a speculative step and landed none (`_drain` times
+        # that step when it drains it: launch plus wait, what a waiting step costs); None otherwise
+        self._launch_s: float | None = None
         if drafter is not None:
             self.set_drafter(drafter)
 
@@ -300,25 +303,33 @@ class RolloutEngine:
             trace = StepTrace("decode", len(running), emitted, 0.0)
         trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started, start_s=started - self._generate_start)
         steps.append(trace)
+        timed = self.model_runner.warmups == warmups
+        self._launch_s = trace.wall_s if trace.mode == "sd" and trace.landed == 0 and timed else None
         if self.speculation is not None:
             # A step that captured a graph or rebuilt a drafter state timed one-off work, not its arm: its tokens
-            # count, its wall time does not; nor does that of a call that landed no step or two (an overlapped
-            # step's first, and the one that ends the lag).
+            # count, its wall time does not; nor does that of a call that landed no step (an overlapped step's
+            # first: timed when drained, if it is) or two (the one that ends a lag).
             self.speculation.observe(trace.batch_size, arm if arm is not None else "off", trace.new_tokens,
                                      trace.wall_s, verify_steps=trace.batch_size * trace.landed,
-                                     timed=self.model_runner.warmups == warmups and trace.landed == 1)
+                                     timed=timed and trace.landed == 1)
 
     def _drain(self, steps: list[StepTrace]) -> None:
-        """Append the step in flight (if any), counted to the step that launched it; a speculative one's tokens
-        also count for its arm's τ (not its time: its call returned before it ran)."""
+        """Append the step in flight (if any), counted to the step that launched it. A speculative one is also
+        observed for its arm: its tokens, and its time when the call before launched it alone (that call's
+        time plus this wait: what a waiting step costs; an arm tried for one step, as ε-exploration does, is
+        timed so)."""
+        launch_s, self._launch_s = self._launch_s, None
+        started = time.perf_counter()
         landed = self.model_runner.drain()
+        drain_s = time.perf_counter() - started
         if landed.steps and steps and steps[-1].kind == "decode":
             last = steps[-1]
             steps[-1] = dataclasses.replace(last, new_tokens=last.new_tokens + landed.tokens,
                                             accepted_hist=merge_hists(last.accepted_hist, landed.accepted_hist))
         if landed.arm is not None and self.speculation is not None and steps:
-            self.speculation.observe(steps[-1].batch_size, landed.arm, landed.tokens, 0.0,
-                                     verify_steps=steps[-1].batch_size, timed=False)
+            timed = launch_s is not None and landed.steps == 1
+            self.speculation.observe(steps[-1].batch_size, landed.arm, landed.tokens, (launch_s or 0.0) + drain_s,
+                                     verify_steps=steps[-1].batch_size, timed=timed)
 
     def _plain_only(self, batch_size: int) -> bool:
         """Whether no speculative step can come at this batch size (nor a smaller one before a row retires, which
