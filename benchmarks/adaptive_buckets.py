@@ -43,11 +43,17 @@ def bucket_of(batch: int) -> int:
 
 
 def rates_by_bucket(steps, mode: str | None = None) -> dict[int, list[float]]:
-    """Tokens per second of each decode step (mode "sd" or "plain"; None: every step), by batch bucket."""
+    """Tokens per second of each decode step (mode "sd" or "plain"; None: every step), by batch bucket: the
+    tokens that landed in its call over its cycle (its start to the next step's: an overlapped step's call
+    returns before its tokens do). Only calls that landed one step: an overlapped run's first call lands none
+    and the call that ends it two."""
     rates: dict[int, list[float]] = {}
-    for step in steps:
-        if step.kind == "decode" and step.wall_s > 0 and (mode is None or step.mode == mode):
-            rates.setdefault(bucket_of(step.batch_size), []).append(step.new_tokens / step.wall_s)
+    for step, after in zip(steps, [*steps[1:], None]):
+        if step.kind != "decode" or step.landed != 1 or (mode is not None and step.mode != mode):
+            continue
+        cycle = after.start_s - step.start_s if after is not None else step.wall_s
+        if cycle > 0:
+            rates.setdefault(bucket_of(step.batch_size), []).append(step.new_tokens / cycle)
     return rates
 
 

@@ -4,6 +4,7 @@ end-to-end summary copes with the files a GPU session writes one call at a time;
 numbers measured as the issues define them."""
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -256,10 +257,17 @@ def test_adaptive_buckets_compare_each_buckets_speculative_steps_with_plain_ones
     from tlt.rollout.request import StepTrace
 
     assert [adaptive_buckets.bucket_of(b) for b in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
-    plain = [StepTrace("decode", 1, 1, 0.001)] * 3 + [StepTrace("decode", 3, 3, 0.001)] * 2 + \
-        [StepTrace("prefill", 4, 4, 0.5)]
-    adaptive = [StepTrace("decode", 1, 2, 0.001, mode="sd")] * 2 + [StepTrace("decode", 4, 2, 0.001, mode="sd"),
-                                                                      StepTrace("decode", 4, 4, 0.001)]
+    def one_after_another(steps):  # each starts when the one before ends (its cycle: its wall time)
+        starts = [sum(s.wall_s for s in steps[:i]) for i in range(len(steps))]
+        return [dataclasses.replace(s, start_s=start) for s, start in zip(steps, starts)]
+
+    plain = one_after_another([StepTrace("decode", 1, 1, 0.001)] * 3 + [StepTrace("decode", 3, 3, 0.001)] * 2 +
+                              [StepTrace("prefill", 4, 4, 0.5)])
+    # an overlapped run's first call (lands no step) and the call that ends it (two) are left out
+    adaptive = one_after_another([StepTrace("decode", 1, 0, 0.0002, mode="sd", landed=0)]
+                                 + [StepTrace("decode", 1, 2, 0.001, mode="sd")] * 2
+                                 + [StepTrace("decode", 1, 5, 0.001, mode="sd", landed=2)] * 3
+                                 + [StepTrace("decode", 4, 2, 0.001, mode="sd"), StepTrace("decode", 4, 4, 0.001)])
     result = adaptive_buckets.compare(plain, adaptive)
     assert result["by_bucket"]["1"]["ratio"] == pytest.approx(2.0)
     assert result["by_bucket"]["4"] == {"plain_steps": 2, "sd_steps": 1, "plain_tok_s": pytest.approx(3000.0),
