@@ -44,6 +44,8 @@ def test_an_untied_model_missing_its_head_is_refused(tmp_path):
 
 @pytest.mark.parametrize("edit,detail", [
     (lambda state: state.update(step="abc"), "its step is 'abc'"),
+    # resumed "from step-000001 (step 3)": trained steps 4... on weights that had one update (found by QA)
+    (lambda state: state.update(step=3), "its step is 3, but its directory is step-000001"),
     (lambda state: state.update(python_rng=[1]), "IndexError"),
     (lambda state: state["optimizer"].update(param_groups=[]), "ValueError"),
     (lambda state: state.update(scheduler={"last_epoch": "x"}), "lr schedule state .* holds no step count"),

@@ -276,6 +276,65 @@ def test_a_worker_failing_mid_step_ends_the_step_at_once_naming_it(tmp_path, pha
     assert time.perf_counter() - started < 60
 
 
+def test_a_failed_checkpoint_names_the_step_it_was_saving(tmp_path):
+    """The step counter has moved on when a completed step is saved: a worker failing then was reported as
+    failing "during save of RL step 2" while step 1 was being saved (found by QA)."""
+    controller = make_controller(tmp_path)
+    try:
+        controller.train_step()
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("disk gone")
+
+        controller.backend.workers[1].speculation_state = boom
+        with pytest.raises(WorkerError, match="worker 1 failed during save of RL step 1 .*disk gone"):
+            controller.save(tmp_path / "run")
+    finally:
+        controller.close()
+
+
+def test_a_dead_hub_actor_is_one_error_naming_the_hub(monkeypatch):
+    """kill -9 of the Ray DrafterHub mid-step printed ~90 lines of Ray traceback, or blamed a worker (QA)."""
+    ray = pytest.importorskip("ray")
+    from tlt.distributed.hub import HubTimeout
+    from tlt.distributed.worker import HubClient
+
+    class Method:
+        def remote(self, *args, **kwargs):
+            return "an object ref"
+
+    class DeadActor:
+        latest_version = Method()
+
+    def dead(ref, timeout=None):
+        raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(ray, "get", dead)
+    with pytest.raises(HubTimeout, match=r"the drafter hub \(a Ray actor\) died during latest_version\(\)"):
+        HubClient(DeadActor()).latest_version()
+
+
+def test_a_failing_worker_is_reported_even_when_the_hub_fails_too(tmp_path):
+    """Stopping spot training after a worker failed called the hub, whose own error (dead with the worker)
+    replaced the worker's (QA)."""
+    controller = make_controller(tmp_path)
+    worker = controller.backend.workers[1]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom in rollout")
+
+    def hub_gone(*args, **kwargs):
+        raise RuntimeError("hub gone")
+
+    worker.rollout = boom
+    controller.backend.hub.stop = hub_gone
+    try:
+        with pytest.raises(WorkerError, match="worker 1 failed during rollout of RL step 1 .*boom in rollout"):
+            controller.train_step()
+    finally:
+        controller.close()
+
+
 def test_a_worker_out_of_memory_is_told_what_needs_less(tmp_path):
     """A CLI trial's 8k-token prompt failed its update with the CPU allocator's message only: the error now names
     the settings that lower a step's memory (the allocators' messages and torch's OutOfMemoryError alike)."""

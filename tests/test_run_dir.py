@@ -222,6 +222,29 @@ def held_interrupts_raise_and_yield(held_interrupts):
             raise OSError("disk full")
 
 
+@pytest.mark.parametrize("signals", [3, 2])
+def test_a_third_interrupt_inside_a_held_block_aborts_at_once(signals):
+    """A worker that hangs in a checkpoint save held every Ctrl-C until its call's limit (hours; found by QA): the
+    third ends the process (130), as outside the block. Two are still held to the block's end (the control)."""
+    import subprocess
+    import sys
+
+    script = ("import signal, sys\n"
+              "from tlt.interrupts import held_interrupts\n"
+              "try:\n"
+              "    with held_interrupts():\n"
+              f"        for _ in range({signals}):\n"
+              "            signal.raise_signal(signal.SIGINT)\n"
+              "        print('block finished', flush=True)\n"
+              "except KeyboardInterrupt:\n"
+              "    sys.exit(7)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    if signals == 3:
+        assert done.returncode == 130 and "tlt: aborted" in done.stderr and "block finished" not in done.stdout
+    else:
+        assert done.returncode == 7 and "block finished" in done.stdout and "once more to abort" in done.stderr
+
+
 @pytest.mark.parametrize("held", [True, False], ids=["held", "control-not-held"])
 def test_a_stop_just_after_a_step_still_checkpoints_that_step(tmp_path, monkeypatch, capsys, held):
     """A SIGTERM that came while a finished step was being logged (its metrics line printed, its timeline drawn)

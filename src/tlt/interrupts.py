@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -16,7 +17,9 @@ def held_interrupts(notice: str | None = None):
     handlers in place before it (KeyboardInterrupt, `tlt`'s SIGTERM handling): a run stopped just after a step
     finished lost that step (its metrics logged, its checkpoint not written). Not when the block fails: its
     own error is the one to report. Only the main thread may set handlers; elsewhere this holds nothing.
-    `notice`, if given, is printed to stderr when the first signal is held (a large checkpoint takes a while)."""
+    `notice`, if given, is printed to stderr when the first signal is held (a large checkpoint takes a while).
+    A third signal ends the process at once, as it does outside the block (a worker that hangs in a checkpoint
+    save held every Ctrl-C until its call's two-hour limit: found by QA)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -26,6 +29,12 @@ def held_interrupts(notice: str | None = None):
         if notice is not None and not held:
             print(notice, file=sys.stderr, flush=True)
         held.append(signum)
+        if len(held) == 2:
+            print("tlt: still finishing the step; interrupt once more to abort at once (a checkpoint is written "
+                  "whole or not at all: the last complete one stays)", file=sys.stderr, flush=True)
+        if len(held) >= 3:  # as `tlt`'s own third interrupt: the block may wait hours on a worker that hangs
+            print("tlt: aborted", file=sys.stderr, flush=True)
+            os._exit(143 if signum == signal.SIGTERM else 130)
 
     previous = {signum: signal.signal(signum, hold) for signum in HELD_SIGNALS}
     try:

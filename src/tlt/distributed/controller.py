@@ -14,6 +14,7 @@ Same interface as GRPOTrainer (`train_step`, `step`, `save`, `resume`), so `tlt 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -27,6 +28,10 @@ from tlt.rl.checkpoint import latest_checkpoint
 from tlt.rl.phases import evaluation_due, merge_worker_updates
 from tlt.rollout.request import RolloutResult
 
+
+# phases that run once self.step counts the step they belong to (a failed checkpoint of step 2 was reported as
+# step 3's: found by QA)
+AFTER_THE_STEP = ("evaluate", "save", "save_final")
 
 class DistributedGRPO:
     def __init__(self, config, *, placement=None, backend=None, **backend_kwargs):
@@ -119,8 +124,10 @@ class DistributedGRPO:
                     self.backend.hub.stop(self.step)  # the last worker is ready for the update: stop spot training
                     stopped = True
         except BaseException:
-            # a worker failed: the idle ones' spot training would run on, and closing the workers wait for it
-            self.backend.hub.stop(self.step)
+            # a worker failed: the idle ones' spot training would run on, and closing the workers wait for it. The
+            # failure is the one to report: a hub that died with it would replace it with its own traceback.
+            with contextlib.suppress(Exception):
+                self.backend.hub.stop(self.step)
             raise
         return results["rollout"], results["prepare"], results["spot_train"]
 
@@ -162,8 +169,10 @@ class DistributedGRPO:
         except TltError:
             raise  # bad input met by a worker (a prompt too long, a broken reward...): its own message
         except Exception as error:  # noqa: BLE001 - any worker failure ends the step with one clear message
+            # the step a phase belongs to: the one under way, or (evaluation, checkpoint) the one just completed
+            step = self.step if phase in AFTER_THE_STEP else self.step + 1
             raise WorkerError(
-                f"worker {rank} failed during {phase} of RL step {self.step + 1} "
+                f"worker {rank} failed during {phase} of RL step {step} "
                 f"({type(error).__name__}: {first_line(error)}){_memory_hint(error)}; nothing of this step was "
                 f"saved{self._next_move()}"
             ) from error

@@ -17,7 +17,7 @@ from tlt.errors import TltError
 
 
 class HubTimeout(TltError):
-    """The hub (a Ray actor) did not answer a call in time."""
+    """The hub (a Ray actor) did not answer a call in time, or died."""
 
 
 class DrafterHub:

@@ -68,6 +68,10 @@ class HubClient:
                 return ray.get(method.remote(*args, **kwargs), timeout=HUB_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
                 raise HubTimeout(f"the drafter hub did not answer {name}() within {HUB_TIMEOUT_S} s") from None
+            except ray.exceptions.RayActorError as error:  # killed, or its process died: no worker is to blame
+                raise HubTimeout(f"the drafter hub (a Ray actor) died during {name}() "
+                                 f"({type(error).__name__}); nothing of this step was saved: `tlt train ... "
+                                 f"--resume` continues from the last checkpoint") from None
         return call
 
 

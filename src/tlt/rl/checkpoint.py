@@ -164,6 +164,12 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def _named_step(checkpoint: Path) -> int | None:
+    """The step a checkpoint directory's name says (step-NNNNNN), None for another name (a copy elsewhere)."""
+    digits = checkpoint.name[len(CHECKPOINT_PREFIX):]
+    return int(digits) if checkpoint.name.startswith(CHECKPOINT_PREFIX) and digits.isdigit() else None
+
+
 def checkpoint_step(checkpoint: Path) -> int:
     """The completed steps a checkpoint holds, from its name (step-NNNNNN)."""
     return int(Path(checkpoint).name[len(CHECKPOINT_PREFIX):])
@@ -217,6 +223,9 @@ def read_state(checkpoint: Path) -> dict:
         raise _damaged(file, "not a tlt checkpoint state (no step or RNG state)")
     if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
         raise _damaged(file, f"its step is {state['step']!r}, not a count of steps")
+    named = _named_step(Path(checkpoint))
+    if named is not None and state["step"] != named:  # an edited state.json: resumed as step 2 from step-000004
+        raise _damaged(file, f"its step is {state['step']}, but its directory is {Path(checkpoint).name}")
     scheduler = state.get("scheduler")
     last_epoch = scheduler.get("last_epoch", 0) if isinstance(scheduler, dict) else None
     if scheduler is not None and (not isinstance(last_epoch, int) or isinstance(last_epoch, bool)):
