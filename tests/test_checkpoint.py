@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from conftest import tiny_model
-from tlt.rl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_final_model
+from tlt.rl.checkpoint import CheckpointError, file_crc32, load_checkpoint, save_checkpoint, save_final_model
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -21,6 +21,9 @@ def checkpoint_keeping(tmp_path, model, drop: str):
     weights = load_file(str(path / "policy.safetensors"))
     kept = {name: tensor.clone() for name, tensor in {**weights, **model.state_dict()}.items() if name != drop}
     save_file(kept, str(path / "policy.safetensors"))
+    state = json.loads((path / "state.json").read_text())  # as that save would have recorded it
+    state["crc32"]["policy.safetensors"] = file_crc32(path / "policy.safetensors")
+    (path / "state.json").write_text(json.dumps(state))
     return path
 
 
@@ -200,3 +203,27 @@ def test_a_saved_drafter_is_readable_as_the_umask_allows(tmp_path):
         os.umask(umask)
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == {
         "drafter.safetensors": 0o640, "drafter_config.json": 0o640}
+
+
+@pytest.mark.parametrize("with_crc", [True, False], ids=["crc", "control-no-crc"])
+def test_bytes_damaged_after_the_save_are_found_by_their_crc(tmp_path, with_crc):
+    """Zeros written over the end of policy.safetensors (size and header intact) loaded without a word, and the
+    run trained on from damaged weights (found by QA). Control: a checkpoint whose state.json keeps no CRC (one
+    written before they were kept) loads the damaged bytes, as it always did."""
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = save_checkpoint(tmp_path, 1, model, optimizer)
+    state = json.loads((path / "state.json").read_text())
+    assert set(state["crc32"]) == {"policy.safetensors", "optimizer.safetensors", "rng.safetensors"}
+    if not with_crc:
+        del state["crc32"]
+        (path / "state.json").write_text(json.dumps(state))
+    policy = path / "policy.safetensors"
+    data = bytearray(policy.read_bytes())
+    data[-64:] = bytes(64)
+    policy.write_bytes(bytes(data))
+    if with_crc:
+        with pytest.raises(CheckpointError, match=r"policy.safetensors: its bytes are not those written"):
+            load_checkpoint(path, model, optimizer)
+    else:
+        load_checkpoint(path, model, optimizer)

@@ -86,7 +86,8 @@ def _records(path: Path) -> list[tuple[str, dict]]:
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             if number == len(lines) and not text.endswith("\n"):
                 break  # cut short: every line is written whole with its newline
-            raise TltError(f"{path}, line {number}: not a step record (a JSON object with an integer step)")
+            raise TltError(f"{path}, line {number}: not a step record (a JSON object with an integer step); "
+                           f"delete or mend that line (the checkpoints do not depend on it)")
         records.append((line, record))
     return records
 
