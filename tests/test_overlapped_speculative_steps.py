@@ -61,8 +61,8 @@ def test_the_comparison_fails_when_a_step_starts_from_a_stale_token(monkeypatch)
     _, waited = rollout(False, strategy)
     following = in_flight.SpeculativeInFlight.following
 
-    def stale(self):
-        pending, start = following(self)
+    def stale(self, longest):
+        pending, start = following(self, longest)
         return self.packed[:, 0].long(), start
 
     monkeypatch.setattr(in_flight.SpeculativeInFlight, "following", stale)
@@ -80,6 +80,9 @@ def test_no_overlapped_speculative_step_starts_past_a_rows_budget(monkeypatch):
     def recording(self, decoder, cache, pending, settings, uniforms, strategy, after=None):
         committed = cache.lengths if after is None else after.committed
         launches.append((committed.clone(), after is not None))
+        if after is not None:  # the span's bound: the longest row's length, at most one deepest path above it
+            longest = int(committed.max())
+            assert longest <= after.longest <= longest + strategy.depth + 1, (longest, after.longest)
         return launch(self, decoder, cache, pending, settings, uniforms, strategy, after)
 
     monkeypatch.setattr(GraphRunner, "launch_speculative", recording)
@@ -91,7 +94,8 @@ def test_no_overlapped_speculative_step_starts_past_a_rows_budget(monkeypatch):
         launch_rows(self, seqs, *args, **kwargs)
 
     monkeypatch.setattr(in_flight.SpeculativeInFlight, "__init__", keeping_limits)
-    rollout(True, SpecStrategy.chain(4, "q"))
+    rollout(True, SpecStrategy.chain(4, "q"), batch=1)  # one row: long runs of overlapped steps (the bound once
+    # grew by depth + 1 a step: found by review)
     assert len(launches) == len(limits) > 20 and any(follows for _, follows in launches)
     for (committed, _), row_limits in zip(launches, limits):
         assert all(int(length) <= limit - 2 for length, limit in zip(committed, row_limits))
@@ -196,3 +200,35 @@ def test_an_arm_tried_for_one_step_is_timed_when_its_step_is_drained():
     assert len(timed) >= max(len(sd) - engine.model_runner.warmups, len(sd) // 2)
     assert all(wall > 0 for _, _, wall, _, _ in timed)
     assert sum(tokens for _, tokens, *_ in drained) == sum(s.new_tokens for s in sd)
+
+
+def test_traces_hold_each_step_once_through_arm_switches_and_overlap_turned_off():
+    """Every call's trace counts the steps whose tokens it holds (`landed`), drained ones included: an arm
+    switch ending a run of overlapped steps once left two steps' tokens under landed=1 (found by review). And
+    overlap turned off between steps drains through the engine: those tokens were appended but in no trace."""
+    from tlt.rollout.policy import OFF
+
+    class ThreeThenOff(FixedSpeculation):
+        calls = 0
+
+        def choose(self, batch_size):
+            self.calls += 1
+            return OFF if self.calls % 4 == 0 else self.strategy
+
+    model, _ = markov_model(32, sharpness=1.5, context=0.05)
+    engine = RolloutEngine(model, max_batch_size=1, speculation=ThreeThenOff(SpecStrategy.chain(3)), max_tree_size=16,
+                           eos_token_ids=[])
+    engine.runner = GraphRunner(engine.forward, capture=False)
+    engine.set_drafter(oracle_drafter(model), version=1)
+
+    def overlap_off_at_the_ninth_call(e, calls=[]):
+        calls.append(None)
+        e.model_runner.overlap_steps = len(calls) < 9
+
+    result = engine.generate([Request([5, 6], params=SamplingParams(temperature=1.0, max_new_tokens=60, seed=1))],
+                             between_steps=overlap_off_at_the_ninth_call)
+    sd = [s for s in result.steps if s.mode == "sd"]
+    assert sum(s.landed for s in sd) == len(sd)
+    assert sum(s.new_tokens for s in result.steps) == result.generated_tokens == 60
+    for s in sd:  # an oracle drafter: every row-step emits depth + 1 tokens, budget allowing
+        assert s.new_tokens <= 4 * s.landed and sum(s.accepted_hist) == s.landed

@@ -45,7 +45,8 @@ class TaskConfig:
                                    # gives a 135M model a learning signal before it gets answers right
     min_operations: int = 1        # built-in task: easiest problems use this many operations
     max_operations: int = 4        # built-in task: hardest problems (the long tail of response lengths)
-    eval_size: int = 0             # held-out problems (never trained on) scored with greedy decoding (0 = none)
+    eval_size: int = 0             # held-out problems (never trained on) scored with greedy decoding (0 = none);
+                                   # a dataset's last eval_size rows (shuffle a file sorted by topic or difficulty)
     eval_every: int = 1            # evaluate every K steps and after the last one (with eval_size > 0)
 
 

@@ -325,6 +325,7 @@ class RolloutEngine:
         if landed.steps and steps and steps[-1].kind == "decode":
             last = steps[-1]
             steps[-1] = dataclasses.replace(last, new_tokens=last.new_tokens + landed.tokens,
+                                            landed=last.landed + landed.steps,
                                             accepted_hist=merge_hists(last.accepted_hist, landed.accepted_hist))
         if landed.arm is not None and self.speculation is not None and steps:
             timed = launch_s is not None and landed.steps == 1

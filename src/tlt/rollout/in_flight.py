@@ -34,25 +34,26 @@ class InFlight:
 @dataclass
 class SpeculativeInFlight(InFlight):
     """A launched speculative step: `packed` is its `pack(acceptance)` on the device; `committed` each row's
-    committed length it started from (device), with `longest` the host's bound on it.
+    committed length it started from (device).
     drafter_reset: a drafter was swapped in since the launch, its state reset: the step's caught-up pairs are
     not the new drafter's (its state is rebuilt), and no step may follow this one on the device."""
 
     strategy: SpecStrategy
     committed: torch.Tensor
-    longest: int
     drafter_reset: bool = False
 
-    def following(self) -> tuple[torch.Tensor, StepStart]:
+    def following(self, longest: int) -> tuple[torch.Tensor, StepStart]:
         """The next step's start from this one's results, on the device: (pending tokens [B], StepStart). Each
         row's last emitted token is pending; its committed length grows by what it emitted, and its drafter has
-        then seen every pair committed before this step. The host bounds the new lengths by the deepest path."""
+        then seen every pair committed before this step. longest: the largest committed length this step
+        started from, which the host holds exactly while it is in flight; the new lengths are bounded by it plus
+        the deepest path (a bound carried from step to step grew by depth + 1 each step: found by review)."""
         packed = self.packed
         width = (packed.shape[1] - 1) // 3  # `decoder.pack`: tokens, log-probs, path, then the accepted count
         accepted = packed[:, -1].long()
         pending = packed[:, :width].gather(1, accepted[:, None])[:, 0].long()
         committed = self.committed + (accepted + 1).to(self.committed.dtype)
-        return pending, StepStart(committed, self.committed, self.longest + self.strategy.depth + 1, self.longest)
+        return pending, StepStart(committed, self.committed, longest + self.strategy.depth + 1, longest)
 
 
 @dataclass

@@ -263,7 +263,7 @@ class ModelRunner:
         if not isinstance(step, SpeculativeInFlight):
             return strategy is None
         return (strategy is not None and step.strategy == strategy and not step.drafter_reset
-                and same_rows(step.seqs, running))
+                and same_rows(step.seqs, running) and self.overlap_steps)  # (overlap turned off: drained first)
 
     def speculative_step(self, running: list[Sequence], strategy: SpecStrategy, *,
                          overlap: bool = False) -> StepTrace:
@@ -333,10 +333,10 @@ class ModelRunner:
         if previous is None:
             self._count_rebuilds(rows)
             pending, start = torch.tensor([s.tokens[-1] for s in running]), None
-            committed, longest = rows.lengths.to(self.device, non_blocking=True, copy=True), int(rows.lengths.max())
-        else:
-            pending, start = previous.following()
-            committed, longest = start.committed, start.longest
+            committed = rows.lengths.to(self.device, non_blocking=True, copy=True)
+        else:  # the host's lengths are where `previous` started: the one before it landed in the last call
+            pending, start = previous.following(int(rows.lengths.max()))
+            committed = start.committed
             self.overlapped_steps += 1
         settings = self.batch_rows.settings(running)
         uniforms = self.batch_rows.uniforms(running, strategy.uniforms_per_row)
@@ -344,7 +344,7 @@ class ModelRunner:
             packed = self.graphs.launch_speculative(self.spec_decoder, rows, pending, settings, uniforms, strategy,
                                                     start)
         # copied out before the next replay can overwrite the graph's output (stream order)
-        return SpeculativeInFlight(list(running), packed, *copy_to_host(packed), strategy, committed, longest)
+        return SpeculativeInFlight(list(running), packed, *copy_to_host(packed), strategy, committed)
 
     def check_tree_room(self, strategy: SpecStrategy) -> None:
         """A strategy whose tree needs more cache slots past the committed tokens than max_tree_size reserves."""

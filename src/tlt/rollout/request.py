@@ -96,8 +96,9 @@ class StepTrace:
     draft_s: float = 0.0
     verify_s: float = 0.0
     start_s: float = 0.0             # when the step began, seconds after generate() started
-    landed: int = 1                  # steps whose tokens reached the sequences in this call: an overlapped
-                                     # step's are the step before's (0 for the first, 2 when the lag ends)
+    landed: int = 1                  # steps whose tokens this trace holds: an overlapped call's are the
+                                     # step before's (0 for the first, 2 when the lag ends; a step drained
+                                     # after the call, before an arm switch or a prefill, counts to it)
 
 
 @dataclass
