@@ -84,9 +84,6 @@ def test_an_sd_step_after_an_overlapped_one_serves_no_row_that_stopped_in_it(mon
         return speculative_step(self, running, strategy, **kwargs)
 
     monkeypatch.setattr(model_runner_module.ModelRunner, "speculative_step", recording)
-    # The engine overlaps only where its policy cannot speculate (above a gate it knows); a drafter hot-swapped
-    # in mid-rollout can still follow an overlapped step with an SD step: here every plain step may overlap
-    monkeypatch.setattr(RolloutEngine, "_plain_only", lambda self, batch_size: True)
     # The first stop whose plain step was still in flight when the SD step came (not drained at once because a
     # row stopped in the step before it, or a budget ended)
     for stop in (step for step in stops if step >= 2):
@@ -152,24 +149,33 @@ def test_a_row_that_stopped_takes_no_token_from_the_step_after():
 
 
 @pytest.mark.parametrize("trained", [True, False], ids=["trained-drafter", "untrained-drafter"])
-def test_only_steps_above_the_policys_gate_overlap(monkeypatch, trained):
-    """Below its gate the adaptive policy weighs SD against plain steps by their times: each plain step there
-    waits for its tokens (its time its own); above it plain steps overlap. Also while the drafter is untrained
-    (no SD step at all): the bandit records the plain steps below the gate all the same."""
-    from tlt.rollout.policy import AdaptiveSpeculation, BatchSizeGate
+def test_plain_steps_overlap_below_the_gate_too_and_the_policy_times_each_step_once(trained):
+    """Below its gate the adaptive policy weighs SD against plain steps by their times. Plain steps there once
+    waited for their tokens while SD steps overlapped, which hid the host's work from SD's times only (found by
+    review); both overlap now, an arm switch drains the step in flight first, and that step is timed as its
+    launch plus the wait. Every landed plain token is observed once; timed observations are of one step each.
+    Also while the drafter is untrained (no SD step at all)."""
+    from tlt.rollout.policy import OFF, AdaptiveSpeculation, BatchSizeGate
 
-    batches = []
-    overlapped = model_runner_module.ModelRunner._decode_overlapped
-    monkeypatch.setattr(model_runner_module.ModelRunner, "_decode_overlapped",
-                        lambda self, running: batches.append(len(running)) or overlapped(self, running))
+    observed = []
+
+    class Recording(AdaptiveSpeculation):
+        def observe(self, batch_size, arm, emitted_tokens, wall_s, verify_steps=None, *, timed=True):
+            observed.append((batch_size, arm, emitted_tokens, verify_steps, timed))
+            super().observe(batch_size, arm, emitted_tokens, wall_s, verify_steps, timed=timed)
+
     model, _ = markov_model(16, sharpness=1.5, context=0.05)
-    policy = AdaptiveSpeculation([SpecStrategy(3, 2, 6)], gate=BatchSizeGate(threshold=5))
+    policy = Recording([SpecStrategy(3, 2, 6)], gate=BatchSizeGate(threshold=5))
     engine = RolloutEngine(model, max_batch_size=12, speculation=policy, max_tree_size=16, eos_token_ids=[EOS])
     engine.runner = GraphRunner(engine.forward, capture=False)
     engine.set_drafter(oracle_drafter(model), trained=trained)
     prompts = random_prompts([3, 6, 2, 5, 4, 7], vocab_size=16, seed=11)
     result = engine.generate([Request(p, n=2, params=SETTINGS[i % len(SETTINGS)]) for i, p in enumerate(prompts)])
-    assert batches and min(batches) > 5 and engine.model_runner.overlapped_steps > 0
+    decode = [s for s in result.steps if s.kind == "decode"]
     assert sum(s.new_tokens for s in result.steps) == result.generated_tokens
-    plain_below = [s for s in result.steps if s.kind == "decode" and s.mode == "plain" and s.batch_size <= 5]
-    assert plain_below  # the bandit tried plain steps there too: none of them overlapped
+    assert engine.model_runner.overlapped_steps > 0
+    assert any(s.mode == "plain" and s.batch_size <= 5 and s.landed == 1 for s in decode)  # overlapped there
+    plain = [o for o in observed if o[1] == OFF]
+    assert sum(tokens for _, _, tokens, _, _ in plain) == sum(s.new_tokens for s in decode if s.mode == "plain")
+    assert all(rows == batch for batch, arm, _, rows, timed in observed if timed)  # one step each
+    assert any(arm != OFF for _, arm, *_ in observed) == trained

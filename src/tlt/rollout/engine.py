@@ -26,7 +26,7 @@ from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.graph_runner import GraphRunner
 from tlt.rollout.in_flight import merge_hists
 from tlt.rollout.model_runner import ModelRunner, check_branching
-from tlt.rollout.policy import SpeculationPolicy, as_policy, check_arm, plain_only_above, policy_strategies
+from tlt.rollout.policy import OFF, SpeculationPolicy, as_policy, check_arm, policy_strategies
 from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
 from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.sequence import Sequence
@@ -299,12 +299,12 @@ class RolloutEngine:
                     seq.drafter_versions.add(self.drafter_version)
         else:
             # the tokens that landed: an overlapped step's are the step before's (a stopped row's extra one dropped)
-            emitted = self.model_runner.decode(running, overlap=self._plain_only(len(running)))
-            trace = StepTrace("decode", len(running), emitted, 0.0)
+            landed = self.model_runner.decode(running)
+            trace = StepTrace("decode", len(running), landed.tokens, 0.0, landed=landed.steps)
         trace = dataclasses.replace(trace, wall_s=time.perf_counter() - started, start_s=started - self._generate_start)
         steps.append(trace)
         timed = self.model_runner.warmups == warmups
-        self._launch_s = trace.wall_s if trace.mode == "sd" and trace.landed == 0 and timed else None
+        self._launch_s = trace.wall_s if trace.landed == 0 and timed else None
         if self.speculation is not None:
             # A step that captured a graph or rebuilt a drafter state timed one-off work, not its arm: its tokens
             # count, its wall time does not; nor does that of a call that landed no step (an overlapped step's
@@ -327,22 +327,11 @@ class RolloutEngine:
             steps[-1] = dataclasses.replace(last, new_tokens=last.new_tokens + landed.tokens,
                                             landed=last.landed + landed.steps,
                                             accepted_hist=merge_hists(last.accepted_hist, landed.accepted_hist))
-        if landed.arm is not None and self.speculation is not None and steps:
+        if landed.steps and self.speculation is not None and steps:
             timed = launch_s is not None and landed.steps == 1
-            self.speculation.observe(steps[-1].batch_size, landed.arm, landed.tokens, (launch_s or 0.0) + drain_s,
+            arm = landed.arm if landed.arm is not None else OFF
+            self.speculation.observe(steps[-1].batch_size, arm, landed.tokens, (launch_s or 0.0) + drain_s,
                                      verify_steps=steps[-1].batch_size, timed=timed)
-
-    def _plain_only(self, batch_size: int) -> bool:
-        """Whether no speculative step can come at this batch size (nor a smaller one before a row retires, which
-        ends an overlapped step first): then a plain step may stay in flight into the next (see
-        `ModelRunner.decode`). Below a gate, where the policy weighs SD against plain steps, each step waits
-        for its tokens, so that its time is its own."""
-        if self.speculation is None:
-            return True
-        # by the gate alone, also while no trained drafter serves: the bandit records plain steps below it
-        # either way, and a drafter swapped in mid-rollout may make the next step speculative
-        gate = plain_only_above(self.speculation)
-        return gate is not None and batch_size > gate
 
     def _choose(self, batch_size: int):
         if self.speculation is None or self.model_runner.serving is None or not self.drafter_trained:

@@ -183,17 +183,17 @@ class ModelRunner:
             self.serving.forget_rows(first_row, self.serving.cache.max_rows - first_row)
         return out.logits[:, 0]
 
-    def decode(self, running: list[Sequence], *, overlap: bool = True) -> int:
+    def decode(self, running: list[Sequence], *, overlap: bool = True) -> Landed:
         """One plain decode step: every running sequence gets one token. On the graph path with `overlap_steps`
-        and `overlap` (the caller's: no speculative step can come next), its token is appended one step late
-        (`_decode_overlapped`). Returns the tokens appended during the call."""
+        and `overlap` (the caller's), its token is appended one step late (`_decode_overlapped`). Returns what
+        landed during the call: the tokens appended and the steps they came from."""
         with sampler_of(self.forward):
             if self.graphs is None:
                 self._decode_eagerly(running)
-                return len(running)
+                return Landed(len(running), 1)
             if self.overlap_steps and overlap:
                 return self._decode_overlapped(running)
-            return self.drain().tokens + land_plain(self._launch_decode(running, None)).tokens
+            return self.drain() + land_plain(self._launch_decode(running, None))
 
     def _decode_eagerly(self, running: list[Sequence]) -> None:
         rows = self.cache.rows(0, len(running))
@@ -221,7 +221,7 @@ class ModelRunner:
         # copied out before the next replay can overwrite the graph's output (stream order)
         return InFlight(list(running), packed, *copy_to_host(packed))
 
-    def _decode_overlapped(self, running: list[Sequence]) -> int:
+    def _decode_overlapped(self, running: list[Sequence]) -> Landed:
         """Plain steps one step late (as vLLM's and SGLang's engines overlap their schedulers): step n + 1 is
         launched from step n's tokens on the device before step n's tokens reach the host, so the host's work
         for step n (appending, stop checks, the next step's inputs) runs while the device decodes n + 1. A row
@@ -229,20 +229,20 @@ class ModelRunner:
         cache row is retired). The lag ends (the in-flight step is appended: `drain`) before anything else
         touches the rows: a prefill, a speculative step, rows that finished, or a row whose budget the next
         step would pass (its cache has no slot past it)."""
-        appended = 0
+        landed = Landed()
         previous = self._in_flight
         if previous is not None and not (self.continues(running, None) and same_rows(previous.seqs, running)):
-            appended += self.drain().tokens
+            landed += self.drain()
             previous = None
         self._in_flight = None
         launched = self._launch_decode(running, previous)
         if previous is not None:
-            appended += land_plain(previous).tokens
+            landed += land_plain(previous)
         self._in_flight = launched
         if any(s.finish_reason is not None or len(s.tokens) + 1 >= s.request.params.max_new_tokens
                for s in running):
-            appended += self.drain().tokens
-        return appended
+            landed += self.drain()
+        return landed
 
     def drain(self) -> Landed:
         """Append the in-flight step's tokens (if any): afterwards every step taken is in the sequences."""

@@ -112,17 +112,6 @@ def as_policy(speculation) -> SpeculationPolicy | None:
                       f"FixedSpeculation(strategy, gate=8)")
 
 
-def plain_only_above(policy) -> int | None:
-    """A batch size above which the policy always decodes plainly (its gate), or None where it has none or it is
-    not known (a custom policy). The engine overlaps plain steps only there: no speculative step can follow one
-    in flight, so neither step's time is charged to the other in what the policy observes."""
-    if type(policy) is FixedSpeculation:  # exactly: a subclass may choose otherwise
-        return policy.gate
-    if type(policy) is AdaptiveSpeculation:
-        return policy.gate.threshold
-    return None
-
-
 def policy_strategies(policy) -> list[SpecStrategy]:
     """The strategies a built-in policy may pick (a custom policy's are checked when it picks them)."""
     if isinstance(policy, FixedSpeculation):
