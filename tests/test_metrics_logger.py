@@ -172,3 +172,16 @@ def test_a_line_cut_short_is_dropped_and_a_bad_line_is_named(tmp_path):
     with pytest.raises(TltError, match=r"metrics.jsonl, line 2: not a step record"):
         read_metrics(tmp_path)
     assert main(["report", str(tmp_path)]) == 2
+
+
+def test_a_checkpointed_step_whose_line_was_cut_short_is_said_to_be_lost(tmp_path, caplog):
+    """Resuming from step 3's checkpoint with step 3's line cut short dropped that step's record without a word
+    (found by QA); it is said now. Control: the same file resumed from step 2 (step 3 is re-run) says nothing."""
+    path = tmp_path / "metrics.jsonl"
+    for resumed_from, warned in ((2, False), (3, True)):
+        path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tlt.metrics.logger"):
+            MetricsLogger(tmp_path, tensorboard=False).truncate_after(resumed_from)
+        assert ("holds no record of step(s) [3]" in caplog.text) == warned
+        assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
