@@ -231,6 +231,8 @@ def test_a_third_interrupt_inside_a_held_block_aborts_at_once(signals):
 
     script = ("import signal, sys\n"
               "from tlt.interrupts import held_interrupts\n"
+              # Python's own handler: a process started in the background (make test &) inherits SIGINT ignored
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "try:\n"
               "    with held_interrupts():\n"
               f"        for _ in range({signals}):\n"
