@@ -82,7 +82,8 @@
 # Sixteenth session (2026-12-02, no GPU): speculative steps now overlap too (ModelRunner._speculative_overlapped:
 # step n+1 launched from step n's last tokens and lengths on the device; docs/architecture.md), never run on
 # CUDA. The twelfth session's SD speed-ups (1.37x T=1, 1.56x greedy at batch 1) were measured with neither plain
-# nor SD steps overlapped; the thirteenth made plain steps overlap, this one SD steps: both arms now do. Call 1's
+# nor SD steps overlapped; the thirteenth made plain steps overlap (above the gate), this one SD steps and plain
+# steps below the gate too: both arms now do, at every batch size. Call 1's
 # tests-fixed runs the new GPU test (-k overlapped); spec-diag's S4K2N14q profile shows the device's busy share.
 # rollout.compile now traces without duck sizing (one compile fewer per process). Plan D otherwise unchanged.
 # Eleventh session (2026-11-28, no GPU): the drafter's capture now holds the process's capture lock beside the

@@ -110,8 +110,8 @@ def test_an_overlapped_plain_step_is_left_in_flight_with_a_pinned_copy_behind_an
     assert all(step.host.is_pinned() and step.done is not None for step in in_flight)
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("strategy", [SpecStrategy(3, 2, 6), SpecStrategy.chain(4, "q")], ids=str)
+@pytest.mark.parametrize("strategy,batch", [(SpecStrategy(3, 2, 6), 4), (SpecStrategy.chain(4, "q"), 1)],
+                         ids=["S3K2N6-batch4", "S4K1N4q-batch1"])  # two: tests-fixed has 110 s for all its tests
 def test_overlapped_speculative_steps_on_cuda_sample_what_waiting_steps_sample(strategy, batch):
     """Speculative steps launched from the step before's tokens and lengths on the device (pinned copies back,
     events) sample what waiting steps sample, through EOS stops, budgets, admissions mid-rollout and a row past
