@@ -605,3 +605,29 @@ def test_only_a_warmed_drafters_fresh_optimizer_ramps_its_lr(tmp_path):
         assert worker._spot_objects()[1].config.warmup_steps == 7
     finally:
         controller.close()
+
+
+def test_a_long_wait_for_workers_says_what_it_waits_for(tmp_path, monkeypatch, caplog):
+    """A worker that hung (alive, stuck) left the driver silent for up to CALL_TIMEOUT_S, two hours (QA): every
+    STILL_WAITING_S without an answer, the wait says which calls it waits for; the step then completes."""
+    import time
+
+    from tlt.distributed import controller as controller_module
+    from tlt.distributed.worker import RolloutWorker
+
+    original = RolloutWorker.rollout
+
+    def slow(self, *args):
+        if self.rank == 1:
+            time.sleep(0.6)
+        return original(self, *args)
+
+    monkeypatch.setattr(RolloutWorker, "rollout", slow)
+    monkeypatch.setattr(controller_module, "STILL_WAITING_S", 0.2)
+    controller = make_controller(tmp_path)
+    try:
+        with caplog.at_level("WARNING", logger="tlt.distributed.controller"):
+            controller.train_step()
+    finally:
+        controller.close()
+    assert "RL step 1: still waiting for rollout on worker 1" in caplog.text

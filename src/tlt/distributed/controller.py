@@ -15,10 +15,12 @@ Same interface as GRPOTrainer (`train_step`, `step`, `save`, `resume`), so `tlt 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch
 
+from tlt.distributed import backends
 from tlt.distributed.backends import WorkerError, make_backend
 from tlt.distributed.placement import resolve_and_log
 from tlt.errors import TltError, first_line
@@ -28,10 +30,13 @@ from tlt.rl.checkpoint import latest_checkpoint
 from tlt.rl.phases import evaluation_due, merge_worker_updates
 from tlt.rollout.request import RolloutResult
 
+log = logging.getLogger(__name__)
+STILL_WAITING_S = 900  # how often a wait for workers that have not answered says so
 
 # phases that run once self.step counts the step they belong to (a failed checkpoint of step 2 was reported as
 # step 3's: found by QA)
 AFTER_THE_STEP = ("evaluate", "save", "save_final")
+
 
 class DistributedGRPO:
     def __init__(self, config, *, placement=None, backend=None, **backend_kwargs):
@@ -132,12 +137,24 @@ class DistributedGRPO:
         return results["rollout"], results["prepare"], results["spot_train"]
 
     def _wait_any(self, pending: dict) -> list:
-        try:
-            return self.backend.wait_any(pending)
-        except TimeoutError as error:
-            calls = ", ".join(f"{phase} on worker {rank}" for phase, rank in pending.values())
-            raise WorkerError(f"RL step {self.step + 1}: no worker answered ({error}) while waiting for {calls}; "
-                              f"nothing of this step was saved{self._next_move()}") from None
+        """The calls that have finished, waiting at most CALL_TIMEOUT_S for one. Every STILL_WAITING_S without
+        an answer it says what it waits for: a worker that hung (alive, stuck) said nothing for two hours
+        (found by QA)."""
+        calls = ", ".join(f"{phase} on worker {rank}" for phase, rank in pending.values())
+        limit, waited = backends.CALL_TIMEOUT_S, 0.0
+        while True:
+            wait = min(STILL_WAITING_S, limit - waited)
+            try:
+                return self.backend.wait_any(pending, timeout=wait)
+            except TimeoutError:
+                waited += wait
+                if waited >= limit:
+                    raise WorkerError(f"RL step {self.step + 1}: no worker answered (no answer within {limit:g} s) "
+                                      f"while waiting for {calls}; nothing of this step was saved"
+                                      f"{self._next_move()}") from None
+                log.warning("RL step %d: still waiting for %s after %.0f min (a long rollout, or a worker that "
+                            "hangs: it is given %.0f min; Ctrl-C three times aborts)", self.step + 1, calls,
+                            waited / 60, limit / 60)
 
     def _phase(self, text: str) -> None:
         """Tell the driver's display what the step is doing (minutes pass between rollout and step line)."""
