@@ -176,7 +176,7 @@ def test_a_reward_function_returning_text_is_a_failure_even_if_it_reads_as_a_num
     (r"\boxed{= 42}", "42", 1.0), (r"\boxed{042}", "42", 1.0), (r"\boxed{-0}", "0", 1.0), (r"\boxed{42.5}", "42", 0.0),
     ("The answer is: 42", "42", 1.0), ("Final Answer: The final answer is 42", "42", 1.0),
     ("The answer isn't 42, it is 41", "42", 0.0), (r"\boxed{" + "9" * 5000 + "}", "9" * 5000, 1.0),
-    ("The answer is 1,000.", "1,000", 1.0)])
+    ("The answer is 1,000.", "1,000", 1.0), (r"\boxed{1{,}000}", "1000", 1.0), (r"\boxed{4{,}2}", "42", 0.0)])
 def test_integer_answers_in_their_usual_forms_and_only_them(completion, gold, score):
     """The integer reward dropped every comma and space, so \\boxed{4,2} scored right for 42 and \\boxed{12, 13} for
     1213; "The answer is: 42", \\$42, 42.0, a Unicode minus and \\textbf{42} scored wrong; a 5,000-digit answer

@@ -75,12 +75,14 @@ def extract_answer(text: str) -> str | None:
 
 def integer_text(answer: str) -> str | None:
     """An integer answer in canonical form (sign and digits, no leading zeros), or None when it is not one:
-    1,234 / -$5 / \\$5 / 42. / 42.0 / −5 (a Unicode minus) / \\textbf{42} / = 42 are integers; 4,2 and 4.5 are not.
+    1,234 / 1{,}234 / -$5 / \\$5 / 42. / 42.0 / −5 (a Unicode minus) / \\textbf{42} / = 42 are integers; 4,2 and 4.5
+    are not.
     Compared as text: int() refuses strings past 4,300 digits (a failure, not a wrong answer)."""
     text = answer.strip()
     while (macro := TEXT_MACRO.match(text)) is not None:
         text = macro.group(1).strip()
     text = text.replace("\\$", "").replace("$", "").replace("\u2212", "-").lstrip("=").strip().rstrip(".")
+    text = text.replace("{,}", ",")  # LaTeX's thousands separator: 1{,}000 (math-verify reads it too)
     if THOUSANDS.match(text):
         text = text.replace(",", "")
     if "." in text and text.split(".", 1)[1].strip("0") == "":
