@@ -69,34 +69,39 @@ def test_overlapped_plain_steps_sample_what_waiting_steps_sample():
     assert sum(s.new_tokens for s in overlapped.steps) == overlapped.generated_tokens
 
 
-def test_an_sd_step_after_an_overlapped_one_serves_no_row_that_stopped_in_it(monkeypatch):
+def test_an_sd_step_after_an_overlapped_one_runs_no_row_that_stopped_in_it(monkeypatch):
     """The first SD step comes right after the plain step in which a row stops (found from a plain run): the
-    overlapped engine learns of the stop only when that SD step drains the plain one, so the row is still
-    among the step's rows; it must take no SD token (and no drafter version), as if retired before. (The engine
-    overlaps only where no SD step can follow, but for a drafter swapped in meanwhile: forced here.)"""
+    overlapped engine learns of the stop only when it drains that plain step before the SD step. The stopped
+    rows are retired first and the chosen arm then serves the rest, as a waiting engine does: no SD step runs a
+    stopped row (it once took a whole row-step for nothing and lowered the arm's τ: found by review), the
+    policy is asked once per step, and the samples are the waiting engine's."""
     _, plain = rollout(False, sd_from=10**9)
     stops = sorted({len(s.token_ids) - 1 for s in plain.samples if s.finish_reason == "stop"})
-    served_stopped = []
+    served_stopped, held = [], []
     speculative_step = model_runner_module.ModelRunner.speculative_step
+    decode = RolloutEngine._decode
 
     def recording(self, running, strategy, **kwargs):
         served_stopped.append(sum(s.finish_reason is not None for s in running))
         return speculative_step(self, running, strategy, **kwargs)
 
+    def noting_held_arms(self, running, steps):
+        decode(self, running, steps)
+        held.append(self._held_arm is not None)
+
     monkeypatch.setattr(model_runner_module.ModelRunner, "speculative_step", recording)
+    monkeypatch.setattr(RolloutEngine, "_decode", noting_held_arms)
     # The first stop whose plain step was still in flight when the SD step came (not drained at once because a
     # row stopped in the step before it, or a budget ended)
     for stop in (step for step in stops if step >= 2):
-        served_stopped.clear()
+        held.clear()
         engine, overlapped = rollout(True, sd_from=stop + 1)
-        if served_stopped[0] > 0:
+        if any(held):
             break
     else:
         pytest.fail(f"no stop among {stops} met an SD step while in flight")
-    assert engine.model_runner.overlapped_steps > 0
-    served_stopped.clear()
+    assert engine.model_runner.overlapped_steps > 0 and not any(served_stopped)
     _, waited = rollout(False, sd_from=stop + 1)
-    assert not any(served_stopped)
     assert_same_samples(overlapped, waited)
 
 
@@ -179,3 +184,5 @@ def test_plain_steps_overlap_below_the_gate_too_and_the_policy_times_each_step_o
     assert sum(tokens for _, _, tokens, _, _ in plain) == sum(s.new_tokens for s in decode if s.mode == "plain")
     assert all(rows == batch for batch, arm, _, rows, timed in observed if timed)  # one step each
     assert any(arm != OFF for _, arm, *_ in observed) == trained
+    # each plain step below the gate counted once in the arm's totals (a call that landed none once counted too)
+    assert policy.bandit.stats[OFF].steps == sum(1 for s in decode if s.mode == "plain" and s.batch_size <= 5)

@@ -185,7 +185,7 @@ def test_workers_arm_metrics_add_up():
     parts = []
     for emitted, rows, wall in ((30, 10, 0.1), (10, 10, 0.3)):
         bandit = StrategyBandit([OFF, "chain4"], BanditConfig(seed=0))
-        bandit.observe(1, "chain4", emitted_tokens=emitted, wall_s=wall, verify_steps=rows)
+        bandit.observe(rows, "chain4", emitted_tokens=emitted, wall_s=wall, verify_steps=rows)  # a step of 10 rows
         parts.append({"sd/gate": 8, **{f"sd/arm/{arm}/{key}": value for arm, stats in bandit.summary()["arms"].items()
                                         for key, value in stats.items()}})
     merged = merge_speculation_metrics(parts)

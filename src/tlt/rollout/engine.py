@@ -104,9 +104,12 @@ class RolloutEngine:
         self.scheduler: Scheduler | None = None  # the running generate()'s (the last one's once it returns)
         self._generate_start = time.perf_counter()
         self._generating = threading.Lock()  # held by the running generate()
-        # the wall time of the last call when it launched a speculative step and landed none (`_drain` times
-        # that step when it drains it: launch plus wait, what a waiting step costs); None otherwise
+        # the wall time of the last call when it launched a step and landed none (`_drain` times that step when
+        # it drains it: launch plus wait, what a waiting step costs); None otherwise
         self._launch_s: float | None = None
+        # an arm chosen for a speculative step that did not run: the plain step drained before it stopped rows,
+        # which are retired first (`_decode`); the next decode step takes it without asking the policy again
+        self._held_arm = None
         if drafter is not None:
             self.set_drafter(drafter)
 
@@ -238,6 +241,7 @@ class RolloutEngine:
 
     def _generate(self, requests, progress, between_steps, collect_features) -> RolloutResult:
         start = self._generate_start = time.perf_counter()
+        self._held_arm = self._launch_s = None  # (a generate() that raised may have left them)
         self._validate(requests)
         if self.speculation is not None and self.spec_decoder is None and between_steps is None:
             # (with between_steps a drafter may be attached mid-rollout, for the next generate())
@@ -277,6 +281,7 @@ class RolloutEngine:
     def _prefill(self, groups: list[list[Sequence]], steps: list[StepTrace]) -> None:
         """The admitted groups take the rows after the running ones, each with its first token."""
         self._drain(steps)
+        self._held_arm = None  # chosen for the batch before these rows joined
         started = time.perf_counter()
         new = self.model_runner.prefill(groups, first_row=self.scheduler.running_rows)
         self.scheduler.start(new)
@@ -285,10 +290,17 @@ class RolloutEngine:
 
     def _decode(self, running: list[Sequence], steps: list[StepTrace]) -> None:
         """One decode step of every running row, speculative when the policy picks an arm."""
-        arm = self._choose(len(running))
+        arm, self._held_arm = self._held_arm, None
+        if arm is None or self.model_runner.serving is None or not self.drafter_trained:
+            arm = self._choose(len(running))
         strategy = None if arm in (None, "off") else arm
         if not self.model_runner.continues(running, strategy):
-            self._drain(steps)  # the step in flight first (a row it stopped is not served): its time is its own
+            self._drain(steps)  # the step in flight first: its time is its own
+            if strategy is not None and any(seq.finish_reason is not None for seq in running):
+                # rows it stopped would take a whole speculative row-step for nothing (and lower the arm's τ):
+                # retired first, as a waiting engine does, then this arm serves the rows left (found by review)
+                self._held_arm = arm
+                return
         started = time.perf_counter()
         warmups = self.model_runner.warmups
         if strategy is not None:  # `_choose` picks one only when a drafter can serve this step

@@ -247,7 +247,7 @@ class StrategyBandit:
         if arm != OFF and rows > 0:
             self._tau[arm].append(emitted_tokens / rows)
         totals = self.stats[arm]
-        totals.steps += 1
+        totals.steps += rows // batch_size  # the steps observed: an overlapped call lands 0, 1 or 2 (review)
         totals.emitted += emitted_tokens
         totals.verify_steps += rows
         if timed:
