@@ -326,10 +326,10 @@ class RolloutEngine:
                                      timed=timed and trace.landed == 1)
 
     def _drain(self, steps: list[StepTrace]) -> None:
-        """Append the step in flight (if any), counted to the step that launched it. A speculative one is also
-        observed for its arm: its tokens, and its time when the call before launched it alone (that call's
-        time plus this wait: what a waiting step costs; an arm tried for one step, as ε-exploration does, is
-        timed so)."""
+        """Append the step in flight (if any), counted to the step that launched it, and observed for its arm
+        (a speculative one's, or "off"): its tokens, and its time when the call before launched it alone (that
+        call's time plus this wait: what a waiting step costs; an arm tried for one step, as ε-exploration
+        does, is timed so)."""
         launch_s, self._launch_s = self._launch_s, None
         started = time.perf_counter()
         landed = self.model_runner.drain()
