@@ -62,13 +62,13 @@ class TotalVariationTrainer(DrafterTrainer):
         return loss, {"loss": loss.detach(), "tv": tv.detach()}
 
 
-def responses(loaded, task, prompts: int, cache: Path | None) -> tuple[list, list]:
+def responses(loaded, task, prompts: int, cache: Path | None, seed: int = 0) -> tuple[list, list]:
     if cache is not None and cache.exists():
         data = json.loads(cache.read_text())
         return data["prompts"], data["responses"]
     engine = RolloutEngine(loaded, max_batch_size=64)
     params = SamplingParams(temperature=1.0, max_new_tokens=256, seed=0)
-    result = engine.generate([Request(task.prompt_ids(e), n=2, params=params) for e in task.sample(prompts, seed=0)],
+    result = engine.generate([Request(task.prompt_ids(e), n=2, params=params) for e in task.sample(prompts, seed=seed)],
                              progress=True)
     prompt_ids = [list(s.prompt_ids) for s in result.samples]
     response_ids = [s.token_ids for s in result.samples]

@@ -262,6 +262,7 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     # an empty run.out_dir (e.g. an unset shell variable) wrote the run into the current directory
     ("task.format_reward=nan", "task.format_reward must be a finite number, got nan"),
     ("run.drafter_lr=inf", "run.drafter_lr must be a finite number"), ("run.out_dir=", "run.out_dir must not be empty"),
+    ("run.drafter_unroll=0", "run.drafter_unroll must be an integer from 1 to 8, got 0"),
     # accepted, and the run's files (and an --overwrite's deletions) went to the top of / (found by QA)
     ("run.out_dir=/", "run.out_dir=/ is the filesystem root"),
     ("run.out_dir=~", "is your home directory: a run writes its files at the top")])

@@ -594,12 +594,13 @@ def test_a_spot_session_takes_this_runs_drafter_lr_and_leaves_the_hubs_saved_sta
 def test_only_a_warmed_drafters_fresh_optimizer_ramps_its_lr(tmp_path):
     """AdamW's first steps kick every weight by ~lr: what a warmed drafter loses acceptance to, a random one
     nothing (run.drafter_lr_ramp)."""
-    controller = make_controller(tmp_path, **{"run.drafter_lr_ramp": 7})
+    controller = make_controller(tmp_path, **{"run.drafter_lr_ramp": 7, "run.drafter_unroll": 2})
     try:
         hub, worker = controller.backend.hub, controller.backend.workers[0]
         version, weights = hub.latest()
         assert not hub.is_trained(version)  # no run.drafter: it starts untrained
         assert worker._spot_objects()[1].config.warmup_steps == 0
+        assert worker._spot_objects()[1].config.unroll == 2  # the run's setting reaches spot and tail training
         hub.restore(version, weights, None, trained=True)  # as a run given a warmed drafter starts
         worker._spot = None
         assert worker._spot_objects()[1].config.warmup_steps == 7

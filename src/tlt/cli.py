@@ -228,6 +228,9 @@ def _add_warmup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ce-weight", type=float, default=0.1, help="weight of the soft cross-entropy to the "
                         "target's token distribution (beside the feature loss of weight 1)")
+    parser.add_argument("--unroll", type=int, default=1, help="drafting levels trained per pair: 1 = teacher "
+                        "forcing on the target's features; more also feeds the drafter its own, as its deeper drafts "
+                        "are (each level costs about one more pass)")
     parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
                         help="cosine: decay to 10%% of --lr over --steps")
     parser.add_argument("--init", default=None, metavar="DIR", help="go on training this drafter (its weights, "
@@ -239,6 +242,7 @@ def _add_warmup(parser: argparse.ArgumentParser) -> None:
 
 def _run_warmup(args) -> int:
     from tlt.drafter.trainer import DrafterTrainConfig
+    from tlt.drafter.unroll import MAX_UNROLL
     from tlt.drafter.warmup import WarmupConfig, check_enough_examples, check_warmup, warmup
     from tlt.models import load_model
     from tlt.tasks import ArithmeticTask, ChatTask, DatasetTask, load_examples
@@ -246,7 +250,10 @@ def _run_warmup(args) -> int:
     config = WarmupConfig(prompts=args.prompts, steps=args.steps, max_new_tokens=args.max_new_tokens,
                           eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab, seed=args.seed,
                           init=args.init, lr_schedule=args.lr_schedule)
-    train_config = DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature)
+    if not 1 <= args.unroll <= MAX_UNROLL:
+        raise TltError(f"--unroll must be from 1 to {MAX_UNROLL}, got {args.unroll}")
+    train_config = DrafterTrainConfig(lr=args.lr, ce_weight=args.ce_weight, temperature=config.temperature,
+                                      unroll=args.unroll)
     check_warmup(args.out, config, train_config, args.overwrite)  # before the model loads
     if args.config is not None:
         return _warmup_from_run_config(args, config, train_config)

@@ -301,7 +301,8 @@ class RolloutWorker:
             config = DrafterTrainConfig(lr=self.config.run.drafter_lr, seed=self.config.run.seed + self.rank,
                                         warmup_steps=self.config.run.drafter_lr_ramp if warmed else 0,
                                         temperature=self.config.rollout.temperature,
-                                        cuda_graph=self.config.run.drafter_cuda_graph)
+                                        cuda_graph=self.config.run.drafter_cuda_graph,
+                                        unroll=self.config.run.drafter_unroll)
             gated = self.config.run.publish_gate
             buffer = FeatureBuffer(self.config.run.drafter_buffer_tokens, seed=self.config.run.seed + self.rank,
                                    holdout_every=HOLDOUT_EVERY if gated else 0)

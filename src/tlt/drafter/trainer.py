@@ -9,6 +9,7 @@ stop signal between optimizer steps, so it yields a worker within one step of be
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from tlt.drafter.buffer import FeatureBuffer, FeatureEntry, PackedPairs, pack_pairs, pad_rows
 from tlt.drafter.step_graph import MicroStepGraph
+from tlt.drafter.unroll import MAX_UNROLL, level_valid, unrolled_levels
 from tlt.device_values import metrics_to_host
 from tlt.errors import first_line
 from tlt.files import write_whole
@@ -62,6 +64,16 @@ class DrafterTrainConfig:
                                     # Moments loaded from a drafter directory carry on without a ramp
     cuda_graph: bool = False        # on CUDA, each micro-step one replayed graph (drafter/step_graph.py): a few
                                     # launches instead of ~170 (not with feature_noise; ignored on the CPU)
+    unroll: int = 1                 # levels of drafting trained per pair (drafter/unroll.py): 1 = teacher forcing;
+                                    # l > 1 also feeds the drafter its own features, as its deeper drafts are
+    unroll_decay: float = 1.0       # level l's loss weighs unroll_decay ** (l - 1) (the total is normalized)
+
+    def __post_init__(self):
+        if not (isinstance(self.unroll, int) and 1 <= self.unroll <= MAX_UNROLL):
+            raise ValueError(f"DrafterTrainConfig.unroll must be an integer from 1 to {MAX_UNROLL}, got "
+                             f"{self.unroll!r}")
+        if not 0 <= self.unroll_decay < math.inf:
+            raise ValueError(f"DrafterTrainConfig.unroll_decay must be a finite number >= 0, got {self.unroll_decay}")
 
 
 class DrafterTrainer:
@@ -128,7 +140,8 @@ class DrafterTrainer:
         self._optimizer_step()
         self.drafter.eval()
         self.steps += 1
-        return {**metrics_to_host([sums])[0], "step": self.steps, "step_s": time.perf_counter() - started}
+        return {**finish_metrics(metrics_to_host([sums])[0]), "step": self.steps,
+                "step_s": time.perf_counter() - started}
 
     def _optimizer_step(self) -> None:
         """One AdamW step, its lr scaled by the fresh-optimizer ramp (`warmup_steps`) on top of whatever lr the
@@ -196,7 +209,8 @@ class DrafterTrainer:
         """(loss, metrics) over packed rows; weights [R, L]: each pair's weight in both (0 at padding), so
         that they are weighted sums: means when the weights of the step's pairs sum to 1. Every pair is
         computed, padding too (finite: zero features), and nothing is indexed by the real pairs: fixed shapes,
-        no host read, what a CUDA graph captures."""
+        no host read, what a CUDA graph captures. With `unroll` > 1 the loss averages the levels'
+        (drafter/unroll.py); the metrics are level 1's (teacher-forced), plus the deepest level's acceptance."""
         cfg = self.config
         features = batch.input_features
         if noise and cfg.feature_noise > 0:  # training only: a held-out score is of the drafter as it serves
@@ -204,28 +218,42 @@ class DrafterTrainer:
             uniform = torch.rand(features.shape, generator=self._noise_generator(features.device),
                                  device=features.device, dtype=features.dtype)
             features = features + (uniform * 2 - 1) * scale
-        predicted = self.drafter(batch.input_tokens, features, batch.positions, batch.attention_mask)
-        target_features = batch.target_features
+        scale = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0  # greedy rollouts: the untempered p
+        with torch.no_grad():  # what every level targets
+            target_probs = torch.softmax(self.drafter.draft_logits(batch.target_features) * scale, dim=-1)
+        levels = cfg.unroll
+        total, norm, parts = 0.0, 0.0, {}
+        for level, hidden in unrolled_levels(self.drafter, batch, features, levels):
+            level_weights = weights * level_valid(batch.attention_mask, batch.valid, level)
+            level_loss, level_parts = self._level_loss(hidden, batch.target_features, target_probs, level_weights,
+                                                       scale)
+            factor = cfg.unroll_decay ** (level - 1)
+            total, norm = total + factor * level_loss, norm + factor
+            if level == 1:
+                parts = level_parts
+            elif level == levels:  # sums over its scored pairs: `finish_metrics` divides by their weight
+                parts.update(accept_q_deepest=level_parts["accept_q"], deepest_weight=level_weights.sum())
+        loss = total / norm
+        # tensors, not floats: each float() was a host read per micro-step (see _step)
+        return loss, {**parts, "loss": loss.detach()}
 
+    def _level_loss(self, predicted, target_features, target_probs, weights, scale: float):
+        """One level's (loss, metrics): SmoothL1 to the target's features + `ce_weight` soft cross-entropy to its
+        token distribution, and depth-1 acceptance (over the draft vocabulary) under each rule: target-only
+        accepts the drafted token with p(argmax q), q-sampling with sum_x min(p(x), q(x))."""
         def weighted(per_pair: torch.Tensor) -> torch.Tensor:  # in fp32 whatever the drafter's dtype
             return (per_pair.float() * weights).sum()
         feature_loss = weighted(F.smooth_l1_loss(predicted, target_features, reduction="none").mean(-1))
         draft_logits = self.drafter.draft_logits(predicted)
-        scale = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0  # greedy rollouts: the untempered p
-        with torch.no_grad():
-            target_probs = torch.softmax(self.drafter.draft_logits(target_features) * scale, dim=-1)
         ce = weighted(-(target_probs * torch.log_softmax(draft_logits * scale, dim=-1)).sum(-1))
-        loss = cfg.feature_weight * feature_loss + cfg.ce_weight * ce
+        loss = self.config.feature_weight * feature_loss + self.config.ce_weight * ce
         with torch.no_grad():
             drafted = draft_logits.argmax(-1)
             agreement = weighted(drafted == target_probs.argmax(-1))
-            # depth-1 acceptance (over the draft vocabulary, the drafter fed the target's own features):
-            # target-only accepts the drafted token with p(argmax q); q-sampling with sum_x min(p(x), q(x))
             accept_target = weighted(target_probs.gather(-1, drafted[..., None])[..., 0])
             accept_q = weighted(torch.minimum(target_probs, torch.softmax(draft_logits.detach() * scale, -1)).sum(-1))
-        # tensors, not floats: each float() was a host read per micro-step (see _step)
-        return loss, {"loss": loss.detach(), "feature_loss": feature_loss.detach(), "ce": ce.detach(),
-                      "top1": agreement, "accept_target_only": accept_target, "accept_q": accept_q}
+        return loss, {"feature_loss": feature_loss.detach(), "ce": ce.detach(), "top1": agreement,
+                      "accept_target_only": accept_target, "accept_q": accept_q}
 
     # -- evaluation -------------------------------------------------------------------------------------------
 
@@ -240,7 +268,7 @@ class DrafterTrainer:
         self.drafter.eval()
         packed = pack_pairs(entries, self.config.row_length)
         weights = packed.valid.float() / max(1, int(packed.valid.sum()))
-        return metrics_to_host([self.loss(*self._to_device(packed, weights), noise=False)[1]])[0]
+        return finish_metrics(metrics_to_host([self.loss(*self._to_device(packed, weights), noise=False)[1]])[0])
 
     def _to_device(self, batch: PackedPairs, weights: torch.Tensor) -> tuple[PackedPairs, torch.Tensor]:
         """The packed rows and their weights on the drafter's device and dtype. To CUDA through pinned memory,
@@ -304,6 +332,15 @@ class DrafterTrainer:
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, a safetensors file cut short
             raise DrafterError(f"{directory}: cannot read the drafter's optimizer state ({OPTIMIZER_FILE}, "
                                f"{TRAINER_FILE}): {type(error).__name__}: {first_line(error)}") from None
+
+
+def finish_metrics(metrics: dict) -> dict:
+    """A step's (or evaluation's) summed metrics as means: the deepest unrolled level's acceptance is summed over
+    its scored pairs only, so it is divided by their weight."""
+    weight = metrics.pop("deepest_weight", None)
+    if weight is not None:
+        metrics["accept_q_deepest"] = metrics["accept_q_deepest"] / weight if weight > 0 else float("nan")
+    return metrics
 
 
 def _place_step_counts(optimizer: torch.optim.Optimizer) -> None:

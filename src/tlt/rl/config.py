@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from tlt.drafter.unroll import MAX_UNROLL
 from tlt.errors import TltError
 from tlt.models.lean_forward import COMPILE_MODES, KERNEL_CHOICES
 from tlt.rl.config_text import (ConfigError, FlowListDumper, UniqueKeyLoader, check_key, coerce, parse_text,
@@ -168,6 +169,9 @@ class RunConfig:
                                    # launches beside the decode loop instead of ~170 (drafter/step_graph.py; not yet
                                    # measured on a GPU, hence off)
     drafter_buffer_tokens: int = 200_000  # feature budget of the drafter's training data (oldest evicted)
+    drafter_unroll: int = 1        # levels of drafting the drafter trains on per pair: 1 = teacher forcing on the
+                                   # target's features; more also feeds it its own, as its deeper drafts are
+                                   # (drafter/unroll.py; each level costs about one more pass)
 
 
 @dataclass(frozen=True)
@@ -340,6 +344,8 @@ def validate(config: TrainConfig) -> TrainConfig:
     _at_least("run.swap_poll_s", run.swap_poll_s, 0)  # 0: check for a newer drafter before every decode step
     _check(run.drafter_lr > 0, f"run.drafter_lr must be > 0, got {run.drafter_lr}")
     _check(run.drafter_lr_ramp >= 0, f"run.drafter_lr_ramp must be >= 0, got {run.drafter_lr_ramp}")
+    _check(isinstance(run.drafter_unroll, int) and 1 <= run.drafter_unroll <= MAX_UNROLL,
+           f"run.drafter_unroll must be an integer from 1 to {MAX_UNROLL}, got {run.drafter_unroll!r}")
     _at_least("run.draft_vocab", run.draft_vocab, 0)
     if run.speculative != "off" and not run.drafter:  # a drafter from scratch drafts over it: every node's children
         widest = SpecStrategy.parse(run.strategy).branching
