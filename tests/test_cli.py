@@ -204,7 +204,10 @@ def test_generate_with_a_drafter_speculates_while_the_batch_is_within_the_gate(t
                                            (["--compile", "inductor"], "needs a CUDA device"),
                                            (["--kernels", "triton"], "run on CUDA"),
                                            (["--threads", "-1"], "--threads must be >= 0"),
-                                           (["--max-batch-size", "0"], "--max-batch-size must be >= 1")])
+                                           (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+                                           # SamplingParams' field was named, not the flag (QA)
+                                           (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+                                           (["--top-k", "-2"], "--top-k must be an integer >= 0")])
 def test_generate_refuses_bad_speculation_settings(tmp_path, capsys, monkeypatch, flags, message):
     import tlt.models
 

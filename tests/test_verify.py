@@ -165,6 +165,41 @@ def test_cli_verify_on_a_model_directory(tmp_path, capsys):
     assert result["check"]["tokens"] > 100 and result["negative_control"] is None
 
 
+def test_cli_verify_json_gives_the_verdict_of_the_exit_code(tmp_path, capsys, monkeypatch):
+    """With --negative-control, a control that passes fails the command (exit 1), but the JSON held only the
+    check's "passed": true and the control's (QA): a top-level "passed" now gives the verdict, and the control,
+    whose greedy check does not run, reports greedy_passed null."""
+    from tlt import verify as verify_module
+    from tlt.models.model_files import save_model_dir
+
+    model = tiny_model("llama", vocab_size=257, eos_token_id=256, max_position_embeddings=512)
+    save_model_dir(model, byte_tokenizer(), tmp_path / "model")
+    monkeypatch.setitem(verify_module.OVER_ACCEPTING, "target", None)  # the control: the exact rule, which passes
+    out = tmp_path / "verify.json"
+    code = main(["verify", "--model", str(tmp_path / "model"), "--strategy", "S2K1N2", "--prompts", "1",
+                 "--samples-per-prompt", "2", "--max-new-tokens", "6", "--negative-control", "--json", str(out)])
+    assert code == 1, capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["passed"] is False and result["check"]["passed"] is True
+    assert result["negative_control"]["sampled_passed"] is True
+    assert result["negative_control"]["greedy_passed"] is None and result["check"]["greedy_passed"] is True
+
+
+def test_verify_says_when_the_distribution_left_no_choice(tmp_path, capsys):
+    """top-k 1 (or a top-p below the top token's mass): every token has probability 1, the check cannot fail;
+    it said PASS with no word (QA). Control: at top-k 0 tokens had a choice."""
+    from tlt.models.model_files import save_model_dir
+
+    model = tiny_model("llama", vocab_size=257, eos_token_id=256, max_position_embeddings=512)
+    save_model_dir(model, byte_tokenizer(), tmp_path / "model")
+    args = ["verify", "--model", str(tmp_path / "model"), "--strategy", "S2K1N2", "--prompts", "1",
+            "--samples-per-prompt", "2", "--max-new-tokens", "6"]
+    assert main([*args, "--top-k", "1"]) == 0
+    assert "every emitted token had probability 1" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "every emitted token had probability 1" not in capsys.readouterr().out
+
+
 def test_cli_verify_rejects_a_bad_strategy(tmp_path):
     assert main(["verify", "--model", str(tmp_path), "--strategy", "deep"]) == 2
 
@@ -224,7 +259,11 @@ def test_the_json_check_leaves_the_path_alone(tmp_path):
     (["--json", "{tmp}"], "is a directory; give a file name"),
     (["--json", "{tmp}/file/out.json"], "is a file, not a directory"),
     (["--json", "/proc/tlt-verify.json"], "--json /proc/tlt-verify.json: cannot write in /proc"),  # read-only
-    (["--max-new-tokens", "1"], "verify needs max_new_tokens >= 2, got 1")])
+    (["--max-new-tokens", "1"], "verify needs max_new_tokens >= 2, got 1"),
+    # the flag, not SamplingParams' field; and not SamplingParams' advice ("use 0 for greedy"), which verify refuses
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--temperature", "1e-9"], "--temperature must be at least 1e-05, got 1e-09"),
+    (["--temperature", "0"], "--temperature must be at least 1e-05, got 0.0")])
 def test_cli_verify_refuses_a_bad_alpha_or_json_path_before_loading(tmp_path, capsys, args, message):
     """--alpha 2 printed 'FAIL: speculative decoding is NOT lossless' (every p-value is below 2); a --json path
     that cannot be written raised a traceback after the whole check, its results lost. Both fail before the

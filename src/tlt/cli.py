@@ -336,14 +336,14 @@ def _add_verify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="of the sampled check (> 0)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--alpha", type=float, default=1e-3, help="significance: fail when any test's p-value (PIT uniformity; drafter alignment with q and with "
-                        "q/(p+q)) is below alpha/3")
+    parser.add_argument("--alpha", type=float, default=1e-3, help="significance: fail when any test's p-value "
+                        "(PIT uniformity; drafter alignment with q and with q/(p+q)) is below alpha/3")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON to OUT")
     _add_threads(parser)
     parser.add_argument("--negative-control", action="store_true", help="also run with a deliberately "
-                        "over-accepting rule (drafts accepted 1.2x too often), which must FAIL: shows the test can see a "
-                        "real bug at these settings")
+                        "over-accepting rule (drafts accepted 1.2x too often), which must FAIL: shows the test can "
+                        "see a real bug at these settings")
 
 
 def _parse_strategy(text: str):
@@ -361,14 +361,17 @@ def _run_verify(args) -> int:
 
     from tlt.models import load_model
     from tlt.models.eagle import EagleDrafter, check_drafter_dir
-    from tlt.sampling import SamplingParams
+    from tlt.generate_cli import sampling_from_flags
+    from tlt.sampling import MIN_TEMPERATURE
     from tlt.tasks import ArithmeticTask, ChatTask
     from tlt.threads import pick_threads
     from tlt.verify import OVER_ACCEPTING, check_settings, verify
 
     strategy = _parse_strategy(args.strategy)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if not args.temperature >= MIN_TEMPERATURE:  # SamplingParams' advice, "0 for greedy", is no use here (QA)
+        raise TltError(f"--temperature must be at least {MIN_TEMPERATURE}, got {args.temperature} (the sampled "
+                       f"check samples; greedy identity is checked at temperature 0 anyway)")
+    params = sampling_from_flags(args)
     check_settings(params, args.prompts, args.samples_per_prompt, args.alpha)  # before the model loads
     if args.drafter:
         check_drafter_dir(args.drafter)
@@ -392,11 +395,12 @@ def _run_verify(args) -> int:
             control = verify(loaded, drafter, **settings, accept_rule=OVER_ACCEPTING[strategy.rule],
                              check_greedy=False)
     _print_verify(console, report, control, args.drafter or "untrained")
-    if args.json:
+    passed = report.passed and (control is None or not control.sampled_passed)
+    if args.json:  # "passed": the verdict the exit code gives (the check's own passing is not it: QA)
         Path(args.json).write_text(json.dumps({
-            "model": loaded.source, "drafter": args.drafter, "params": dataclasses.asdict(params),
+            "model": loaded.source, "drafter": args.drafter, "params": dataclasses.asdict(params), "passed": passed,
             "check": report.to_dict(), "negative_control": control.to_dict() if control else None}, indent=1))
-    return 0 if report.passed and (control is None or not control.sampled_passed) else 1
+    return 0 if passed else 1
 
 
 def _check_writable(path, option: str) -> None:
@@ -448,7 +452,10 @@ def _print_verify(console, report, control, drafter: str) -> None:
                       "the test cannot see a real bug (raise --prompts, --samples-per-prompt or --max-new-tokens)")
     else:
         console.print("[bold green]PASS[/]: no difference from the target found at these settings")
-    if report.tau < 1.1:
+    if report.choice_tokens == 0:
+        console.print("note: every emitted token had probability 1 at these settings (top-k 1, or a top-p below "
+                      "the top token's mass), so the sampled check had nothing to test")
+    elif report.tau < 1.1:
         better = "a better-trained drafter" if drafter != "untrained" else "a trained drafter (--drafter)"
         console.print("note: drafts were rarely accepted (τ ≈ 1), so the acceptance rule was seldom exercised; "
                       f"{better} makes the check sharper")

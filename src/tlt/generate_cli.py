@@ -6,10 +6,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tlt.errors import TltError
+from tlt.errors import RequestError, TltError
 from tlt.models.eagle import EagleDrafter, check_drafter_dir
 from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import tail_rows
+from tlt.sampling import SamplingParams
 from tlt.speculative.strategy import SpecStrategy
 from tlt.tasks.chat import NO_TOKENIZER
 
@@ -28,7 +29,6 @@ def run_generate(args, *, demo: bool) -> int:
     from tlt.models import load_model
     from tlt.rollout.engine import RolloutEngine
     from tlt.rollout.request import Request
-    from tlt.sampling import SamplingParams
     from tlt.threads import pick_threads
 
     console = Console()
@@ -40,8 +40,7 @@ def run_generate(args, *, demo: bool) -> int:
             raise TltError(f"prompt {number} is not valid UTF-8 text (check the terminal's or script's encoding)") \
                 from None
     speculation = _speculation(args)  # checked before the model loads, as are the sampling settings
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    params = sampling_from_flags(args)
     if args.n < 1:
         raise TltError(f"-n (samples per prompt) must be >= 1, got {args.n}")
     if args.max_batch_size < 1:  # checked before the model loads (the engine would say so after)
@@ -75,6 +74,23 @@ def run_generate(args, *, demo: bool) -> int:
     if speculation is not None:
         _print_speculation(console, speculation, result)
     return 0
+
+
+# SamplingParams' fields as the command line spells them: its errors name the field (QA: "max_new_tokens must be
+# an integer >= 1" for --max-new-tokens 0)
+FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "max_new_tokens": "--max-new-tokens",
+         "seed": "--seed"}
+
+
+def sampling_from_flags(args, **settings) -> SamplingParams:
+    """SamplingParams from the command's flags (`settings` override them); an error names the flag."""
+    values = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  max_new_tokens=args.max_new_tokens, seed=args.seed) | settings
+    try:
+        return SamplingParams(**values)
+    except RequestError as error:
+        field = str(error).split(" ", 1)[0]
+        raise TltError(str(error).replace(field, FLAGS[field], 1) if field in FLAGS else str(error)) from None
 
 
 def _speculation(args) -> FixedSpeculation | None:

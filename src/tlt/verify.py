@@ -55,6 +55,8 @@ class VerifyReport:
     # the same with q / (p + q): z > 0 means tokens the drafter likes more than the target too often
     ratio_z: float = 0.0
     ratio_p_value: float = 1.0
+    # emitted tokens whose processed distribution had more than one token (-1: not counted); 0: nothing to test
+    choice_tokens: int = -1
 
     @property
     def greedy_passed(self) -> bool:
@@ -70,7 +72,8 @@ class VerifyReport:
         return self.greedy_passed and self.sampled_passed
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "greedy_passed": self.greedy_passed,
+        """The report's fields and verdicts; greedy_passed is None when the greedy check did not run."""
+        return {**dataclasses.asdict(self), "greedy_passed": self.greedy_passed if self.greedy_samples else None,
                 "sampled_passed": self.sampled_passed, "passed": self.passed}
 
 
@@ -130,10 +133,11 @@ def verify(loaded, drafter, *, strategy: SpecStrategy | str, prompts: list[list[
         raise TltError("no speculative step ran: every sampled response ended at its first token, so nothing was "
                        "checked; use other prompts (or a model that does not stop at once)")
     generator = torch.Generator().manual_seed(seed)
-    pits, alignment, ratio = [], Alignment(), Alignment()
+    pits, alignment, ratio, choices = [], Alignment(), Alignment(), 0
     for sample in sampled.samples:
         logprobs = reference_logprobs(model, sample.prompt_ids, sample.token_ids, params)
         tokens = torch.tensor(sample.token_ids)
+        choices += int((logprobs.exp().amax(-1) < 1 - 1e-6).sum())  # positions whose top token is not certain
         pits.append(randomized_pit(logprobs, tokens, generator))
         q = draft_probabilities(drafter, sample.prompt_ids, sample.token_ids, params)
         alignment.add(logprobs, tokens, q)
@@ -142,7 +146,7 @@ def verify(loaded, drafter, *, strategy: SpecStrategy | str, prompts: list[list[
     statistic = ks_statistic(u)
     return VerifyReport(strategy.name, len(prompts), alpha, len(prompts) if check_greedy else 0, mismatches, first,
                         len(sampled.samples), int(u.numel()), statistic, ks_pvalue(statistic, u.numel()), tau,
-                        alignment.z, alignment.p_value, ratio.z, ratio.p_value)
+                        alignment.z, alignment.p_value, ratio.z, ratio.p_value, choices)
 
 
 def _sd_engine(loaded, drafter, strategy: SpecStrategy, accept_rule) -> RolloutEngine:

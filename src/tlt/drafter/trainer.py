@@ -195,7 +195,9 @@ class DrafterTrainer:
             return self.config.rows_per_micro_step
         mapping = self.drafter.draft_to_target
         vocab = self.drafter.config.vocab_size if mapping is None else mapping.shape[0]
-        return rows_per_micro_step(self.drafter.fc.weight.device.type, self.config.row_length, vocab)
+        # each unrolled level computes its own logits over the rows
+        pairs = self.config.row_length * self.config.unroll
+        return rows_per_micro_step(self.drafter.fc.weight.device.type, pairs, vocab)
 
     def _noise_generator(self, device: torch.device) -> torch.Generator:
         """The feature noise's generator on `device`, seeded from the config (on a GPU, noise drawn on the host

@@ -49,7 +49,7 @@ class SpecStrategy:
             raise StrategyError(f"a q-sampling tree keeps every sampled child: tree_size must be {most} for depth "
                                 f"{self.depth} and branching {self.branching}, got {size}")
         if not self.depth <= size <= most:
-            raise StrategyError(f"tree_size must be in [depth, {most}] for depth {self.depth} and branching "
+            raise StrategyError(f"tree_size must be in [{self.depth}, {most}] for depth {self.depth} and branching "
                                 f"{self.branching}, got {size}")
 
     @classmethod
@@ -59,7 +59,7 @@ class SpecStrategy:
     @classmethod
     def parse(cls, text: str) -> "SpecStrategy":
         """'S4K2N8' (target-only rule) or 'S4K2q' / 'S4K2N14q' (q-sampling)."""
-        match = re.fullmatch(r"S(\d+)K(\d+)(?:N(\d+))?(q?)", str(text).strip())
+        match = re.fullmatch(r"S([0-9]+)K([0-9]+)(?:N([0-9]+))?(q?)", str(text).strip())  # ASCII digits only
         if match is None or (match.group(3) is None and not match.group(4)):
             raise StrategyError(f"strategy must look like S4K2N8 (depth S, branching K, tree size N) or S4K2q "
                                 f"(q-sampling), got {text!r}")
