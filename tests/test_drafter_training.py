@@ -532,6 +532,29 @@ def test_a_killed_warmup_keeps_the_drafter_of_its_last_save(tmp_path, monkeypatc
     assert not (out / "warmup_report.json").exists()  # a finished warm-up's mark
 
 
+def test_a_warmup_stopped_while_it_measures_keeps_its_trained_drafter(tmp_path, monkeypatch):
+    """Stopped while it scored the held-out chains (after all its steps), a warm-up saved nothing (QA): the
+    drafter is saved when its training ends. Control: the last step's weights are the ones saved."""
+    import json
+
+    import tlt.drafter.warmup as warmup_module
+    from tlt.drafter.warmup import WarmupConfig, warmup
+    from tlt.tasks.synthetic import TargetTokenTask
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(warmup_module, "chain_acceptance", stopped)
+    small = dict(prompts=6, samples_per_prompt=1, eval_prompts=1, max_new_tokens=8, draft_vocab=12,
+                 eval_strategy=SpecStrategy.chain(2))
+    loaded, out, lines = _markov_loaded(), tmp_path / "drafter", []
+    with pytest.raises(KeyboardInterrupt):
+        warmup(loaded, TargetTokenTask(vocab_size=16), out, WarmupConfig(steps=3, **small), log=lines.append)
+    assert json.loads((out / "drafter_trainer.json").read_text())["steps"] == 3
+    assert f"interrupted while measuring: the trained drafter (3 optimizer steps) is saved in {out}" in lines[-1]
+    assert EagleDrafter.load(out, loaded.model).draft_vocab_size == 12
+    assert not (out / "warmup_report.json").exists()
+
+
 def test_warmup_refuses_an_init_drafter_of_another_vocabulary_before_sampling(tmp_path, monkeypatch):
     from tlt.drafter.warmup import WarmupConfig, warmup
     from tlt.errors import TltError

@@ -84,6 +84,25 @@ def test_a_reward_module_in_the_current_directory_gets_a_pythonpath_hint(tmp_pat
         load_reward_function("elsewhere:score")
 
 
+def test_a_reward_that_cannot_take_completion_and_example_is_refused_when_it_loads(tmp_path, monkeypatch):
+    """def score(completion) failed on every sample: three steps of zero rewards, each checkpointed, before the
+    run stopped (QA). Controls: defaults, *args and keyword-or-positional parameters are fine."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "sig_tlt_test.py").write_text(
+        "def one(completion):\n    return 1.0\n"
+        "def three(completion, example, extra):\n    return 1.0\n"
+        "def keyword_only(*, completion, example):\n    return 1.0\n"
+        "def fine(completion, example, scale=1.0):\n    return scale\n"
+        "def star(*args):\n    return 1.0\n"
+        "class Scorer:\n    def __call__(self, completion, example):\n        return 1.0\n"
+        "scorer = Scorer()\n")
+    for name in ("one", "three", "keyword_only"):
+        with pytest.raises(RewardError, match=rf"reward 'sig_tlt_test:{name}' must take \(completion, example\)"):
+            load_reward_function(f"sig_tlt_test:{name}")
+    for name in ("fine", "star", "scorer"):
+        assert callable(load_reward_function(f"sig_tlt_test:{name}"))
+
+
 def test_build_reward_auto():
     assert build_reward(TaskConfig()).check is integer_match
     assert build_reward(TaskConfig(name="jsonl", path="x")).check is math_verify_match

@@ -110,22 +110,16 @@ def warmup(loaded, task, out: str | Path, config: WarmupConfig = WarmupConfig(),
             log(f"interrupted: the drafter after {trainer.steps} optimizer step(s) is saved in {out} (go on with "
                 f"--init {out}; it has no τ measurement)")
             raise
-    held_out = trainer.evaluate(held)
-    log(f"scoring greedy draft chains on the {len(prompts) - held_from} held-out responses")
-    chain = chain_acceptance(drafter, engine.policy_forward, prompts[held_from:], responses[held_from:],
-                             config.eval_strategy.depth, config.temperature)
     trained_s = time.perf_counter() - started - generated_s
-    trainer.save(out)
-
-    engine.set_drafter(drafter)
-    engine.max_tree_size = config.eval_strategy.cache_slots
-    engine.speculation = config.eval_strategy
-    engine.max_batch_size = 1
-    eval_requests = [Request(task.prompt_ids(e), n=1, params=params) for e in eval_examples]
-    measured = {"tau": None, "acceptance_by_depth": None}
-    if eval_requests:  # (--eval-prompts 0: a quick warm-up skips the slowest part of a small one)
-        log(f"measuring τ: speculative decoding at batch 1 on {len(eval_requests)} held-out prompts")
-        measured = engine.generate(eval_requests, progress=True).speculation_summary()
+    trainer.save(out)  # before the scoring: one stopped while it scores kept nothing of the training (QA)
+    try:
+        held_out, chain, measured = _measure(trainer, engine, held, (prompts[held_from:], responses[held_from:]),
+                                             [Request(task.prompt_ids(e), n=1, params=params) for e in eval_examples],
+                                             config, log)
+    except KeyboardInterrupt:
+        log(f"interrupted while measuring: the trained drafter ({trainer.steps} optimizer steps) is saved in {out}, "
+            f"without its measurements")
+        raise
     report = {"pairs": pairs, "generated_tokens": rollout.generated_tokens, "generate_s": generated_s,
               "train_s": trained_s, "steps": config.steps, "held_out_prompts": held_prompts,
               "held_out_responses": len(prompts) - held_from, "held_out": held_out, "held_out_chain": chain.to_dict(),
@@ -181,6 +175,26 @@ def check_settings(config: WarmupConfig, train_config: DrafterTrainConfig) -> No
         raise TltError(f"--lr must be a finite number > 0, got {train_config.lr}")
     if not 0 <= train_config.ce_weight < math.inf:
         raise TltError(f"--ce-weight must be a finite number >= 0, got {train_config.ce_weight}")
+
+
+def _measure(trainer, engine, held: list, held_pairs: tuple, eval_requests: list, config, log):
+    """(teacher-forced scores on the held-out features `held`, the greedy chains' acceptance on the held-out
+    (prompts, responses), the τ of SD at batch 1 on `eval_requests`) of the trained drafter."""
+    drafter = trainer.drafter
+    held_out = trainer.evaluate(held)
+    held_prompts, held_responses = held_pairs
+    log(f"scoring greedy draft chains on the {len(held_prompts)} held-out responses")
+    chain = chain_acceptance(drafter, engine.policy_forward, held_prompts, held_responses,
+                             config.eval_strategy.depth, config.temperature)
+    engine.set_drafter(drafter)
+    engine.max_tree_size = config.eval_strategy.cache_slots
+    engine.speculation = config.eval_strategy
+    engine.max_batch_size = 1
+    measured = {"tau": None, "acceptance_by_depth": None}
+    if eval_requests:  # (--eval-prompts 0: a quick warm-up skips the slowest part of a small one)
+        log(f"measuring τ: speculative decoding at batch 1 on {len(eval_requests)} held-out prompts")
+        measured = engine.generate(eval_requests, progress=True).speculation_summary()
+    return held_out, chain, measured
 
 
 def _tau_text(tau: float | None) -> str:
