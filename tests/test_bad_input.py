@@ -263,6 +263,10 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("task.format_reward=nan", "task.format_reward must be a finite number, got nan"),
     ("run.drafter_lr=inf", "run.drafter_lr must be a finite number"), ("run.out_dir=", "run.out_dir must not be empty"),
     ("run.drafter_unroll=0", "run.drafter_unroll must be an integer from 1 to 8, got 0"),
+    # names that difflib finds nothing close to: another section's key, TRL's name; and the min that is wrong (QA)
+    ("optim.learning_rate=1e-4", "did you mean optim.lr (tlt's name for learning_rate)?"),
+    ("grpo.lr=1e-4", "unknown config key in [grpo] 'grpo.lr'; did you mean optim.lr?"),
+    ("task.min_operations=6", "task.max_operations must be >= task.min_operations, got max 4 < min 6"),
     # accepted, and the run's files (and an --overwrite's deletions) went to the top of / (found by QA)
     ("run.out_dir=/", "run.out_dir=/ is the filesystem root"),
     ("run.out_dir=~", "is your home directory: a run writes its files at the top")])
@@ -275,6 +279,20 @@ def test_config_errors_come_before_anything_loads(tmp_path, capfd, override, exp
     code, err = run_cli(capfd, [f"run.out_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'nope'}",
                                 *override.split()])
     assert_one_line(code, err, expected)
+
+
+def test_a_key_without_its_section_or_value_is_named(tmp_path):
+    """A YAML key at the top level, and an override without `=`, read as a section and a config file (QA)."""
+    from tlt.rl.config import ConfigError, load_config
+
+    (tmp_path / "top.yaml").write_text("lr: 0.0001\n")
+    with pytest.raises(ConfigError, match=r"'lr' is no section: did you mean optim.lr, under its section\?"):
+        load_config(tmp_path / "top.yaml")
+    with pytest.raises(ConfigError, match=r"config file not found: optim.lr \(an override needs a value: "
+                                          r"optim.lr=VALUE\)"):
+        load_config("optim.lr")
+    with pytest.raises(ConfigError, match=r"config file not found: settings.yaml\Z"):  # no hint for a file name
+        load_config("settings.yaml")
 
 
 def truncated_model(root):

@@ -225,11 +225,11 @@ def test_generate_refuses_bad_speculation_settings(tmp_path, capsys, monkeypatch
 
 
 @pytest.mark.parametrize("command,flags,message", [
-    ("generate", ["--top-k", "-1"], "top_k must be"), ("generate", ["-n", "0"], "-n (samples per prompt)"),
-    ("generate", ["--max-new-tokens", "0"], "max_new_tokens must be"),
+    ("generate", ["--top-k", "-1"], "--top-k must be"), ("generate", ["-n", "0"], "-n (samples per prompt)"),
+    ("generate", ["--max-new-tokens", "0"], "--max-new-tokens must be"),
     ("generate", ["caf\udce9"], "prompt 1 is not valid UTF-8"),  # argv bytes that are not UTF-8 (a TypeError)
-    ("verify", ["--top-p", "0"], "top_p must be in (0, 1]"), ("verify", ["--prompts", "0"], "at least one prompt"),
-    ("verify", ["--temperature", "0"], "needs temperature > 0"),
+    ("verify", ["--top-p", "0"], "--top-p must be in (0, 1]"), ("verify", ["--prompts", "0"], "at least one prompt"),
+    ("verify", ["--temperature", "0"], "--temperature must be at least 1e-05"),
     ("verify", ["--drafter", "/nonexistent/drafter"], "is not a tlt drafter")])
 def test_generate_and_verify_refuse_bad_sampling_flags_before_loading_the_model(monkeypatch, capsys, command, flags,
                                                                                 message):

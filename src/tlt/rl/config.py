@@ -186,6 +186,16 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def _key_elsewhere(self, name: str) -> str | None:
+        """The key a name not in its section most likely means: the same name in another section (`lr` under
+        grpo), or what TRL and verl call it (`learning_rate`: difflib finds no `lr` in it; found by QA)."""
+        for section in _section_names():
+            if name in {f.name for f in dataclasses.fields(getattr(self, section))}:
+                return f"{section}.{name}"
+        if name in OTHER_LIBRARIES_NAMES:
+            return f"{OTHER_LIBRARIES_NAMES[name]} (tlt's name for {name})"
+        return None
+
     def override(self, key: str, value, *, text: bool = False) -> "TrainConfig":
         """Set `section.key`. text=True: `value` is command-line text, parsed as YAML except for string fields,
         which take it verbatim (YAML would turn `off`, `no` or `1e-3` into other types)."""
@@ -194,6 +204,8 @@ class TrainConfig:
             raise ConfigError(f"config key {key!r} needs a section: one of {', '.join(_section_names())}")
         section = getattr(self, check_key(section_name, _section_names(), "section"))
         fields = {f.name: f for f in dataclasses.fields(section)}
+        if name not in fields and (elsewhere := self._key_elsewhere(name)):
+            raise ConfigError(f"unknown config key in [{section_name}] {key!r}; did you mean {elsewhere}?")
         name = check_key(name, list(fields), f"key in [{section_name}]", prefix=f"{section_name}.")
         annotation = typing.get_type_hints(type(section))[name]
         if text:
@@ -204,6 +216,21 @@ class TrainConfig:
         coerced = coerce(key, value, annotation)
         return dataclasses.replace(self, **{section_name: dataclasses.replace(section, **{name: coerced})})
 
+
+# what TRL's GRPOConfig (and transformers' TrainingArguments) and verl call keys of tlt's, for the unknown-key error
+OTHER_LIBRARIES_NAMES = {
+    "learning_rate": "optim.lr", "num_generations": "rollout.samples_per_prompt", "n": "rollout.samples_per_prompt",
+    "max_completion_length": "rollout.max_new_tokens", "max_response_length": "rollout.max_new_tokens",
+    "response_length": "rollout.max_new_tokens", "beta": "grpo.kl_coef", "kl_loss_coef": "grpo.kl_coef",
+    "epsilon": "grpo.clip_low", "clip_ratio": "grpo.clip_low", "clip_ratio_low": "grpo.clip_low",
+    "epsilon_high": "grpo.clip_high", "clip_ratio_high": "grpo.clip_high", "num_iterations": "grpo.updates_per_step",
+    "ppo_epochs": "grpo.updates_per_step", "loss_type": "grpo.loss", "max_grad_norm": "optim.grad_clip",
+    "lr_scheduler_type": "optim.schedule", "gradient_checkpointing": "optim.grad_checkpointing",
+    "per_device_train_batch_size": "optim.micro_batch_size", "ppo_micro_batch_size": "optim.micro_batch_size",
+    "max_steps": "run.steps", "total_training_steps": "run.steps", "train_batch_size": "rollout.prompts_per_step",
+    "output_dir": "run.out_dir", "report_to": "run.logger", "save_steps": "run.checkpoint_every",
+    "save_total_limit": "run.keep_checkpoints", "model_name_or_path": "model.path", "dataset_name": "task.path",
+}
 
 TASK_NAMES = ("arithmetic", "jsonl", "parquet", "hf")
 SPECULATIVE_MODES = ("off", "static", "adaptive")
@@ -260,7 +287,8 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check(0 <= task.format_reward < math.inf, f"task.format_reward must be a finite number >= 0 (a bonus for an "
            f"extractable answer), got {task.format_reward}")
     _at_least("task.min_operations", task.min_operations, 1)
-    _at_least("task.max_operations", task.max_operations, task.min_operations, "task.min_operations")
+    _check(task.max_operations >= task.min_operations, f"task.max_operations must be >= task.min_operations, got "
+           f"max {task.max_operations} < min {task.min_operations}")
     _at_least("task.eval_size", task.eval_size, 0)
     _at_least("task.eval_every", task.eval_every, 1)
     _at_least("rollout.prompts_per_step", rollout.prompts_per_step, 1)
@@ -354,7 +382,8 @@ def validate(config: TrainConfig) -> TrainConfig:
         _check(run.draft_vocab == 0 or run.draft_vocab >= widest, f"run.draft_vocab must be 0 (the whole "
                f"vocabulary) or at least {widest}, the most children a node drafts, got {run.draft_vocab}")
     _check(run.workers == "auto" or rollout.prompts_per_step >= run.workers, f"rollout.prompts_per_step="
-           f"{rollout.prompts_per_step} is fewer than run.workers={run.workers}: every worker needs at least one prompt")
+           f"{rollout.prompts_per_step} is fewer than run.workers={run.workers}: every worker needs at least one "
+           f"prompt")
     check_speculation(run)
     return config
 
@@ -435,7 +464,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     if path is not None:
         path = Path(path)
         if not path.exists():
-            raise ConfigError(f"config file not found: {path}")
+            section = str(path).partition(".")[0]
+            hint = f" (an override needs a value: {path}=VALUE)" if section in _section_names() else ""
+            raise ConfigError(f"config file not found: {path}{hint}")
         if path.is_dir():
             raise ConfigError(f"{path} is a directory, not a YAML config file")
         try:
@@ -448,7 +479,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
             raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
         for section, values in data.items():
             if not isinstance(values, dict):
-                raise ConfigError(f"{path}: section {section!r} must be a mapping of keys to values")
+                elsewhere = config._key_elsewhere(str(section)) if section not in _section_names() else None
+                hint = f" ({section!r} is no section: did you mean {elsewhere}, under its section?)" \
+                    if elsewhere else ""
+                raise ConfigError(f"{path}: section {section!r} must be a mapping of keys to values{hint}")
             for name, value in values.items():
                 config = config.override(f"{section}.{name}", value)
     for item in overrides:
