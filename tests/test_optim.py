@@ -282,3 +282,16 @@ def test_a_run_saved_with_one_param_group_resumes_and_trains(tmp_path, monkeypat
     metrics = resumed.train_step()
     assert math.isfinite(metrics["train/grad_norm"])
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [metrics["lr"]] * 2
+
+
+def test_resume_with_another_reward_function_says_to_keep_its_name(tmp_path):
+    """A run stopped by a failing reward function says "fix it and continue with --resume"; resuming under the
+    fixed function's new name was refused without saying how to go on (QA)."""
+    config = load_config(None, [f"run.out_dir={tmp_path}", "task.reward=myrew:broken"]).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "step-000001").mkdir()
+    (tmp_path / "step-000001" / "state.json").write_text("{}")
+    fixed = load_config(None, [f"run.out_dir={tmp_path}", "task.reward=myrew:fixed"]).to_dict()
+    with pytest.raises(RunDirError, match=r"a fixed reward function resumes under its old name, "
+                                          r"task.reward=myrew:broken"):
+        prepare_run_dir(tmp_path, fixed, resume=True, overwrite=False)

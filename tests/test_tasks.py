@@ -56,6 +56,30 @@ def test_numeric_golds_in_plain_digits_score_as_written(tmp_path):
     assert math_verify_match(r"\boxed{0.00005}", control) == 0.0
 
 
+def test_gsm8k_golds_keep_the_number_of_their_line(tmp_path):
+    """Text on lines after '#### N' was kept in the gold, and '#### 18 dollars' gave the gold "18 dollars",
+    which no boxed 18 matches; a string gold "1e-05" never matched 0.00001 (QA). Controls: a gold that is no
+    number with a unit, or a fraction, is kept as written."""
+    from tlt.rl.rewards import math_verify_match
+
+    golds = ["work\n#### 42\nmore text", "#### 18 dollars", "####\n7", "#### 3/4", "#### 5 dollars and 3 cents",
+             "1e-05", "-2.5E+2", "e5"]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"question": "q", "answer": a}) for a in golds) + "\n")
+    answers = [e.answer for e in load_examples(path)]
+    assert answers == ["42", "18", "7", "3/4", "5 dollars and 3 cents", "0.00001", "-250", "e5"]
+    assert math_verify_match(r"\boxed{18}", load_examples(path)[1]) == 1.0
+
+
+def test_a_warmup_reads_prompts_without_answers(tmp_path):
+    """A drafter warm-up never scores its responses: a file of prompts only is fine there (QA), not for training."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"question": "2+2?"}) + "\n" + json.dumps({"question": "3+3?"}) + "\n")
+    assert [(e.prompt, e.answer) for e in load_examples(path, answer_field=None)] == [("2+2?", ""), ("3+3?", "")]
+    with pytest.raises(DatasetError, match="line 1: missing field 'answer'"):
+        load_examples(path)
+
+
 def test_parquet_round_trip(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

@@ -211,7 +211,8 @@ def _run_train(args) -> int:
 
 def _add_warmup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory, .gguf file, or 'smollm2' (default)")
-    parser.add_argument("--data", default="arithmetic", help="'arithmetic' (built-in) or a .jsonl/.parquet file")
+    parser.add_argument("--data", default="arithmetic", help="'arithmetic' (built-in) or a .jsonl/.parquet file "
+                        "with a 'question' field (answers are not needed)")
     parser.add_argument("--config", default=None, metavar="FILE", help="a `tlt train` config: its task (dataset, "
                         "fields, split, system prompt) and model, so the drafter learns the very prompts the run "
                         "will see (instead of --data)")
@@ -257,7 +258,9 @@ def _run_warmup(args) -> int:
     check_warmup(args.out, config, train_config, args.overwrite)  # before the model loads
     if args.config is not None:
         return _warmup_from_run_config(args, config, train_config)
-    source = ArithmeticTask() if args.data == "arithmetic" else DatasetTask(load_examples(args.data))
+    # prompts only: a warm-up samples responses and never scores them (a file without answers was refused: QA)
+    source = ArithmeticTask() if args.data == "arithmetic" else DatasetTask(load_examples(args.data,
+                                                                                          answer_field=None))
     check_enough_examples(source, config)
     loaded = load_model(args.model)
     warmup(loaded, ChatTask(source, loaded.tokenizer), args.out, config, train_config, overwrite=args.overwrite)

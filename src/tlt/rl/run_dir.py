@@ -371,6 +371,9 @@ def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
         if "optim.decay_steps" in changed and changed["optim.decay_steps"][0]:
             hint = (f"; its cosine schedule decays over {changed['optim.decay_steps'][0]} steps: set "
                     f"optim.decay_steps to that to train longer on the same schedule")
+        if "task.reward" in changed:  # a reward function that failed: "fix it and --resume" (QA)
+            hint += (f"; a fixed reward function resumes under its old name, "
+                     f"task.reward={changed['task.reward'][0]}")
         shown = "; ".join(f"{name}: {json.dumps(old)} in the run, {json.dumps(new)} now"
                           for name, (old, new) in changed.items())
         raise RunDirError(f"--resume would continue the run in {run_dir} under a different config "

@@ -11,7 +11,10 @@ from pathlib import Path
 from tlt.errors import TltError
 from tlt.tasks.example import TaskExample
 
-GSM8K_ANSWER = re.compile(r"####\s*(.*?)\s*$", re.S)
+GSM8K_ANSWER = re.compile(r"####[ \t]*\n?([^\n]*)")  # the rest of its line: text after it is no answer (QA)
+# a number followed by a unit ("#### 18 dollars"): the number is the gold, as no boxed answer carries the unit
+NUMBER_AND_UNIT = re.compile(r"([-+]?\$?[\d,]*\.?\d+)\s+[A-Za-z][A-Za-z .]*")
+EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class DatasetError(TltError):
@@ -22,7 +25,11 @@ def normalize_answer(answer) -> str:
     """GSM8K answers end with '#### N' after the worked solution: keep N (without thousands separators)."""
     text = str(answer).strip()
     match = GSM8K_ANSWER.search(text)
-    return match.group(1).replace(",", "").strip() if match else text
+    if not match:
+        return text
+    gold = match.group(1).replace(",", "").strip()
+    with_unit = NUMBER_AND_UNIT.fullmatch(gold)
+    return with_unit.group(1) if with_unit else gold
 
 
 def _text_field(value, name: str, where: str, *, answer: bool) -> str:
@@ -42,14 +49,18 @@ def _text_field(value, name: str, where: str, *, answer: bool) -> str:
         # (0.00005, 10^{16}) matches as text or as math-verify parses it (found by a CLI trial)
         value = format(Decimal(repr(value)), "f")
     text = normalize_answer(value) if answer else value
+    if answer and EXPONENT.fullmatch(str(text).strip()):  # a gold "1e-05" as text: plain digits, as for numbers
+        text = format(Decimal(str(text).strip()), "f")
     if not str(text).strip():
         after = " after '####'" if answer and GSM8K_ANSWER.search(str(value)) else ""
         raise DatasetError(f"{where}: field {name!r} is empty{after}")
     return text
 
 
-def load_examples(path: str | Path, prompt_field: str = "question", answer_field: str = "answer"
+def load_examples(path: str | Path, prompt_field: str = "question", answer_field: str | None = "answer"
                   ) -> list[TaskExample]:
+    """The file's records as examples; answer_field=None: prompts only (a drafter warm-up scores nothing), each
+    example's answer empty."""
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset not found: {path}")
@@ -75,21 +86,21 @@ def check_format(name: str, path: str | Path) -> None:
                            f"reads .csv files and datasets directories too)")
 
 
-def records_to_examples(records, prompt_field: str, answer_field: str, source: str, unit: str = "line"
+def records_to_examples(records, prompt_field: str, answer_field: str | None, source: str, unit: str = "line"
                         ) -> list[TaskExample]:
     """(number, record dict) pairs to examples: the field mapping, GSM8K answers reduced, one-line errors that
-    name the record (`unit` and its number)."""
+    name the record (`unit` and its number). answer_field=None: no answers (empty)."""
     examples = []
     for number, record in records:
-        for name in (prompt_field, answer_field):
+        for name in (prompt_field,) if answer_field is None else (prompt_field, answer_field):
             if name not in record:
                 raise DatasetError(f"{source}, {unit} {number}: missing field {name!r} "
                                    f"(fields present: {', '.join(sorted(record)) or 'none'})")
             if record[name] is None:
                 raise DatasetError(f"{source}, {unit} {number}: field {name!r} is null")
         where = f"{source}, {unit} {number}"
-        examples.append(TaskExample(_text_field(record[prompt_field], prompt_field, where, answer=False),
-                                    _text_field(record[answer_field], answer_field, where, answer=True),
+        gold = "" if answer_field is None else _text_field(record[answer_field], answer_field, where, answer=True)
+        examples.append(TaskExample(_text_field(record[prompt_field], prompt_field, where, answer=False), gold,
                                     {"source": source, unit: number}))
     if not examples:
         raise DatasetError(f"{source}: no records")
