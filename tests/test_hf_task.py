@@ -83,7 +83,8 @@ def test_the_task_config_builds_a_dataset_task_and_preflight_counts_it(tmp_path,
     preflight(config)
     short = load_config(None, fields + ["task.split=train[:2]", "rollout.prompts_per_step=4", "run.workers=1",
                                         "run.speculative=off"])
-    with pytest.raises(DatasetError, match=r"has 2 example\(s\), fewer than the 4 one step needs"):
+    with pytest.raises(DatasetError, match=r"\(task.split=train\[:2\]\) has 2 example\(s\), fewer than the 4 one step "
+                                           r"needs"):
         preflight(short)
 
 

@@ -31,7 +31,9 @@ def preflight(config) -> dict | None:
         examples = load_task_examples(config.task)
         needed = config.rollout.prompts_per_step + config.task.eval_size
         if len(examples) < needed:
-            raise DatasetError(f"{config.task.path} has {len(examples)} example(s), fewer than the "
+            # the split may be what cut it down (task.split=train[:1]: QA)
+            split = f" (task.split={config.task.split})" if config.task.name == "hf" else ""
+            raise DatasetError(f"{config.task.path}{split} has {len(examples)} example(s), fewer than the "
                                f"{needed} one step needs (rollout.prompts_per_step + task.eval_size)")
         if config.task.reward == "integer":
             _check_integer_answers(examples)
