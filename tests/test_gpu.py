@@ -514,8 +514,9 @@ def trained_and_untrained_loss(trainer) -> tuple[float, float]:
             DrafterTrainer(fresh, trainer.buffer, trainer.config).evaluate(entries)["loss"])
 
 
-@pytest.mark.parametrize("draft_vocab", [None, 40], ids=["whole-vocabulary", "draft-vocabulary"])
-def test_a_captured_drafter_micro_step_trains_as_the_eager_one(draft_vocab):
+@pytest.mark.parametrize("draft_vocab,unroll", [(None, 1), (40, 1), (40, 3)],
+                         ids=["whole-vocabulary", "draft-vocabulary", "draft-vocabulary-unrolled"])
+def test_a_captured_drafter_micro_step_trains_as_the_eager_one(draft_vocab, unroll):
     """`DrafterTrainConfig.cuda_graph`: each micro-step one replayed graph over padded rows. Same start, same
     entries: the weights after each optimizer step and the metrics must be the eager trainer's (fp32; the
     graph's padded last chunk and summation order aside). Between steps the target's embedding and lm_head
@@ -540,12 +541,13 @@ def test_a_captured_drafter_micro_step_trains_as_the_eager_one(draft_vocab):
     for graph, buffer in zip((False, True), buffers):
         torch.manual_seed(1)
         drafter = EagleDrafter(model.config, vocab).attach(model)
-        config = DrafterTrainConfig(entries_per_step=5, row_length=32, rows_per_micro_step=3, cuda_graph=graph)
+        config = DrafterTrainConfig(entries_per_step=5, row_length=32, rows_per_micro_step=3, cuda_graph=graph,
+                                    unroll=unroll)
         trainers.append(DrafterTrainer(drafter, buffer, config))
     eager, graphed = trainers
     for step in range(4):
         records = [trainer.train_steps(1)[0] for trainer in trainers]
-        for key in ("loss", "ce", "top1", "accept_q"):
+        for key in ("loss", "ce", "top1", "accept_q") + (("accept_q_deepest",) if unroll > 1 else ()):
             assert records[1][key] == pytest.approx(records[0][key], rel=1e-4, abs=1e-6), (step, key, records)
         for a, b in zip(eager.drafter.parameters(), graphed.drafter.parameters()):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), step
