@@ -625,6 +625,7 @@ def test_a_long_wait_for_workers_says_what_it_waits_for(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(RolloutWorker, "rollout", slow)
     monkeypatch.setattr(controller_module, "STILL_WAITING_S", 0.2)
+    monkeypatch.setattr(controller_module, "STALL_CHECK_S", 0.1)
     controller = make_controller(tmp_path)
     try:
         with caplog.at_level("WARNING", logger="tlt.distributed.controller"):
@@ -632,3 +633,46 @@ def test_a_long_wait_for_workers_says_what_it_waits_for(tmp_path, monkeypatch, c
     finally:
         controller.close()
     assert "RL step 1: still waiting for rollout on worker 1" in caplog.text
+
+
+@pytest.mark.parametrize("hangs", [True, False], ids=["hangs", "slow-but-decoding"])
+def test_a_rollout_that_stops_decoding_ends_the_step(tmp_path, monkeypatch, hangs):
+    """A worker that hangs mid-rollout (alive) was waited for up to CALL_TIMEOUT_S, two hours (QA): a rolling-out
+    worker says every DECODING_SAID_EVERY_S that it decodes, and one silent for STALL_S ends the step, naming it.
+    Control: a rollout slower in all than STALL_S, but decoding all along, completes."""
+    import threading
+    import time
+
+    from tlt.distributed import controller as controller_module
+    from tlt.distributed import worker as worker_module
+    from tlt.distributed.worker import RolloutWorker
+
+    released, original = threading.Event(), RolloutWorker._between_steps
+    steps = {0: 0, 1: 0}
+
+    def between_steps(self, engine):
+        steps[self.rank] += 1
+        if self.rank == 1 and steps[1] == 3 and hangs:
+            released.wait(timeout=60)  # stuck (bounded: the test itself never hangs)
+        elif self.rank == 1:
+            time.sleep(0.02)
+        return original(self, engine)
+
+    monkeypatch.setattr(RolloutWorker, "_between_steps", between_steps)
+    monkeypatch.setattr(worker_module, "DECODING_SAID_EVERY_S", 0.0)
+    monkeypatch.setattr(controller_module, "STALL_S", 0.5)
+    monkeypatch.setattr(controller_module, "STALL_CHECK_S", 0.1)
+    controller = make_controller(tmp_path, **{"rollout.max_new_tokens": 48, "run.speculative": "off"})
+    started = time.monotonic()
+    try:
+        if hangs:
+            with pytest.raises(WorkerError, match=r"worker 1 has decoded nothing for \d+ min during the rollout of "
+                                                  r"RL step 1: it hangs; nothing of this step was saved"):
+                controller.train_step()
+            assert time.monotonic() - started < 30
+        else:
+            controller.train_step()
+            assert steps[1] * 0.02 > 0.5  # the rollout took longer than STALL_S in all
+    finally:
+        released.set()
+        controller.close()

@@ -32,6 +32,8 @@ from tlt.rollout.request import RolloutResult
 
 log = logging.getLogger(__name__)
 STILL_WAITING_S = 900  # how often a wait for workers that have not answered says so
+STALL_S = 1800        # a rolling-out worker that has not decoded a step for this long hangs: the step ends
+STALL_CHECK_S = 60    # how often a wait for workers checks that the rolling-out ones still decode
 
 # phases that run once self.step counts the step they belong to (a failed checkpoint of step 2 was reported as
 # step 3's: found by QA)
@@ -139,22 +141,37 @@ class DistributedGRPO:
     def _wait_any(self, pending: dict) -> list:
         """The calls that have finished, waiting at most CALL_TIMEOUT_S for one. Every STILL_WAITING_S without
         an answer it says what it waits for: a worker that hung (alive, stuck) said nothing for two hours
-        (found by QA)."""
+        (found by QA). A rollout whose worker has not decoded for STALL_S hangs: the step ends then."""
         calls = ", ".join(f"{phase} on worker {rank}" for phase, rank in pending.values())
-        limit, waited = backends.CALL_TIMEOUT_S, 0.0
+        limit, waited, said = backends.CALL_TIMEOUT_S, 0.0, 0.0
         while True:
-            wait = min(STILL_WAITING_S, limit - waited)
+            wait = min(STALL_CHECK_S, limit - waited)
             try:
                 return self.backend.wait_any(pending, timeout=wait)
             except TimeoutError:
                 waited += wait
-                if waited >= limit:
-                    raise WorkerError(f"RL step {self.step + 1}: no worker answered (no answer within {limit:g} s) "
-                                      f"while waiting for {calls}; nothing of this step was saved"
-                                      f"{self._next_move()}") from None
+            if waited >= limit:
+                raise WorkerError(f"RL step {self.step + 1}: no worker answered (no answer within {limit:g} s) "
+                                  f"while waiting for {calls}; nothing of this step was saved{self._next_move()}")
+            self._end_a_stalled_rollout(pending)
+            if waited - said >= STILL_WAITING_S:
+                said = waited
                 log.warning("RL step %d: still waiting for %s after %.0f min (a long rollout, or a worker that "
                             "hangs: it is given %.0f min; Ctrl-C three times aborts)", self.step + 1, calls,
                             waited / 60, limit / 60)
+
+    def _end_a_stalled_rollout(self, pending: dict) -> None:
+        """A rolling-out worker tells the hub it decodes every few seconds; one silent for STALL_S hangs (a
+        decode step never takes minutes), alive or not: waited for up to CALL_TIMEOUT_S, two hours (QA)."""
+        rolling = [rank for phase, rank in pending.values() if phase == "rollout"]
+        if not rolling:
+            return
+        silent = {rank: s for rank, s in self.backend.hub.silent_for(rolling).items() if s >= STALL_S}
+        if silent:
+            rank, seconds = max(silent.items(), key=lambda item: item[1])
+            raise WorkerError(f"worker {rank} has decoded nothing for {seconds / 60:.0f} min during the rollout of "
+                              f"RL step {self.step + 1}: it hangs; nothing of this step was saved"
+                              f"{self._next_move()}")
 
     def _phase(self, text: str) -> None:
         """Tell the driver's display what the step is doing (minutes pass between rollout and step line)."""

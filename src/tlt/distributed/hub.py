@@ -11,6 +11,7 @@ polls it between decode steps.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from tlt.errors import TltError
@@ -35,6 +36,8 @@ class DrafterHub:
         self._step = -1
         self._stopped = True
         self._lease: int | None = None
+        self._step_began = time.monotonic()
+        self._decoded: dict[int, float] = {}  # rank -> when it last said it decodes (this step), hub's clock
 
     # -- drafter versions -----------------------------------------------------------------------------
 
@@ -110,6 +113,21 @@ class DrafterHub:
     def begin_step(self, step: int) -> None:
         with self._lock:
             self._step, self._stopped, self._lease = step, False, None
+            self._step_began, self._decoded = time.monotonic(), {}
+
+    # -- liveness -------------------------------------------------------------------------------------------
+
+    def decoding(self, rank: int) -> None:
+        """A rolling-out worker decoded a step (said every few seconds): a rollout that stops saying so hangs."""
+        with self._lock:
+            self._decoded[rank] = time.monotonic()
+
+    def silent_for(self, ranks: list[int]) -> dict[int, float]:
+        """Seconds since each rank last said it decodes (since the step began, if it never did), by the hub's
+        clock: the driver's and the workers' may be other machines'."""
+        with self._lock:
+            now = time.monotonic()
+            return {rank: now - self._decoded.get(rank, self._step_began) for rank in ranks}
 
     def acquire_trainer(self, step: int, worker: int) -> bool:
         """One spot trainer per step: the first worker to go idle (see docs/benchmarks.md for why not DP)."""

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 
 HUB_TIMEOUT_S = 300  # one hub call (a drafter version or a step's features are the largest it moves)
+DECODING_SAID_EVERY_S = 10.0  # how often a rolling-out worker tells the hub it decodes (one small call)
 
 
 class HubClient:
@@ -105,6 +106,7 @@ class RolloutWorker:
         self._step = 0  # the RL step in progress (the controller names it with each rollout)
         self._examples, self._result, self._batch = None, None, None  # this step's shard, as its phases go
         self._last_poll = 0.0
+        self._last_decoding_said = 0.0
         self._peak_rows = 0
 
     # -- process group -------------------------------------------------------------------------------------
@@ -233,6 +235,9 @@ class RolloutWorker:
     # -- drafter versions -------------------------------------------------------------------------------------
 
     def _between_steps(self, engine) -> None:
+        if time.monotonic() - self._last_decoding_said >= DECODING_SAID_EVERY_S:
+            self.hub.decoding(self.rank)  # the driver ends a rollout that stops saying so (controller.STALL_S)
+            self._last_decoding_said = time.monotonic()
         if self.drafter is not None and time.time() - self._last_poll >= self.config.run.swap_poll_s:
             self._sync_drafter(engine)
         self._peak_rows = max(self._peak_rows, engine.running_rows)
