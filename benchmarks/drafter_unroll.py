@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
