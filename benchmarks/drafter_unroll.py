@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
 from drafter_loss import responses  # noqa: E402
