@@ -86,6 +86,9 @@
 # steps below the gate too: both arms now do, at every batch size. Call 1's
 # tests-fixed runs the new GPU test (-k overlapped); spec-diag's S4K2N14q profile shows the device's busy share.
 # rollout.compile now traces without duck sizing (one compile fewer per process). Plan D otherwise unchanged.
+# Seventeenth session (2026-12-02, no GPU): the drafter can train on its own features (DrafterTrainConfig.unroll,
+# run.drafter_unroll, warmup --unroll; off by default): tests-fixed's captured_drafter_micro_step test now also
+# captures three unrolled levels. A rollout that stops decoding for 30 min ends the step. Plan D unchanged.
 # Eleventh session (2026-11-28, no GPU): the drafter's capture now holds the process's capture lock beside the
 # rollout's (tlt/capture_lock.py; a review found a device-wide sync at the decode loop's capture could invalidate
 # it), a failed capture reports its own cause, and the tail test checks the tail-trained drafter's loss fell. If
