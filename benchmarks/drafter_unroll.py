@@ -8,6 +8,8 @@ scores every variant on held-out responses by what decides speed: the τ of its 
 q-sampling acceptance at depth 1 and at the deepest unrolled level (true tokens, fed-back features).
 
     python benchmarks/drafter_unroll.py --json benchmarks/results/drafter_unroll.json --unroll 1 3 --steps 150
+    python benchmarks/drafter_unroll.py --json benchmarks/results/drafter_unroll_scratch.json --from-scratch \
+        --lr 1e-3 --steps 300 --unroll 1 3
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
@@ -52,6 +56,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--json")
     parser.add_argument("--unroll", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--drafter", default=str(COMMITTED), help="the drafter every variant starts from")
+    parser.add_argument("--from-scratch", action="store_true", help="start every variant from a fresh drafter "
+                        "(torch seed 0) over --drafter's draft vocabulary instead")
     parser.add_argument("--prompts", type=int, default=96, help="2 responses each; the last 20%% are held out")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=1e-4, help="a warmed drafter's (its warm-up ended there)")
@@ -73,12 +79,19 @@ def main(argv=None) -> dict:
     results = {"drafter": args.drafter, "prompts": args.prompts, "held_out_responses": len(held[0]),
                "steps": args.steps, "lr": args.lr, "depth": args.depth, "seed": args.seed, "variants": {},
                "environment": environment(), "complete": False}
-    start = EagleDrafter.load(args.drafter, forward)
+    def starting_drafter() -> EagleDrafter:
+        drafter = EagleDrafter.load(args.drafter, forward)
+        if not args.from_scratch:
+            return drafter
+        torch.manual_seed(0)
+        return EagleDrafter(drafter.config, drafter.draft_to_target).attach(forward)
+    results["from_scratch"] = args.from_scratch
+    start = starting_drafter()
     results["before"] = scores(forward, start, *held, held_buffer, args.depth)
     print(f"before: {results['before']}", file=sys.stderr)
     write_json(args.json, results, echo=False)
     for unroll in args.unroll:
-        drafter = EagleDrafter.load(args.drafter, forward)
+        drafter = starting_drafter()
         trainer = DrafterTrainer(drafter, train_buffer, DrafterTrainConfig(lr=args.lr, unroll=unroll, seed=0))
         started = time.perf_counter()
         trainer.train_steps(args.steps)
