@@ -454,8 +454,8 @@ def _check_task_keys_used(task: TaskConfig) -> None:
                           f"{task.name} does not use {'it' if len(given) == 1 else 'them'}{hint}")
 
 
-def _at_least(key: str, value, low, low_name: str | None = None) -> None:
-    _check(value >= low, f"{key} must be >= {low_name or low}, got {value}")
+def _at_least(key: str, value, low) -> None:
+    _check(value >= low, f"{key} must be >= {low}, got {value}")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
