@@ -82,12 +82,11 @@ FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
          "seed": "--seed"}
 
 
-def sampling_from_flags(args, **settings) -> SamplingParams:
-    """SamplingParams from the command's flags (`settings` override them); an error names the flag."""
-    values = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  max_new_tokens=args.max_new_tokens, seed=args.seed) | settings
+def sampling_from_flags(args) -> SamplingParams:
+    """SamplingParams from the command's flags; an error names the flag."""
     try:
-        return SamplingParams(**values)
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_new_tokens=args.max_new_tokens, seed=args.seed)
     except RequestError as error:
         field = str(error).split(" ", 1)[0]
         raise TltError(str(error).replace(field, FLAGS[field], 1) if field in FLAGS else str(error)) from None
