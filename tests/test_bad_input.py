@@ -493,7 +493,8 @@ def test_a_budget_leaving_no_room_for_the_generated_prompts_is_refused_before_th
     model = model_dir(tmp_path, max_position_embeddings=512)  # byte tokens: an arithmetic prompt is ~160
     monkeypatch.setattr("tlt.rl.replica.build_engine", lambda *a: pytest.fail("built the engine first"))
     settings = [f"model.path={model}", "run.speculative=off"]
-    with pytest.raises(RequestError, match=r"a task prompt: prompt of \d+ tokens \+ max_new_tokens 400 = \d+ "
+    with pytest.raises(RequestError, match=r"the built-in task's prompts of \d operations \(task.max_operations\): "
+                                           r"prompt of \d+ tokens \+ max_new_tokens 400 = \d+ "
                                            r"exceeds the model's context of 512"):
         PolicyReplica.build(load_config(None, [*settings, "rollout.max_new_tokens=400"]))
     long_system = ["task.system_prompt=" + "s" * 510]  # blamed "a task prompt" (found by review)
@@ -502,6 +503,40 @@ def test_a_budget_leaving_no_room_for_the_generated_prompts_is_refused_before_th
         PolicyReplica.build(load_config(None, [*settings, "rollout.max_new_tokens=8", *long_system]))
     monkeypatch.setattr("tlt.rl.replica.build_engine", build_engine)
     PolicyReplica.build(load_config(None, [*settings, "rollout.max_new_tokens=8"]))
+
+
+def test_the_built_in_task_s_longest_prompt_is_checked_before_the_first_step(tmp_path):
+    """A sample of 16 generated prompts passed the check, and a longer one drawn at step 3 stopped the run, which
+    --resume could not go on from (QA). Negative control: a budget the longest prompt leaves room for runs."""
+    from tlt.models import load_model
+    from tlt.rl.config import load_config
+    from tlt.rl.replica import GENERATED_SAMPLE, PolicyReplica, build_task
+
+    model = model_dir(tmp_path, max_position_embeddings=512)
+    config = load_config(None, [f"model.path={model}", "run.speculative=off", "task.max_operations=6"])
+    task = build_task(config.task, load_model(model).tokenizer)
+    longest = len(task.prompt_ids(task.source.longest_problem()))
+    sampled = max(len(task.prompt_ids(e)) for e in task.sample(GENERATED_SAMPLE, seed=0))
+    assert longest > sampled  # what the sample alone let through
+    budget = 512 - longest + 1
+    with pytest.raises(RequestError, match=rf"prompts of 6 operations \(task.max_operations\): prompt of {longest} "
+                                           rf"tokens \+ max_new_tokens {budget}"):
+        PolicyReplica.build(load_config(None, [f"model.path={model}", "run.speculative=off", "task.max_operations=6",
+                                               f"rollout.max_new_tokens={budget}"]))
+    PolicyReplica.build(load_config(None, [f"model.path={model}", "run.speculative=off", "task.max_operations=6",
+                                           f"rollout.max_new_tokens={budget - 1}"]))
+
+
+def test_the_longest_arithmetic_problem_is_the_longest_the_task_draws():
+    from tlt.tasks import ArithmeticTask
+    from tlt.tasks.arithmetic import ArithmeticTaskConfig
+
+    for config in (ArithmeticTaskConfig(), ArithmeticTaskConfig(max_operations=3, decay=1.0),
+                   ArithmeticTaskConfig(min_operations=2, max_operations=2, max_operand=999, decay=1.0)):
+        task = ArithmeticTask(config)
+        longest = task.longest_problem()
+        assert eval(longest.meta["expression"]) == int(longest.answer)  # noqa: S307 - digits and operators
+        assert max(len(e.prompt) for e in task.sample(3000, seed=1)) <= len(longest.prompt)
 
 
 def test_settings_a_run_cannot_use_here_are_named_not_dropped_silently(tmp_path, caplog):

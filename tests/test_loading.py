@@ -41,6 +41,22 @@ def test_directory_without_config_or_weights(tmp_path):
         load_model(tmp_path)
 
 
+def test_a_run_directory_given_as_a_model_names_its_final_policy(tmp_path):
+    """A run's directory holds a config.json (tlt's sections): transformers said "Unrecognized model" (QA)."""
+    import json
+
+    from tlt.rl.config import TrainConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(TrainConfig().to_dict()))
+    with pytest.raises(ModelLoadError, match="is a tlt run's directory, not a model: its trained policy is in its "
+                                             "final/ once the run ends"):
+        load_model(tmp_path)
+    save_model_dir(tiny_model(), None, tmp_path / "final")
+    with pytest.raises(ModelLoadError, match=f"its trained policy is {tmp_path / 'final'}"):
+        load_model(tmp_path)
+    load_model(tmp_path / "final")  # control: the model it names loads
+
+
 def test_non_gguf_file_is_rejected(tmp_path):
     path = tmp_path / "weights.bin"
     path.write_bytes(b"\0")

@@ -80,6 +80,38 @@ def test_a_warmup_reads_prompts_without_answers(tmp_path):
         load_examples(path)
 
 
+def test_integers_in_a_float_column_are_integers_and_long_ones_are_refused(tmp_path):
+    """A parquet float column (one row with a decimal point makes a whole column float) gave golds "4.0", and
+    2^60 as "1152921504606847000", which no correct response matched: a float keeps 17 significant digits (QA).
+    An integer-valued float is its integer; past 2^53 it is refused unless it is a round number. Control: the
+    same 2^60 in an integer column reads exactly."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "floats.parquet"
+    pq.write_table(pa.table({"question": ["a", "b", "c"], "answer": [4.0, 2.5, 1e20]}), path)
+    assert [e.answer for e in load_examples(path)] == ["4", "2.5", "100000000000000000000"]
+    pq.write_table(pa.table({"question": ["a", "b"], "answer": [4.0, float(2 ** 60)]}), path)
+    with pytest.raises(DatasetError, match=r"floats.parquet, row 2: field 'answer' holds 1152921504606846976, a "
+                                           r"number read as a float past 2\^53"):
+        load_examples(path)
+    pq.write_table(pa.table({"question": ["a"], "answer": pa.array([2 ** 60], pa.int64())}), path)
+    assert load_examples(path)[0].answer == "1152921504606846976"
+
+
+def test_a_lone_surrogate_is_named_not_a_traceback(tmp_path):
+    """JSON's "\\ud83e" (half of an emoji) is valid JSON but no UTF-8 text: the run's dataset fingerprint
+    raised UnicodeEncodeError with a traceback (QA). Control: the whole pair reads."""
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"question": "2+2? \\ud83e\\udd14", "answer": "4"}\n{"question": "2+2? \\ud83e", '
+                    '"answer": "4"}\n')
+    with pytest.raises(DatasetError, match=r"cut.jsonl, line 2: field 'question' holds a lone UTF-16 surrogate "
+                                           r"\('\\ud83e' at character 5"):
+        load_examples(path)
+    path.write_text(path.read_text().splitlines()[0] + "\n")
+    assert load_examples(path)[0].prompt == "2+2? \U0001f914"
+
+
 def test_parquet_round_trip(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

@@ -86,6 +86,7 @@ def read_hf_config(path: Path):
 
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    _refuse_a_run_directory(path)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as error:  # bad JSON, unknown model_type, unreadable file
@@ -93,6 +94,19 @@ def read_hf_config(path: Path):
                              or f"cannot read {path / 'config.json'}: {first_line(error)}") from None
     check_supported(config)
     return config
+
+
+def _refuse_a_run_directory(path: Path) -> None:
+    """A tlt run's directory (its config.json a mapping of sections, where a model's has scalars) given as a
+    model: transformers said only "Unrecognized model ... Should have a `model_type` key" (QA)."""
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # transformers names what is wrong with it
+    if isinstance(saved, dict) and saved and all(isinstance(v, dict) for v in saved.values()):
+        trained = path / "final"
+        raise ModelLoadError(f"{path} is a tlt run's directory, not a model: its trained policy is "
+                             f"{trained if trained.is_dir() else 'in its final/ once the run ends'}")
 
 
 def load_hf_dir(path: Path):

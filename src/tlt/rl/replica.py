@@ -107,6 +107,8 @@ def check_prompts_fit(task, spec, max_new_tokens: int) -> None:
         examples = [*source.examples, *task.eval_examples]
     elif isinstance(task, ChatTask):
         examples = task.sample(GENERATED_SAMPLE, seed=0)
+        longest = getattr(source, "longest_problem", None)  # a generator that knows its longest prompt
+        examples += [longest()] if longest is not None else []
     else:
         return  # a task given in code: its prompts are its owner's, and the engine checks each request
     template = len(task.prompt_ids(TaskExample("", "")))
@@ -121,7 +123,14 @@ def check_prompts_fit(task, spec, max_new_tokens: int) -> None:
     for example in examples:
         if byte_length is None or byte_length(example.prompt) > room:
             request = Request(task.prompt_ids(example), params=params)
-            check_fits(request, spec.vocab_size, spec.max_positions, record_label(example) or "a task prompt")
+            check_fits(request, spec.vocab_size, spec.max_positions, record_label(example) or _generated(example))
+
+
+def _generated(example) -> str:
+    operations = (getattr(example, "meta", None) or {}).get("operations")
+    if operations is None:
+        return "a task prompt"
+    return f"the built-in task's prompts of {operations} operations (task.max_operations)"
 
 
 def _normalized_byte_length(tokenizer):

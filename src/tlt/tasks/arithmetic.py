@@ -48,9 +48,12 @@ class ArithmeticTask:
         levels = rng.choices(list(weights), weights=list(weights.values()), k=count)
         return [self.problem(level, rng) for level in levels]
 
-    def problem(self, operations: int, rng: random.Random) -> TaskExample:
+    def operand_limit(self, operations: int) -> int:
         cfg = self.config
-        limit = max(2, round(cfg.max_operand * cfg.operand_growth ** (operations - cfg.min_operations)))
+        return max(2, round(cfg.max_operand * cfg.operand_growth ** (operations - cfg.min_operations)))
+
+    def problem(self, operations: int, rng: random.Random) -> TaskExample:
+        limit = self.operand_limit(operations)
         value = rng.randint(1, limit)
         expression = str(value)
         for _ in range(operations):
@@ -61,6 +64,20 @@ class ArithmeticTask:
         expression = _strip_outer(expression)
         assert eval(expression) == value  # noqa: S307 — our own generated digits and operators only
         return TaskExample(INSTRUCTION.format(expression=expression), str(value),
+                           {"operations": operations, "expression": expression})
+
+    def longest_problem(self) -> TaskExample:
+        """The longest text `sample` can draw: the most operations, each an addition (its parentheses make it
+        longer than a product, whose operand is also smaller) of the largest operand, from the largest start.
+        The run checks it against the context before step 1: a sample of prompts misses the rare long ones, and
+        one drawn hours in stopped the run (QA)."""
+        operations = self.config.max_operations
+        limit = self.operand_limit(operations)
+        expression = str(limit)
+        for _ in range(operations):
+            expression = f"({expression} + {limit})"
+        expression = _strip_outer(expression)
+        return TaskExample(INSTRUCTION.format(expression=expression), str(limit * (operations + 1)),
                            {"operations": operations, "expression": expression})
 
 

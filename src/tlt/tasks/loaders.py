@@ -44,6 +44,8 @@ def _text_field(value, name: str, where: str, *, answer: bool) -> str:
                 "user's text in the field)" if isinstance(value, list) and not answer else
                 " (a gold answer is one text or number)" if answer else "")
         raise DatasetError(f"{where}: field {name!r} is {type(value).__name__}, not text{hint}")
+    if numeric and isinstance(value, float) and value.is_integer():
+        value = _integer_of_float(value, name, where)
     if numeric and isinstance(value, float) and "e" in repr(value):
         # in plain digits: Python writes 0.00005 as "5e-05" and 1e16 as "1e+16", which no response's answer
         # (0.00005, 10^{16}) matches as text or as math-verify parses it (found by a CLI trial)
@@ -51,10 +53,34 @@ def _text_field(value, name: str, where: str, *, answer: bool) -> str:
     text = normalize_answer(value) if answer else value
     if answer and EXPONENT.fullmatch(str(text).strip()):  # a gold "1e-05" as text: plain digits, as for numbers
         text = format(Decimal(str(text).strip()), "f")
+    _check_encodable(str(text), name, where)
     if not str(text).strip():
         after = " after '####'" if answer and GSM8K_ANSWER.search(str(value)) else ""
         raise DatasetError(f"{where}: field {name!r} is empty{after}")
     return text
+
+
+def _integer_of_float(value: float, name: str, where: str) -> int:
+    """An integer a float column holds (a CSV or parquet column turns float when one row has a decimal point),
+    written as the integer: "4", not "4.0". Past 2^53 a float keeps 15-17 significant digits, so a long integer
+    read as a float may have lost its last ones (12345678901234567890 is read as ...168): its gold could never be
+    matched, and is refused unless its repr is a round number (1e+20)."""
+    mantissa = repr(value).split("e")[0].replace("-", "").replace(".", "").strip("0")
+    if abs(value) >= 2 ** 53 and len(mantissa) >= 15:
+        raise DatasetError(f"{where}: field {name!r} holds {int(value)}, a number read as a float past 2^53, whose "
+                           f"last digits a float may have lost: store the answers as text (quoted) or integers")
+    return int(value)
+
+
+def _check_encodable(text: str, name: str, where: str) -> None:
+    """JSON's escapes can spell half of a UTF-16 surrogate pair ("\\ud83e", a cut emoji), which no UTF-8 text
+    holds: the tokenizer and the run's fingerprint would fail on it later, with a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise DatasetError(f"{where}: field {name!r} holds a lone UTF-16 surrogate "
+                           f"({ascii(error.object[error.start])} at character {error.start}: half of an emoji "
+                           f"cut in two?); remove it or complete the pair") from None
 
 
 def load_examples(path: str | Path, prompt_field: str = "question", answer_field: str | None = "answer"
