@@ -623,6 +623,28 @@ def test_a_drafter_config_transformers_refuses_is_named_with_its_reason(tmp_path
         EagleDrafter.load(tmp_path, model)
 
 
+def test_a_drafter_whose_weights_changed_after_the_save_is_refused(tmp_path):
+    """Bytes flipped inside drafter.safetensors (header and size intact) loaded without a word (QA): its config
+    keeps the file's CRC32. Controls: the file as written loads; a drafter saved without the CRC (before it) too."""
+    from tlt.models.eagle import CONFIG_FILE, CRC_KEY, WEIGHTS_FILE, DrafterError, EagleDrafter
+
+    model = tiny_model("llama")
+    EagleDrafter(model.config).attach(model).save(tmp_path)
+    EagleDrafter.load(tmp_path, model)
+    weights = bytearray((tmp_path / WEIGHTS_FILE).read_bytes())
+    weights[-100] ^= 0xFF
+    (tmp_path / WEIGHTS_FILE).write_bytes(weights)
+    with pytest.raises(DrafterError, match=r"drafter.safetensors's bytes are not those written \(CRC32 differs\)"):
+        EagleDrafter.load(tmp_path, model)
+    meta = json.loads((tmp_path / CONFIG_FILE).read_text())
+    del meta[CRC_KEY]
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(meta))
+    EagleDrafter.load(tmp_path, model)
+    (tmp_path / "afile").touch()  # saved onto a file: mkdir's bare FileExistsError (QA)
+    with pytest.raises(DrafterError, match=r"drafter directory .*afile: .*afile is a file, not a directory"):
+        EagleDrafter(model.config).attach(model).save(tmp_path / "afile")
+
+
 @pytest.mark.parametrize("failure", ["disk full", "safetensors"])
 def test_a_command_that_cannot_write_its_results_says_so_in_one_line(capfd, monkeypatch, failure):
     """Outside `tlt train` (which names the checkpoint it kept), a full disk or a read-only mount met while

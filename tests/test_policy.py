@@ -255,18 +255,26 @@ def test_engine_does_not_time_steps_that_build_a_graph_or_rebuild_the_drafter():
 
 
 def test_policies_refuse_what_would_only_fail_mid_rollout():
-    """A strategy name instead of a SpecStrategy failed at the first SD step with an AttributeError, and a gate of
-    0 silently turned speculation off: both are refused when the policy is made."""
+    """An arm that is no strategy failed at the first SD step with an AttributeError, and a gate of 0 silently
+    turned speculation off: both are refused when the policy is made. A strategy's name is taken everywhere a
+    strategy is, as verify() and the CLI take it (FixedSpeculation took none, AdaptiveSpeculation's failed only
+    in the engine: QA); a malformed name says the form."""
     from tlt.rollout.policy import PolicyError
+    from tlt.speculative.strategy import StrategyError
 
     strategy = SpecStrategy(3, 2, 6)
-    for bad in (lambda: FixedSpeculation("S3K2N6"), lambda: FixedSpeculation(None),
+    for bad in (lambda: FixedSpeculation(None), lambda: FixedSpeculation(3),
                 lambda: FixedSpeculation(strategy, gate=0), lambda: FixedSpeculation(strategy, gate=-3),
                 lambda: FixedSpeculation(strategy, gate=True), lambda: AdaptiveSpeculation([]),
-                lambda: RolloutEngine(tiny_model(), speculation=AdaptiveSpeculation(["S3K2N6"]))):
+                lambda: RolloutEngine(tiny_model(), speculation=AdaptiveSpeculation(["chain4"]))):
         with pytest.raises(PolicyError):
             bad()
     assert FixedSpeculation(strategy, gate=1).choose(1) == strategy
+    assert FixedSpeculation("S3K2N6").strategy == strategy
+    assert RolloutEngine(tiny_model(), speculation="S3K2N6").speculation.strategy == strategy
+    assert AdaptiveSpeculation(["S3K2N6", "S5K1q"]).bandit.arms[1:] == [strategy, SpecStrategy.parse("S5K1q")]
+    with pytest.raises(StrategyError, match="strategy must look like S4K2N8"):
+        FixedSpeculation("S3K2")
 
 
 def test_a_strategy_whose_frontier_outnumbers_its_tree_gets_its_slots():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import zlib
 from pathlib import Path
 
 from tlt.errors import TltError
@@ -70,3 +71,11 @@ def refuse_an_unwritable_place(directory: Path, option: str, error: type[TltErro
     except OSError as exc:
         raise error(f"{option} {directory}: cannot write in {existing} ({exc.strerror})") from None
 
+
+def file_crc32(path: Path) -> int:
+    """CRC32 of a file, read in 64 MiB blocks (~3 GB/s: ~0.5 s for a 135M-parameter policy and its Adam state)."""
+    crc = 0
+    with open(path, "rb") as file:
+        while block := file.read(1 << 26):
+            crc = zlib.crc32(block, crc)
+    return crc

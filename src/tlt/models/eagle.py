@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tlt.errors import TltError, first_line
-from tlt.files import write_whole
+from tlt.files import file_crc32, refuse_a_file_in_the_way, write_whole
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.loading import LoadedModel
 from tlt.models.lean_forward import (LeanForward, aligned_span, grouped_attention_bias,
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 WARNED_POSITIONS: set[tuple[str, str]] = set()  # (drafter's, target's) RoPE already warned about
 
 CONFIG_FILE = "drafter_config.json"
+CRC_KEY = "weights_crc32"  # of WEIGHTS_FILE, in CONFIG_FILE
 WEIGHTS_FILE = "drafter.safetensors"
 
 
@@ -374,12 +375,14 @@ class EagleDrafter(nn.Module):
         from safetensors.torch import save_file
 
         directory = Path(directory)
+        refuse_a_file_in_the_way(directory, "drafter directory", DrafterError)  # (mkdir said "File exists": QA)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         write_whole(directory / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
         text = json.dumps({
             "target_config": self.config.to_dict(),
             "draft_vocab_size": None if self.draft_to_target is None else int(self.draft_to_target.shape[0]),
+            CRC_KEY: file_crc32(directory / WEIGHTS_FILE),
         }, indent=1)
         write_whole(directory / CONFIG_FILE, lambda path: path.write_text(text))
 
@@ -393,7 +396,10 @@ class EagleDrafter(nn.Module):
             meta = json.loads((directory / CONFIG_FILE).read_text())
             settings = dict(meta["target_config"])
             config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-            tensors = load_file(str(directory / WEIGHTS_FILE))
+            tensors = load_file(str(directory / WEIGHTS_FILE))  # a file cut short fails here, saying so
+            _check_crc32(directory, meta.get(CRC_KEY))
+        except DrafterFileError:
+            raise
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, corrupt safetensors
             # first_line: transformers' config validation puts its reason on the line after "...validator X:"
             raise DrafterFileError(f"{directory}: cannot read the drafter ({type(error).__name__}: "
@@ -412,6 +418,16 @@ class EagleDrafter(nn.Module):
             raise DrafterError(f"{directory}: drafter weights do not match its config ({names})")
         drafter.load_state_dict(tensors)
         return drafter.to(device=drafter.target.device, dtype=drafter.target.dtype)
+
+
+def _check_crc32(directory: Path, expected) -> None:
+    """Bytes changed inside a weights file of intact size and header (a disk or copy error) loaded without a word
+    (QA): its config keeps the CRC32 written with it (drafters saved before it have none, and load as before)."""
+    if not isinstance(expected, int) or isinstance(expected, bool):
+        return
+    if file_crc32(directory / WEIGHTS_FILE) != expected:
+        raise DrafterFileError(f"{directory}: {WEIGHTS_FILE}'s bytes are not those written (CRC32 differs): the file "
+                               f"was damaged after the save")
 
 
 def _warn_if_positions_differ(drafter_config, target_config) -> None:

@@ -89,9 +89,11 @@ class RolloutEngine:
         self.model_runner = ModelRunner(forward, cuda_graphs=cuda_graphs, max_tree_size=max_tree_size)
         if compile != "off":
             if self.model_runner.graphs is None:
-                raise RequestError(f"compile={compile!r} compiles the steps CUDA graphs capture: it needs a model "
-                                   "on CUDA with cuda_graphs on (rollout.compile=off on the CPU, or with a model "
-                                   "whose RoPE the graphs cannot capture: see the warning above)")
+                why = ("this model is on the CPU: rollout.compile=off there" if forward.device.type != "cuda" else
+                       "cuda_graphs is off, or the graphs cannot capture this model's RoPE (said in a warning "
+                       "above): rollout.compile=off for it")
+                raise RequestError(f"compile={compile!r} compiles the steps CUDA graphs capture, which needs a model "
+                                   f"on CUDA with cuda_graphs on; {why}")
             forward.compile(compile)
         self.spec = forward.spec
         self.max_batch_size = max_batch_size

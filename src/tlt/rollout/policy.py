@@ -22,7 +22,7 @@ from typing import Callable, Hashable, Protocol, runtime_checkable
 
 from tlt.errors import TltError
 from tlt.sampling import is_integer
-from tlt.speculative.strategy import SpecStrategy
+from tlt.speculative.strategy import SpecStrategy, StrategyError
 
 OFF = "off"  # the arm that decodes one token per step without a drafter
 PRICED_OUT_EXPLORATION = 5  # when the price rules out every speculative arm, 1 in this many ε-explorations tries one
@@ -57,10 +57,28 @@ class SpeculationPolicy(Protocol):
 
 
 def check_arm(strategy) -> None:
-    """A policy's arm must be a SpecStrategy: a name would only fail at the first speculative step."""
+    """A policy's arm must be a SpecStrategy: anything else would only fail at the first speculative step."""
     if not isinstance(strategy, SpecStrategy):
-        raise PolicyError(f"a speculation strategy must be a SpecStrategy (e.g. SpecStrategy.parse('S4K2N8')), "
-                          f"got {strategy!r}")
+        raise PolicyError(f"a speculation strategy must be a SpecStrategy or its name ('S4K2N8', 'S5K1q'), got "
+                          f"{strategy!r}")
+
+
+def as_strategy(value) -> SpecStrategy:
+    """A SpecStrategy, or its name parsed ('S5K1q'; a malformed one says the form): names are taken wherever a
+    strategy is, as `verify(strategy=...)` and the CLI take them (QA)."""
+    if isinstance(value, str):
+        return SpecStrategy.parse(value)
+    check_arm(value)
+    return value
+
+
+def _parsed_if_named(arm):
+    """An AdaptiveSpeculation arm: a strategy's name parsed; other arms kept (its bandit takes any hashable arm,
+    e.g. in a simulation; an engine refuses them when it is given the policy)."""
+    try:
+        return SpecStrategy.parse(arm) if isinstance(arm, str) else arm
+    except StrategyError:
+        return arm
 
 
 @dataclass
@@ -71,7 +89,7 @@ class FixedSpeculation:
     gate: int | None = None
 
     def __post_init__(self):
-        check_arm(self.strategy)
+        self.strategy = as_strategy(self.strategy)
         if self.gate is not None and not (is_integer(self.gate) and self.gate >= 1):
             raise PolicyError(f"gate must be None (always speculate) or an integer >= 1 (rows running), "
                               f"got {self.gate!r}")
@@ -97,19 +115,19 @@ class FixedSpeculation:
 
 
 def as_policy(speculation) -> SpeculationPolicy | None:
-    """What `RolloutEngine(speculation=...)` accepts: None (never speculate), a `SpecStrategy` (always, with it)
-    or a `SpeculationPolicy`."""
+    """What `RolloutEngine(speculation=...)` accepts: None (never speculate), a `SpecStrategy` or its name
+    (always, with it) or a `SpeculationPolicy`."""
     if isinstance(speculation, AdaptiveSpeculation):  # its bandit takes any hashable arm; an engine needs strategies
         for arm in speculation.bandit.arms:
             if arm != OFF:
                 check_arm(arm)
     if speculation is None or isinstance(speculation, SpeculationPolicy):
         return speculation
-    if isinstance(speculation, SpecStrategy):
-        return FixedSpeculation(speculation)
-    raise PolicyError(f"speculation must be None, a SpecStrategy or a SpeculationPolicy (choose, observe, reset, "
-                      f"state_dict, load_state_dict, summary), got {type(speculation).__name__}; for a gate use "
-                      f"FixedSpeculation(strategy, gate=8)")
+    if isinstance(speculation, (SpecStrategy, str)):
+        return FixedSpeculation(as_strategy(speculation))
+    raise PolicyError(f"speculation must be None, a SpecStrategy (or its name) or a SpeculationPolicy (choose, "
+                      f"observe, reset, state_dict, load_state_dict, summary), got {type(speculation).__name__}; for "
+                      f"a gate use FixedSpeculation(strategy, gate=8)")
 
 
 def policy_strategies(policy) -> list[SpecStrategy]:
@@ -347,7 +365,7 @@ class AdaptiveSpeculation:
         if not strategies:
             raise PolicyError("AdaptiveSpeculation needs at least one strategy (plain decoding is always an arm)")
         self.gate = gate or BatchSizeGate()
-        self.bandit = StrategyBandit([OFF, *strategies], config or BanditConfig(), price)
+        self.bandit = StrategyBandit([OFF, *map(_parsed_if_named, strategies)], config or BanditConfig(), price)
         self.gated_steps = 0
 
     def choose(self, batch_size: int):
