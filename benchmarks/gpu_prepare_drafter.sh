@@ -32,22 +32,20 @@ done
 mkdir -p "$out"
 "$python" - "$work/round$((rounds - 1))" "$out" "${commands[@]}" <<'EOF'
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from tlt.files import file_crc32
-from tlt.models.eagle import CRC_KEY
+from tlt.models.eagle import write_weights
 
 source, out, *commands = sys.argv[1:]
 tensors = {name: t.to(torch.bfloat16) if t.is_floating_point() else t
            for name, t in load_file(f"{source}/drafter.safetensors").items()}
-save_file(tensors, f"{out}/drafter.safetensors", metadata={"format": "pt"})
-config = json.loads(open(f"{source}/drafter_config.json").read())
-config[CRC_KEY] = file_crc32(Path(f"{out}/drafter.safetensors"))  # of the bf16 file (the load checks it)
-open(f"{out}/drafter_config.json", "w").write(json.dumps(config, indent=1))
+write_weights(Path(out) / "drafter.safetensors", tensors)  # with the CRC of its bf16 bytes, as a save writes it
+shutil.copy(f"{source}/drafter_config.json", out)
 report = json.loads(open(f"{source}/warmup_report.json").read())
 provenance = {"made_by": "benchmarks/gpu_prepare_drafter.sh", "rounds": commands, "weights": "bfloat16",
               "last_round_report": report}

@@ -97,7 +97,8 @@ def test_a_custom_policy_must_choose_strategies_not_names():
         def summary(self):
             return {}
     engine = RolloutEngine(model, drafter=EagleDrafter(model.config), speculation=ByName())
-    with pytest.raises(PolicyError, match="must be a SpecStrategy"):
+    with pytest.raises(PolicyError, match=r"ByName.choose returned 'S3K1N3': a policy returns a SpecStrategy "
+                                          r"\(SpecStrategy.parse for a name\), None or 'off'"):
         engine.generate([Request([5, 6, 7], params=GREEDY)])
 
 

@@ -493,8 +493,7 @@ def test_a_budget_leaving_no_room_for_the_generated_prompts_is_refused_before_th
     model = model_dir(tmp_path, max_position_embeddings=512)  # byte tokens: an arithmetic prompt is ~160
     monkeypatch.setattr("tlt.rl.replica.build_engine", lambda *a: pytest.fail("built the engine first"))
     settings = [f"model.path={model}", "run.speculative=off"]
-    with pytest.raises(RequestError, match=r"the built-in task's prompts of \d operations \(task.max_operations\): "
-                                           r"prompt of \d+ tokens \+ max_new_tokens 400 = \d+ "
+    with pytest.raises(RequestError, match=r"a task prompt: prompt of \d+ tokens \+ max_new_tokens 400 = \d+ "
                                            r"exceeds the model's context of 512"):
         PolicyReplica.build(load_config(None, [*settings, "rollout.max_new_tokens=400"]))
     long_system = ["task.system_prompt=" + "s" * 510]  # blamed "a task prompt" (found by review)
@@ -519,8 +518,9 @@ def test_the_built_in_task_s_longest_prompt_is_checked_before_the_first_step(tmp
     sampled = max(len(task.prompt_ids(e)) for e in task.sample(GENERATED_SAMPLE, seed=0))
     assert longest > sampled  # what the sample alone let through
     budget = 512 - longest + 1
-    with pytest.raises(RequestError, match=rf"prompts of 6 operations \(task.max_operations\): prompt of {longest} "
-                                           rf"tokens \+ max_new_tokens {budget}"):
+    with pytest.raises(RequestError, match=rf"the built-in task's longest prompt \(task.max_operations=6; it draws "
+                                           rf"such prompts rarely\): prompt of {longest} tokens \+ max_new_tokens "
+                                           rf"{budget}"):
         PolicyReplica.build(load_config(None, [f"model.path={model}", "run.speculative=off", "task.max_operations=6",
                                                f"rollout.max_new_tokens={budget}"]))
     PolicyReplica.build(load_config(None, [f"model.path={model}", "run.speculative=off", "task.max_operations=6",
@@ -624,9 +624,12 @@ def test_a_drafter_config_transformers_refuses_is_named_with_its_reason(tmp_path
 
 
 def test_a_drafter_whose_weights_changed_after_the_save_is_refused(tmp_path):
-    """Bytes flipped inside drafter.safetensors (header and size intact) loaded without a word (QA): its config
-    keeps the file's CRC32. Controls: the file as written loads; a drafter saved without the CRC (before it) too."""
-    from tlt.models.eagle import CONFIG_FILE, CRC_KEY, WEIGHTS_FILE, DrafterError, EagleDrafter
+    """Bytes flipped inside drafter.safetensors (header and size intact) loaded without a word (QA): its metadata
+    keeps the CRC32 of its tensor bytes. Controls: the file as written loads; a drafter saved without the CRC
+    (before it) too."""
+    from safetensors.torch import load_file, save_file
+
+    from tlt.models.eagle import WEIGHTS_FILE, DrafterError, EagleDrafter
 
     model = tiny_model("llama")
     EagleDrafter(model.config).attach(model).save(tmp_path)
@@ -636,9 +639,9 @@ def test_a_drafter_whose_weights_changed_after_the_save_is_refused(tmp_path):
     (tmp_path / WEIGHTS_FILE).write_bytes(weights)
     with pytest.raises(DrafterError, match=r"drafter.safetensors's bytes are not those written \(CRC32 differs\)"):
         EagleDrafter.load(tmp_path, model)
-    meta = json.loads((tmp_path / CONFIG_FILE).read_text())
-    del meta[CRC_KEY]
-    (tmp_path / CONFIG_FILE).write_text(json.dumps(meta))
+    weights[-100] ^= 0xFF
+    (tmp_path / WEIGHTS_FILE).write_bytes(weights)
+    save_file(load_file(tmp_path / WEIGHTS_FILE), tmp_path / WEIGHTS_FILE, metadata={"format": "pt"})  # no CRC
     EagleDrafter.load(tmp_path, model)
     (tmp_path / "afile").touch()  # saved onto a file: mkdir's bare FileExistsError (QA)
     with pytest.raises(DrafterError, match=r"drafter directory .*afile: .*afile is a file, not a directory"):

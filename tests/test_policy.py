@@ -273,8 +273,9 @@ def test_policies_refuse_what_would_only_fail_mid_rollout():
     assert FixedSpeculation("S3K2N6").strategy == strategy
     assert RolloutEngine(tiny_model(), speculation="S3K2N6").speculation.strategy == strategy
     assert AdaptiveSpeculation(["S3K2N6", "S5K1q"]).bandit.arms[1:] == [strategy, SpecStrategy.parse("S5K1q")]
-    with pytest.raises(StrategyError, match="strategy must look like S4K2N8"):
-        FixedSpeculation("S3K2")
+    for malformed in (lambda: FixedSpeculation("S3K2"), lambda: AdaptiveSpeculation(["S5K1q", "S3K2"])):
+        with pytest.raises(StrategyError, match="strategy must look like S4K2N8"):
+            malformed()
 
 
 def test_a_strategy_whose_frontier_outnumbers_its_tree_gets_its_slots():

@@ -89,10 +89,12 @@ def test_integers_in_a_float_column_are_integers_and_long_ones_are_refused(tmp_p
     import pyarrow.parquet as pq
 
     path = tmp_path / "floats.parquet"
-    pq.write_table(pa.table({"question": ["a", "b", "c"], "answer": [4.0, 2.5, 1e20]}), path)
-    assert [e.answer for e in load_examples(path)] == ["4", "2.5", "100000000000000000000"]
+    pq.write_table(pa.table({"question": list("abcde"), "answer": [4.0, 2.5, 1e20, 1e23, 1.2345678901234e22]}), path)
+    assert [e.answer for e in load_examples(path)] == ["4", "2.5", "100000000000000000000",  # as written, not the
+                                                       "100000000000000000000000",  # float's binary value
+                                                       "12345678901234000000000"]
     pq.write_table(pa.table({"question": ["a", "b"], "answer": [4.0, float(2 ** 60)]}), path)
-    with pytest.raises(DatasetError, match=r"floats.parquet, row 2: field 'answer' holds 1152921504606846976, a "
+    with pytest.raises(DatasetError, match=r"floats.parquet, row 2: field 'answer' holds 1.152921504606847e\+18, a "
                                            r"number read as a float past 2\^53"):
         load_examples(path)
     pq.write_table(pa.table({"question": ["a"], "answer": pa.array([2 ** 60], pa.int64())}), path)
@@ -183,6 +185,7 @@ def _jsonl(path, records, **dumps):
     ({"question": "1+1?", "answer": [2]}, "field 'answer' is list, not text"),
     ({"question": "1+1?", "answer": True}, "field 'answer' is bool, not text"),
     ({"question": "1+1?", "answer": float("nan")}, "field 'answer' is NaN"),
+    ({"question": "1+1?", "answer": float("-inf")}, "field 'answer' is infinite"),
     ({"question": "1+1?", "answer": ""}, "field 'answer' is empty"),
     ({"question": "1+1?", "answer": "work... #### "}, "field 'answer' is empty after '####'"),
     ({"question": "  ", "answer": "2"}, "field 'question' is empty")])

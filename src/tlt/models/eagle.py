@@ -11,16 +11,18 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tlt.errors import TltError, first_line
-from tlt.files import file_crc32, refuse_a_file_in_the_way, write_whole
+from tlt.files import refuse_a_file_in_the_way, write_whole
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.loading import LoadedModel
 from tlt.models.lean_forward import (LeanForward, aligned_span, grouped_attention_bias,
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 WARNED_POSITIONS: set[tuple[str, str]] = set()  # (drafter's, target's) RoPE already warned about
 
 CONFIG_FILE = "drafter_config.json"
-CRC_KEY = "weights_crc32"  # of WEIGHTS_FILE, in CONFIG_FILE
+CRC_KEY = "tensors_crc32"  # WEIGHTS_FILE's metadata: the CRC32 of its tensor bytes
 WEIGHTS_FILE = "drafter.safetensors"
 
 
@@ -372,23 +374,19 @@ class EagleDrafter(nn.Module):
     # -- persistence ----------------------------------------------------------------------------------------
 
     def save(self, directory: str | Path) -> None:
-        from safetensors.torch import save_file
-
         directory = Path(directory)
         refuse_a_file_in_the_way(directory, "drafter directory", DrafterError)  # (mkdir said "File exists": QA)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        write_whole(directory / WEIGHTS_FILE, lambda path: save_file(tensors, str(path), metadata={"format": "pt"}))
+        write_weights(directory / WEIGHTS_FILE, tensors)
         text = json.dumps({
             "target_config": self.config.to_dict(),
             "draft_vocab_size": None if self.draft_to_target is None else int(self.draft_to_target.shape[0]),
-            CRC_KEY: file_crc32(directory / WEIGHTS_FILE),
         }, indent=1)
         write_whole(directory / CONFIG_FILE, lambda path: path.write_text(text))
 
     @classmethod
     def load(cls, directory: str | Path, target) -> "EagleDrafter":
-        from safetensors.torch import load_file
         from transformers import AutoConfig
 
         directory = check_drafter_dir(directory)
@@ -396,8 +394,9 @@ class EagleDrafter(nn.Module):
             meta = json.loads((directory / CONFIG_FILE).read_text())
             settings = dict(meta["target_config"])
             config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-            tensors = load_file(str(directory / WEIGHTS_FILE))  # a file cut short fails here, saying so
-            _check_crc32(directory, meta.get(CRC_KEY))
+            data = (directory / WEIGHTS_FILE).read_bytes()
+            tensors = safetensors.torch.load(data)  # a file cut short fails here, saying so
+            _check_crc32(directory, data)
         except DrafterFileError:
             raise
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, corrupt safetensors
@@ -420,12 +419,28 @@ class EagleDrafter(nn.Module):
         return drafter.to(device=drafter.target.device, dtype=drafter.target.dtype)
 
 
-def _check_crc32(directory: Path, expected) -> None:
-    """Bytes changed inside a weights file of intact size and header (a disk or copy error) loaded without a word
-    (QA): its config keeps the CRC32 written with it (drafters saved before it have none, and load as before)."""
-    if not isinstance(expected, int) or isinstance(expected, bool):
-        return
-    if file_crc32(directory / WEIGHTS_FILE) != expected:
+def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A drafter's safetensors file with the CRC32 of its tensor bytes in its own metadata: bytes changed inside a
+    file of intact size and header (a disk or copy error) loaded without a word (QA). In the file itself, so that a
+    save is one atomic rename: a CRC kept in the config beside it went stale when a save was killed between the
+    two files (review). The tensor bytes do not depend on the metadata, so the CRC of a first serialization holds
+    for the second."""
+    crc = zlib.crc32(_tensor_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"})))
+    payload = safetensors.torch.save(tensors, metadata={"format": "pt", CRC_KEY: str(crc)})
+    write_whole(path, lambda where: where.write_bytes(payload))
+
+
+def _tensor_bytes(data: bytes) -> memoryview:
+    """What follows a safetensors file's header: its 8-byte length, then the header's JSON."""
+    return memoryview(data)[8 + int.from_bytes(data[:8], "little"):]
+
+
+def _check_crc32(directory: Path, data: bytes) -> None:
+    """The weights file's bytes against the CRC32 its metadata keeps (drafters saved before it keep none, and
+    load as before)."""
+    header = json.loads(bytes(data[8:8 + int.from_bytes(data[:8], "little")]))
+    expected = (header.get("__metadata__") or {}).get(CRC_KEY)
+    if expected is not None and str(zlib.crc32(_tensor_bytes(data))) != expected:
         raise DrafterFileError(f"{directory}: {WEIGHTS_FILE}'s bytes are not those written (CRC32 differs): the file "
                                f"was damaged after the save")
 

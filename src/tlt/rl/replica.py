@@ -103,12 +103,14 @@ def check_prompts_fit(task, spec, max_new_tokens: int) -> None:
     template's own tokens, so only the prompts long enough to be in doubt are tokenized: a million-prompt dataset
     costs a pass over its strings."""
     source = getattr(task, "source", None)
+    longest = None
     if isinstance(source, DatasetTask):
         examples = [*source.examples, *task.eval_examples]
     elif isinstance(task, ChatTask):
         examples = task.sample(GENERATED_SAMPLE, seed=0)
-        longest = getattr(source, "longest_problem", None)  # a generator that knows its longest prompt
-        examples += [longest()] if longest is not None else []
+        # a generator that knows its longest text, checked after the sample (a budget no sampled prompt fits
+        # is the budget's fault, not task.max_operations'): one drawn hours in stopped a run (QA)
+        longest = getattr(source, "longest_problem", lambda: None)()
     else:
         return  # a task given in code: its prompts are its owner's, and the engine checks each request
     template = len(task.prompt_ids(TaskExample("", "")))
@@ -120,17 +122,14 @@ def check_prompts_fit(task, spec, max_new_tokens: int) -> None:
     room = spec.max_positions - max_new_tokens - template - TEMPLATE_SLACK
     params = SamplingParams(max_new_tokens=max_new_tokens)
     byte_length = _normalized_byte_length(task.tokenizer)
-    for example in examples:
+    labelled = [(example, record_label(example) or "a task prompt") for example in examples]
+    if longest is not None:
+        labelled.append((longest, f"the built-in task's longest prompt (task.max_operations="
+                                  f"{longest.meta['operations']}; it draws such prompts rarely)"))
+    for example, label in labelled:
         if byte_length is None or byte_length(example.prompt) > room:
             request = Request(task.prompt_ids(example), params=params)
-            check_fits(request, spec.vocab_size, spec.max_positions, record_label(example) or _generated(example))
-
-
-def _generated(example) -> str:
-    operations = (getattr(example, "meta", None) or {}).get("operations")
-    if operations is None:
-        return "a task prompt"
-    return f"the built-in task's prompts of {operations} operations (task.max_operations)"
+            check_fits(request, spec.vocab_size, spec.max_positions, label)
 
 
 def _normalized_byte_length(tokenizer):

@@ -26,12 +26,13 @@ from tlt.models.rollout_copy import RolloutCopy
 from tlt.rollout.graph_runner import GraphRunner
 from tlt.rollout.in_flight import merge_hists
 from tlt.rollout.model_runner import ModelRunner, check_branching
-from tlt.rollout.policy import OFF, SpeculationPolicy, as_policy, check_arm, policy_strategies
+from tlt.rollout.policy import OFF, PolicyError, SpeculationPolicy, as_policy, policy_strategies
 from tlt.rollout.request import Request, RolloutResult, StepTrace, check_fits
 from tlt.rollout.scheduler import Scheduler
 from tlt.rollout.sequence import Sequence
 from tlt.sampling import is_integer, token_ids
 from tlt.speculative.decoder import SpeculativeDecoder
+from tlt.speculative.strategy import SpecStrategy
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,8 @@ class RolloutEngine:
     eos_token_ids: default stop tokens for requests that give none (default: the model's EOS tokens).
     drafter: an `EagleDrafter` for speculative decoding (attached to this model on construction).
     speculation: when and how to speculate, decided before every decode step: None (never), a `SpecStrategy`
-        (always) or a `SpeculationPolicy` (rollout/policy.py: `FixedSpeculation(strategy, gate=8)`,
-        `AdaptiveSpeculation(strategies)`, or your own).
+        or its name ("S5K1q": always) or a `SpeculationPolicy` (rollout/policy.py: `FixedSpeculation(strategy,
+        gate=8)`, `AdaptiveSpeculation(strategies)`, both taking names too, or your own).
     dtype: the rollout precision: "auto" (bf16 on CUDA, the model's own dtype elsewhere), a torch dtype or its
         name. A dtype other than the model's decodes from a `RolloutCopy` refreshed at every `generate()`.
     cuda_graphs: replay decode and verification steps as CUDA graphs (default: on CUDA).
@@ -351,8 +352,9 @@ class RolloutEngine:
         if self.speculation is None or self.model_runner.serving is None or not self.drafter_trained:
             return None
         arm = self.speculation.choose(batch_size)
-        if arm not in (None, "off"):
-            check_arm(arm)  # a custom policy's name ("S3K1N3") would fail deep inside the step
+        if arm not in (None, OFF) and not isinstance(arm, SpecStrategy):  # would fail deep inside the step
+            raise PolicyError(f"{type(self.speculation).__name__}.choose returned {arm!r}: a policy returns a "
+                              f"SpecStrategy (SpecStrategy.parse for a name), None or {OFF!r}")
         return arm
 
     def _retire(self, bar, collect_features) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import random
+import re
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Protocol, runtime_checkable
@@ -59,7 +60,7 @@ class SpeculationPolicy(Protocol):
 def check_arm(strategy) -> None:
     """A policy's arm must be a SpecStrategy: anything else would only fail at the first speculative step."""
     if not isinstance(strategy, SpecStrategy):
-        raise PolicyError(f"a speculation strategy must be a SpecStrategy or its name ('S4K2N8', 'S5K1q'), got "
+        raise PolicyError(f"a speculation strategy must be a SpecStrategy (SpecStrategy.parse('S4K2N8')), got "
                           f"{strategy!r}")
 
 
@@ -78,6 +79,8 @@ def _parsed_if_named(arm):
     try:
         return SpecStrategy.parse(arm) if isinstance(arm, str) else arm
     except StrategyError:
+        if re.match(r"S[0-9]", arm):  # meant as a strategy: its form said now, not a bare refusal in the engine
+            raise
         return arm
 
 
@@ -85,7 +88,7 @@ def _parsed_if_named(arm):
 class FixedSpeculation:
     """One strategy, at every batch size or only while the batch is at most `gate`; nothing to learn."""
 
-    strategy: SpecStrategy
+    strategy: SpecStrategy | str  # a name is parsed
     gate: int | None = None
 
     def __post_init__(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from decimal import Decimal
@@ -39,6 +40,8 @@ def _text_field(value, name: str, where: str, *, answer: bool) -> str:
     numeric = answer and isinstance(value, (int, float)) and not isinstance(value, bool)
     if numeric and value != value:
         raise DatasetError(f"{where}: field {name!r} is NaN")
+    if numeric and value in (math.inf, -math.inf):
+        raise DatasetError(f"{where}: field {name!r} is infinite, which no answer can match")
     if not (isinstance(value, str) or numeric):
         hint = (" (a list of chat messages: tlt formats a text prompt with the model's chat template; put the "
                 "user's text in the field)" if isinstance(value, list) and not answer else
@@ -62,14 +65,16 @@ def _text_field(value, name: str, where: str, *, answer: bool) -> str:
 
 def _integer_of_float(value: float, name: str, where: str) -> int:
     """An integer a float column holds (a CSV or parquet column turns float when one row has a decimal point),
-    written as the integer: "4", not "4.0". Past 2^53 a float keeps 15-17 significant digits, so a long integer
-    read as a float may have lost its last ones (12345678901234567890 is read as ...168): its gold could never be
-    matched, and is refused unless its repr is a round number (1e+20)."""
-    mantissa = repr(value).split("e")[0].replace("-", "").replace(".", "").strip("0")
+    written as the integer: "4", not "4.0". The number as written, from the float's shortest repr (1e23 is
+    100000000000000000000000, not the float's exact ...991611392). Past 2^53 a float keeps 15-17 significant
+    digits, so a long integer read as a float may have lost its last ones (12345678901234567890 is read as
+    1.2345678901234567e+19): its gold could never be matched, and is refused unless it is a round number."""
+    written = repr(value)
+    mantissa = written.split("e")[0].replace("-", "").replace(".", "").strip("0")
     if abs(value) >= 2 ** 53 and len(mantissa) >= 15:
-        raise DatasetError(f"{where}: field {name!r} holds {int(value)}, a number read as a float past 2^53, whose "
+        raise DatasetError(f"{where}: field {name!r} holds {written}, a number read as a float past 2^53, whose "
                            f"last digits a float may have lost: store the answers as text (quoted) or integers")
-    return int(value)
+    return int(Decimal(written))
 
 
 def _check_encodable(text: str, name: str, where: str) -> None:
