@@ -89,6 +89,22 @@
 # Seventeenth session (2026-12-02, no GPU): the drafter can train on its own features (DrafterTrainConfig.unroll,
 # run.drafter_unroll, warmup --unroll; off by default): tests-fixed's captured_drafter_micro_step test now also
 # captures three unrolled levels. A rollout that stops decoding for 30 min ends the step. Plan D unchanged.
+# Eighteenth session (2026-12-02, no GPU): the SD targets left (#13 T=1 1.5x and greedy 2.5x, #14 2.0x) need a
+# higher tau more than a cheaper step (a step costs 1.5-1.8 plain steps on the H200: tau / speed-up), and the
+# warm-up is data-bound (each CPU round of fresh prompts lifted held-out acceptance ~0.03, docs/benchmarks.md
+# section 3), while the device samples ~375x faster. New phase `drafter-more`: the committed drafter goes on
+# with MORE_PROMPTS (2,048) fresh prompts and MORE_STEPS (2,000) steps, then serves the call's later phases.
+# (Dry-run on the CPU with 4 prompts: rc 0, the drafter sent back in parts. Reading the target's middle layers
+# too, as EAGLE-3 does, bought nothing at depth 1: benchmarks/drafter_aux_features.py, section 3.)
+# NEXT (plan E, 15 minutes; plan D after it when a later session has the device again):
+#   1. as plan D's call 1 (tests-fixed: the overlapped steps' CUDA tests first, correctness before speed).
+#   2. carry .gpu/b, at once, timeout_s = lease.budget_left_s - 60, BUDGET = that - 40:
+#        . .gpu/env.sh && SPEC_BATCHES=1 SPEC_GREEDY_BATCHES=1 SPEC_MIN_PROMPTS=24 BUDGET=<...> \
+#          bash benchmarks/gpu_session.sh drafter-more spec spec-greedy
+#      (copy $OUT/speculative_*.json back as speculative_<gpu>_more{,_greedy}.json beside the committed ones, and
+#      $OUT/drafter/ to .gpu/drafter: a later call serves it with CARRIED=.gpu/drafter)
+#   3. if >= 200 s are left: . .gpu/env.sh && CARRIED=.gpu/drafter BUDGET=<left - 60> bash benchmarks/gpu_session.sh
+#      adaptive (carry .gpu/drafter too)
 # Eleventh session (2026-11-28, no GPU): the drafter's capture now holds the process's capture lock beside the
 # rollout's (tlt/capture_lock.py; a review found a device-wide sync at the decode loop's capture could invalidate
 # it), a failed capture reports its own cause, and the tail test checks the tail-trained drafter's loss fell. If
@@ -309,6 +325,14 @@ for phase in "$@"; do
         -k "tail or stale_arrival or captured_drafter_micro_step or overlapped or decoding_first" \
         --junitxml="$OUT/tests_fixed.xml" ;;
     drafter) warm_drafter 300 "${WARM_PROMPTS:-512}" "${WARM_STEPS:-1000}" ;;
+    drafter-more)  # a fifth warm-up round where data is cheap: the committed drafter (four rounds, 1,280 prompts on
+      # the CPU; data-bound: each round of fresh prompts lifted it, docs/benchmarks.md section 3) goes on with
+      # MORE_PROMPTS fresh prompts (seed 4: none of its rounds'), then serves every phase after it in the call
+      # ($DRAFTER) and comes back in $OUT/drafter/ (a warm-up cut at its limit saved its drafter within 60 s)
+      run drafter_more 330 python3 -m tlt.cli drafter warmup --init "$CARRIED" --out "$DRAFTER" --overwrite \
+        --seed 4 --prompts "${MORE_PROMPTS:-2048}" --steps "${MORE_STEPS:-2000}" --lr-schedule cosine \
+        --eval-prompts "${MORE_EVAL_PROMPTS:-8}"
+      send_drafter ;;
     spec)  # T=1: speculative_${GPU}.json is the file #13 and #14 need (spec-greedy adds its results to it)
       run spec_t1 150 python3 benchmarks/speculative.py --device cuda --drafter "$DRAFTER" --temperature 1 \
         --batches "$SPEC_BATCHES" --strategies "$SPEC_ARMS" --min-prompts "$SPEC_MIN_PROMPTS" --json "$OUT/speculative_${GPU}.json" \
