@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -84,7 +85,32 @@ def run(loaded, drafter, prompts, batch, strategy, max_new_tokens, seed, samplin
     else:
         result = profiled(lambda: engine.generate(requests), profile)
     ENGINE_SETUP.update(dtype=str(engine.forward.dtype).removeprefix("torch."), cuda_graphs=engine.runner is not None)
-    return result.tokens_per_s, result.speculation_summary(), step_stats(result, engine.model_runner, before)
+    summary = {**result.speculation_summary(), "tau_ci90": tau_interval(result) if batch == 1 else None}
+    return result.tokens_per_s, summary, step_stats(result, engine.model_runner, before)
+
+
+def tau_interval(result, level: float = 0.9, resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """At batch 1 a run's speculative steps fall to its requests in turn (a prefill starts each): the `level`
+    bootstrap interval of τ over its prompts (emitted tokens over row steps, prompts resampled). τ at T=1 moved
+    ±20% between 8-prompt runs of one arm (docs/benchmarks.md §9, eighteenth session): this says how far one
+    run's τ, and so its speed-up, can be trusted. None: under 2 prompts speculated."""
+    groups = []  # [emitted tokens, row steps] per prompt
+    for step in result.steps:
+        if step.kind == "prefill":
+            groups.append([0, 0])
+        elif step.kind == "decode" and step.mode == "sd" and groups:
+            groups[-1][0] += step.new_tokens
+            groups[-1][1] += step.batch_size
+    groups = [group for group in groups if group[1]]
+    if len(groups) < 2:
+        return None
+    rng = random.Random(seed)
+    taus = []
+    for _ in range(resamples):
+        picked = [groups[rng.randrange(len(groups))] for _ in groups]
+        taus.append(sum(g[0] for g in picked) / sum(g[1] for g in picked))
+    taus.sort()
+    return [taus[int((1 - level) / 2 * resamples)], taus[int((1 + level) / 2 * resamples) - 1]]
 
 
 def step_stats(result, model_runner, before: tuple[int, int]) -> dict:
@@ -247,6 +273,7 @@ def main(argv=None) -> dict:
             results["by_strategy"].setdefault(strategy.name, {})[key] = {
                 "tok_s": statistics.median(t for t, _ in outcomes),
                 "tau": statistics.median(summary["tau"] for _, summary in outcomes),
+                "tau_ci90_runs": [summary["tau_ci90"] for _, summary in outcomes],  # batch 1: per prompt
                 "speedup": statistics.median(ratios), "runs_tok_s": [t for t, _ in outcomes]}
         save()
         best = None

@@ -273,3 +273,23 @@ def test_adaptive_buckets_compare_each_buckets_speculative_steps_with_plain_ones
     assert result["by_bucket"]["4"] == {"plain_steps": 2, "sd_steps": 1, "plain_tok_s": pytest.approx(3000.0),
                                         "sd_tok_s": pytest.approx(2000.0), "ratio": pytest.approx(2 / 3)}
     assert result["sd_below_plain_where_on"] == ["bucket 4: x0.67 (1 SD steps)"]
+
+
+def test_the_speculative_benchmark_bounds_tau_over_its_prompts_at_batch_1():
+    """τ at T=1 moved ±20% between 8-prompt runs: each batch-1 run reports a bootstrap interval over its prompts
+    (its SD steps split at each prefill). Controls: equal prompts give a point, one prompt no interval."""
+    from types import SimpleNamespace
+
+    import speculative
+    from tlt.rollout.request import StepTrace
+
+    def run(per_prompt):  # each prompt's SD steps, by the tokens each emitted
+        steps = []
+        for emitted in per_prompt:
+            steps += [StepTrace("prefill", 1, 1, 0.0), StepTrace("decode", 1, 1, 0.0)]  # a plain step: not counted
+            steps += [StepTrace("decode", 1, tokens, 0.0, mode="sd") for tokens in emitted]
+        return SimpleNamespace(steps=steps)
+    assert speculative.tau_interval(run([[3, 3]] * 8)) == [3.0, 3.0]
+    low, high = speculative.tau_interval(run([[1, 1], [5, 5]] * 4))
+    assert 1.0 < low < 3.0 < high < 5.0
+    assert speculative.tau_interval(run([[2, 4]])) is None
