@@ -60,6 +60,18 @@ def test_ppo_clip_by_hand_each_aggregation():
         assert math.isclose(parts["clip_fraction"], 2 / 5, rel_tol=1e-6)  # ratios 2 and .5 are outside
 
 
+def test_clip_fraction_counts_the_tokens_whose_gradient_the_clip_stops():
+    """A ratio out of range on the side the clip does not act on (A > 0 with ratio < 1 - low, A < 0 with ratio >
+    1 + high) or with A = 0 keeps its gradient: it was counted as clipped (found by review; TRL's definition).
+    Control: the setup's advantages, where both out-of-range tokens are clipped."""
+    logp, old, _, mask = setup()  # ratios [2, 1, (masked)], [0.5, 1, 1]
+    totals = {"sequences": 2, "tokens": 5, "max_tokens": 4}
+    for advantages, expected in ((torch.tensor([1.0, -2.0]), 2 / 5), (torch.tensor([-1.0, 2.0]), 0.0),
+                                 (torch.zeros(2), 0.0), (torch.tensor([1.0, 2.0]), 1 / 5)):
+        _, parts = policy_loss("grpo", logp, old, advantages, mask, totals)
+        assert math.isclose(parts["clip_fraction"], expected, abs_tol=1e-7), advantages
+
+
 def test_asymmetric_clip_and_unclipped_side():
     logp, old, adv, mask = setup()
     loss, _ = policy_loss("dapo", logp, old, adv, mask, {"sequences": 2, "tokens": 5, "max_tokens": 4},

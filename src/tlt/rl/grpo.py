@@ -99,7 +99,10 @@ def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dic
     loss = AGGREGATIONS[name](token_losses, mask, totals)
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
-        clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
+        # tokens whose gradient the clip stops: past the bound on the advantage's side (TRL's definition; a
+        # ratio out of range on the other side, or with A = 0, still has its gradient: review)
+        adv = advantages[:, None]
+        clipped = (((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))).float()
         parts.update(loss=loss.detach(), clip_fraction=(clipped * mask).sum() / count,
                      ratio_mean=(ratio * mask).sum() / count, tokens=mask.sum())
     return loss, (metrics_to_host([parts])[0] if host_metrics else parts)
