@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tlt.models.eagle import write_weights
+from tlt.files import save_checked_tensors
 
 source, out, *commands = sys.argv[1:]
 tensors = {name: t.to(torch.bfloat16) if t.is_floating_point() else t
            for name, t in load_file(f"{source}/drafter.safetensors").items()}
-write_weights(Path(out) / "drafter.safetensors", tensors)  # with the CRC of its bf16 bytes, as a save writes it
+save_checked_tensors(Path(out) / "drafter.safetensors", tensors)  # with the CRC of its bf16 bytes, as a save writes it
 shutil.copy(f"{source}/drafter_config.json", out)
 report = json.loads(open(f"{source}/warmup_report.json").read())
 provenance = {"made_by": "benchmarks/gpu_prepare_drafter.sh", "rounds": commands, "weights": "bfloat16",

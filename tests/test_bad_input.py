@@ -648,6 +648,29 @@ def test_a_drafter_whose_weights_changed_after_the_save_is_refused(tmp_path):
         EagleDrafter(model.config).attach(model).save(tmp_path / "afile")
 
 
+def test_a_drafter_optimizer_state_changed_after_the_save_is_refused(tmp_path):
+    """The Adam moments that `--init` and `run.drafter` go on from were read unchecked (QA): their file keeps
+    the CRC32 of its tensor bytes too. Control: as written, it loads."""
+    from tlt.drafter.trainer import OPTIMIZER_FILE, DrafterTrainer
+    from tlt.models.eagle import DrafterError, EagleDrafter
+
+    from tlt.drafter.buffer import FeatureBuffer
+
+    model = tiny_model("llama")
+    buffer = FeatureBuffer(max_tokens=1000, recency=0.0)
+    buffer.add(torch.randint(0, model.config.vocab_size, (24,)), torch.randn(24, model.config.hidden_size), step=0)
+    trainer = DrafterTrainer(EagleDrafter(model.config).attach(model), buffer)
+    trainer.train_steps(1)  # Adam moments: tensor bytes to damage
+    trainer.save(tmp_path)
+    assert DrafterTrainer.saved_state(tmp_path)["steps"] == 1
+    state = bytearray((tmp_path / OPTIMIZER_FILE).read_bytes())
+    state[-3] ^= 0x40
+    (tmp_path / OPTIMIZER_FILE).write_bytes(state)
+    with pytest.raises(DrafterError, match=r"optimizer state .*drafter_optimizer.safetensors's bytes are not those "
+                                           r"written \(CRC32 differs\)"):
+        DrafterTrainer.saved_state(tmp_path)
+
+
 @pytest.mark.parametrize("failure", ["disk full", "safetensors"])
 def test_a_command_that_cannot_write_its_results_says_so_in_one_line(capfd, monkeypatch, failure):
     """Outside `tlt train` (which names the checkpoint it kept), a full disk or a read-only mount met while

@@ -195,9 +195,15 @@ def test_generate_with_a_drafter_speculates_while_the_batch_is_within_the_gate(t
     assert main(["generate", "--model", model, "-n", "1", "--max-new-tokens", "4", "--threads", "1", "hello"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "no long tail" in out and "speculative decoding targets" not in out
+    # every response ended at its first token: no decode step, and the gate was blamed (QA)
+    assert main(["generate", "--model", model, "--drafter", drafter, "--max-new-tokens", "1", "--threads", "1",
+                 "hello"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "never ran: no decode step ran" in out and "--gate" not in out
 
 
 @pytest.mark.parametrize("flags,message", [(["--strategy", "deep"], "strategy must look like"),
+                                           (["--strategy", ""], "strategy must look like"),  # ran the default (QA)
                                            (["--gate", "0"], "--gate must be at least 1"),
                                            (["--drafter", "/nonexistent/drafter"], "is not a tlt drafter"),
                                            (["--no-drafter", "--strategy", "S3K1q"], "needs --drafter"),

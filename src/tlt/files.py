@@ -79,3 +79,46 @@ def file_crc32(path: Path) -> int:
         while block := file.read(1 << 26):
             crc = zlib.crc32(block, crc)
     return crc
+
+
+# A safetensors file's own metadata key: the CRC32 of its tensor bytes (save_checked_tensors). In the file itself,
+# so that a save is one atomic rename (a CRC kept in a file beside it went stale when a save was killed between
+# the two: review).
+CRC_KEY = "tensors_crc32"
+
+
+class DamagedFileError(TltError):
+    """A file whose bytes are not those written."""
+
+
+def save_checked_tensors(path: Path, tensors: dict) -> None:
+    """`tensors` as a safetensors file (written whole) keeping the CRC32 of its tensor bytes in its metadata:
+    bytes changed inside a file of intact size and header (a disk or copy error) loaded without a word (QA). The
+    tensor bytes do not depend on the metadata, so the CRC of a first serialization holds for the second."""
+    import safetensors.torch
+
+    crc = zlib.crc32(_tensor_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"})))
+    payload = safetensors.torch.save(tensors, metadata={"format": "pt", CRC_KEY: str(crc)})
+    write_whole(Path(path), lambda where: where.write_bytes(payload))
+
+
+def load_checked_tensors(path: Path) -> dict:
+    """The tensors of a safetensors file, checked against the CRC32 its metadata keeps (files written without
+    one load unchecked); DamagedFileError when they differ. A file cut short fails in safetensors' own load."""
+    import json
+
+    import safetensors.torch
+
+    data = Path(path).read_bytes()
+    tensors = safetensors.torch.load(data)
+    header = json.loads(bytes(data[8:8 + int.from_bytes(data[:8], "little")]))
+    expected = (header.get("__metadata__") or {}).get(CRC_KEY)
+    if expected is not None and str(zlib.crc32(_tensor_bytes(data))) != expected:
+        raise DamagedFileError(f"{Path(path).name}'s bytes are not those written (CRC32 differs): the file was "
+                               f"damaged after the save")
+    return tensors
+
+
+def _tensor_bytes(data: bytes) -> memoryview:
+    """What follows a safetensors file's header: its 8-byte length, then the header's JSON."""
+    return memoryview(data)[8 + int.from_bytes(data[:8], "little"):]

@@ -101,7 +101,7 @@ def _speculation(args) -> FixedSpeculation | None:
     gate = DEFAULT_GATE if args.gate is None else args.gate
     if gate < 1:
         raise TltError(f"--gate must be at least 1 (rows running), got {gate}")
-    strategy = SpecStrategy.parse(args.strategy or DEFAULT_STRATEGY)
+    strategy = SpecStrategy.parse(DEFAULT_STRATEGY if args.strategy is None else args.strategy)  # "": refused
     check_drafter_dir(args.drafter)
     return FixedSpeculation(strategy, gate)
 
@@ -109,8 +109,10 @@ def _speculation(args) -> FixedSpeculation | None:
 def _print_speculation(console, speculation: FixedSpeculation, result) -> None:
     summary = result.speculation_summary()
     if not summary.get("sd_step_share"):
-        console.print(f"speculative decoding ({speculation.strategy}) never ran: the running batch stayed above "
-                      f"--gate {speculation.gate}")
+        decoded = any(step.kind == "decode" for step in result.steps)
+        why = (f"the running batch stayed above --gate {speculation.gate}" if decoded else
+               "no decode step ran (every response ended at its first token)")  # (the gate was blamed: QA)
+        console.print(f"speculative decoding ({speculation.strategy}) never ran: {why}")
         return
     console.print(f"speculative decoding ({speculation.strategy}, while ≤ {speculation.gate} rows ran): "
                   f"{100 * summary['sd_step_share']:.0f}% of decode steps, τ {summary['tau']:.2f} tokens per row "

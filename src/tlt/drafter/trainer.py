@@ -23,7 +23,7 @@ from tlt.drafter.step_graph import MicroStepGraph
 from tlt.drafter.unroll import MAX_UNROLL, level_valid, unrolled_levels
 from tlt.device_values import metrics_to_host
 from tlt.errors import first_line
-from tlt.files import write_whole
+from tlt.files import load_checked_tensors, save_checked_tensors, write_whole
 from tlt.models.eagle import DrafterError
 from tlt.optimizer_state import flatten_optimizer, unflatten_optimizer
 
@@ -324,12 +324,10 @@ class DrafterTrainer:
         not JSON) is a DrafterError naming it."""
         import json
 
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         try:
             state = json.loads((directory / TRAINER_FILE).read_text())
-            optimizer = unflatten_optimizer(load_file(str(directory / OPTIMIZER_FILE)), state["optimizer"])
+            optimizer = unflatten_optimizer(load_checked_tensors(directory / OPTIMIZER_FILE), state["optimizer"])
             return {"optimizer": optimizer, "steps": state["steps"]}
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, a safetensors file cut short
             raise DrafterError(f"{directory}: cannot read the drafter's optimizer state ({OPTIMIZER_FILE}, "
@@ -373,11 +371,9 @@ def save_trainer_state(directory: str | Path, state: dict) -> None:
     drafter directory with it seeds the next run's spot training (or `tlt drafter warmup --init`) where it stopped."""
     import json
 
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     tensors, meta = flatten_optimizer(state["optimizer"])
-    write_whole(directory / OPTIMIZER_FILE, lambda path: save_file(tensors, str(path)))
+    save_checked_tensors(directory / OPTIMIZER_FILE, tensors)  # (flipped bytes loaded silently: QA)
     text = json.dumps({"steps": state["steps"], "optimizer": meta})
     write_whole(directory / TRAINER_FILE, lambda path: path.write_text(text))
 

@@ -11,18 +11,17 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import zlib
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tlt.errors import TltError, first_line
-from tlt.files import refuse_a_file_in_the_way, write_whole
+from tlt.files import (DamagedFileError, load_checked_tensors, refuse_a_file_in_the_way, save_checked_tensors,
+                       write_whole)
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.loading import LoadedModel
 from tlt.models.lean_forward import (LeanForward, aligned_span, grouped_attention_bias,
@@ -34,7 +33,6 @@ log = logging.getLogger(__name__)
 WARNED_POSITIONS: set[tuple[str, str]] = set()  # (drafter's, target's) RoPE already warned about
 
 CONFIG_FILE = "drafter_config.json"
-CRC_KEY = "tensors_crc32"  # WEIGHTS_FILE's metadata: the CRC32 of its tensor bytes
 WEIGHTS_FILE = "drafter.safetensors"
 
 
@@ -378,7 +376,7 @@ class EagleDrafter(nn.Module):
         refuse_a_file_in_the_way(directory, "drafter directory", DrafterError)  # (mkdir said "File exists": QA)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        write_weights(directory / WEIGHTS_FILE, tensors)
+        save_checked_tensors(directory / WEIGHTS_FILE, tensors)
         text = json.dumps({
             "target_config": self.config.to_dict(),
             "draft_vocab_size": None if self.draft_to_target is None else int(self.draft_to_target.shape[0]),
@@ -394,11 +392,9 @@ class EagleDrafter(nn.Module):
             meta = json.loads((directory / CONFIG_FILE).read_text())
             settings = dict(meta["target_config"])
             config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-            data = (directory / WEIGHTS_FILE).read_bytes()
-            tensors = safetensors.torch.load(data)  # a file cut short fails here, saying so
-            _check_crc32(directory, data)
-        except DrafterFileError:
-            raise
+            tensors = load_checked_tensors(directory / WEIGHTS_FILE)  # a file cut short fails here, saying so
+        except DamagedFileError as error:
+            raise DrafterFileError(f"{directory}: {error}") from None
         except Exception as error:  # noqa: BLE001 - bad JSON, missing keys, corrupt safetensors
             # first_line: transformers' config validation puts its reason on the line after "...validator X:"
             raise DrafterFileError(f"{directory}: cannot read the drafter ({type(error).__name__}: "
@@ -417,32 +413,6 @@ class EagleDrafter(nn.Module):
             raise DrafterError(f"{directory}: drafter weights do not match its config ({names})")
         drafter.load_state_dict(tensors)
         return drafter.to(device=drafter.target.device, dtype=drafter.target.dtype)
-
-
-def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """A drafter's safetensors file with the CRC32 of its tensor bytes in its own metadata: bytes changed inside a
-    file of intact size and header (a disk or copy error) loaded without a word (QA). In the file itself, so that a
-    save is one atomic rename: a CRC kept in the config beside it went stale when a save was killed between the
-    two files (review). The tensor bytes do not depend on the metadata, so the CRC of a first serialization holds
-    for the second."""
-    crc = zlib.crc32(_tensor_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"})))
-    payload = safetensors.torch.save(tensors, metadata={"format": "pt", CRC_KEY: str(crc)})
-    write_whole(path, lambda where: where.write_bytes(payload))
-
-
-def _tensor_bytes(data: bytes) -> memoryview:
-    """What follows a safetensors file's header: its 8-byte length, then the header's JSON."""
-    return memoryview(data)[8 + int.from_bytes(data[:8], "little"):]
-
-
-def _check_crc32(directory: Path, data: bytes) -> None:
-    """The weights file's bytes against the CRC32 its metadata keeps (drafters saved before it keep none, and
-    load as before)."""
-    header = json.loads(bytes(data[8:8 + int.from_bytes(data[:8], "little")]))
-    expected = (header.get("__metadata__") or {}).get(CRC_KEY)
-    if expected is not None and str(zlib.crc32(_tensor_bytes(data))) != expected:
-        raise DrafterFileError(f"{directory}: {WEIGHTS_FILE}'s bytes are not those written (CRC32 differs): the file "
-                               f"was damaged after the save")
 
 
 def _warn_if_positions_differ(drafter_config, target_config) -> None:
