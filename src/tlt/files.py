@@ -97,7 +97,8 @@ def save_checked_tensors(path: Path, tensors: dict) -> None:
     tensor bytes do not depend on the metadata, so the CRC of a first serialization holds for the second."""
     import safetensors.torch
 
-    crc = zlib.crc32(_tensor_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"})))
+    first = safetensors.torch.save(tensors, metadata={"format": "pt"})
+    crc = zlib.crc32(memoryview(first)[_tensors_start(first):])
     payload = safetensors.torch.save(tensors, metadata={"format": "pt", CRC_KEY: str(crc)})
     write_whole(Path(path), lambda where: where.write_bytes(payload))
 
@@ -111,14 +112,14 @@ def load_checked_tensors(path: Path) -> dict:
 
     data = Path(path).read_bytes()
     tensors = safetensors.torch.load(data)
-    header = json.loads(bytes(data[8:8 + int.from_bytes(data[:8], "little")]))
-    expected = (header.get("__metadata__") or {}).get(CRC_KEY)
-    if expected is not None and str(zlib.crc32(_tensor_bytes(data))) != expected:
+    start = _tensors_start(data)
+    expected = (json.loads(data[8:start]).get("__metadata__") or {}).get(CRC_KEY)
+    if expected is not None and str(zlib.crc32(memoryview(data)[start:])) != expected:
         raise DamagedFileError(f"{Path(path).name}'s bytes are not those written (CRC32 differs): the file was "
                                f"damaged after the save")
     return tensors
 
 
-def _tensor_bytes(data: bytes) -> memoryview:
-    """What follows a safetensors file's header: its 8-byte length, then the header's JSON."""
-    return memoryview(data)[8 + int.from_bytes(data[:8], "little"):]
+def _tensors_start(data: bytes) -> int:
+    """Where a safetensors file's tensor bytes start: after its header's 8-byte length and the header's JSON."""
+    return 8 + int.from_bytes(data[:8], "little")
