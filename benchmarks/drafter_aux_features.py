@@ -32,14 +32,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
-from drafter_loss import responses  # noqa: E402
+from drafter_unroll import add_response_args, held_out_responses  # noqa: E402
 
 from tlt.drafter.buffer import FeatureBuffer  # noqa: E402
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer  # noqa: E402
-from tlt.models import load_model  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
-from tlt.rollout.engine import RolloutEngine  # noqa: E402
-from tlt.tasks import ArithmeticTask, ChatTask  # noqa: E402
 
 COMMITTED = Path(__file__).parent / "drafters" / "smollm2-arithmetic"
 
@@ -109,19 +106,12 @@ def main(argv=None) -> dict:
                         help="'final' or 'final+L1,L2,...' (0-based decoder layers)")
     parser.add_argument("--from-scratch", action="store_true", help="fresh drafters (torch seed 0) over the "
                         "committed drafter's draft vocabulary; default: fine-tune the committed drafter")
-    parser.add_argument("--prompts", type=int, default=96, help="2 responses each; the last 20%% are held out")
+    add_response_args(parser)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--eval-every", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=7, help="of the prompts")
-    parser.add_argument("--cache", help="JSON file for the generated responses (reused when it exists)")
     args = parser.parse_args(argv)
-    loaded = load_model()
-    task = ChatTask(ArithmeticTask(), loaded.tokenizer)
-    prompts, responses_ = responses(loaded, task, args.prompts, Path(args.cache) if args.cache else None,
-                                    seed=args.seed)
-    held_from = len(prompts) - 2 * max(1, len(prompts) // 2 // 5)
-    forward = RolloutEngine(loaded, max_batch_size=8).policy_forward
+    loaded, prompts, responses_, held_from, forward = held_out_responses(args)
     variants = {text: [int(x) for x in text.partition("+")[2].split(",") if x] for text in args.variants}
     # every variant's layers in one forward per sequence batch; a variant reads its own slices
     every_layer = sorted({layer for layers in variants.values() for layer in layers})

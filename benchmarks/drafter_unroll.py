@@ -51,6 +51,24 @@ def scores(forward, drafter, held_prompts, held_responses, held_buffer, depth: i
     return out
 
 
+def add_response_args(parser) -> None:
+    """The fresh responses' flags, shared by the drafter-training probes (drafter_aux_features.py too)."""
+    parser.add_argument("--prompts", type=int, default=96, help="2 responses each; the last 20%% are held out")
+    parser.add_argument("--seed", type=int, default=7, help="of the prompts: not the warm-up's")
+    parser.add_argument("--cache", help="JSON file for the generated responses (reused when it exists)")
+
+
+def held_out_responses(args) -> tuple:
+    """(loaded model, prompts, responses, index of the first held-out response, the policy's forward): T=1
+    responses to the built-in task's prompts, every response of the last 20% of prompts held out."""
+    loaded = load_model()
+    task = ChatTask(ArithmeticTask(), loaded.tokenizer)
+    prompts, responses_ = responses(loaded, task, args.prompts, Path(args.cache) if args.cache else None,
+                                    seed=args.seed)
+    held_from = len(prompts) - 2 * max(1, len(prompts) // 2 // 5)
+    return loaded, prompts, responses_, held_from, RolloutEngine(loaded, max_batch_size=8).policy_forward
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
@@ -58,19 +76,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--drafter", default=str(COMMITTED), help="the drafter every variant starts from")
     parser.add_argument("--from-scratch", action="store_true", help="start every variant from a fresh drafter "
                         "(torch seed 0) over --drafter's draft vocabulary instead")
-    parser.add_argument("--prompts", type=int, default=96, help="2 responses each; the last 20%% are held out")
+    add_response_args(parser)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=1e-4, help="a warmed drafter's (its warm-up ended there)")
     parser.add_argument("--depth", type=int, default=5, help="chain depth scored (and the judge's unroll)")
-    parser.add_argument("--seed", type=int, default=7, help="of the prompts: not the warm-up's")
-    parser.add_argument("--cache", help="JSON file for the generated responses (reused when it exists)")
     args = parser.parse_args(argv)
-    loaded = load_model()
-    task = ChatTask(ArithmeticTask(), loaded.tokenizer)
-    prompts, responses_ = responses(loaded, task, args.prompts, Path(args.cache) if args.cache else None,
-                                    seed=args.seed)
-    held_from = len(prompts) - 2 * max(1, len(prompts) // 2 // 5)
-    forward = RolloutEngine(loaded, max_batch_size=8).policy_forward
+    loaded, prompts, responses_, held_from, forward = held_out_responses(args)
     train_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=0)
     collect_features(forward, prompts[:held_from], responses_[:held_from], train_buffer, step=0)
     held_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=0)
