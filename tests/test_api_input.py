@@ -3,6 +3,8 @@
 Found by an adversarial pass over the API (2026-11-28): each of these failed deep inside torch or the engine, or
 (a refused `set_drafter`) left the engine labelling samples with a drafter version that never served them."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -118,3 +120,36 @@ def test_sampling_numbers_take_numpy_floats_and_refuse_bools():
     for bad in (dict(temperature=True), dict(top_p=True)):
         with pytest.raises(TltError):
             SamplingParams(**bad)
+
+
+def test_a_run_directory_given_as_a_drafter_names_the_drafter_inside_it(tmp_path):
+    """`--drafter RUN_DIR` (or a warm-up's parent directory) points at the drafter it holds (found by QA)."""
+    model = tiny_model("llama")
+    EagleDrafter(model.config).save(tmp_path / "run" / "final" / "drafter")
+    with pytest.raises(DrafterError, match=r"is not a tlt drafter .*; did you mean .*run/final/drafter\?"):
+        EagleDrafter.load(tmp_path / "run", model)
+    with pytest.raises(DrafterError, match=r"is not a tlt drafter \(needs [^)]*\)$"):  # nothing inside: no hint
+        EagleDrafter.load(tmp_path / "elsewhere", model)
+    assert EagleDrafter.load(tmp_path / "run" / "final" / "drafter", model) is not None
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda meta: "{", "not valid JSON"),
+    (lambda meta: "[]", "no target_config object"),
+    (lambda meta: json.dumps({"draft_vocab_size": None}), "no target_config object"),
+    (lambda meta: json.dumps({**meta, "target_config": {k: v for k, v in meta["target_config"].items()
+                                                        if k != "model_type"}}), "target_config has no model_type"),
+    (lambda meta: json.dumps({**meta, "target_config": {**meta["target_config"], "model_type": "nope"}}),
+     "model_type 'nope', which transformers does not know")])
+def test_a_damaged_drafter_config_is_named_by_its_key_not_by_a_python_error(tmp_path, damage, named):
+    """A hand-edited drafter_config.json was refused as "(KeyError: 'target_config')" (found by QA). Control:
+    the file as saved loads."""
+    model = tiny_model("llama")
+    EagleDrafter(model.config).save(tmp_path)
+    saved = (tmp_path / "drafter_config.json").read_text()
+    (tmp_path / "drafter_config.json").write_text(damage(json.loads(saved)))
+    with pytest.raises(DrafterError, match=named) as error:
+        EagleDrafter.load(tmp_path, model)
+    assert "Error:" not in str(error.value)
+    (tmp_path / "drafter_config.json").write_text(saved)
+    EagleDrafter.load(tmp_path, model)

@@ -174,6 +174,21 @@ def test_a_line_cut_short_is_dropped_and_a_bad_line_is_named(tmp_path):
     assert main(["report", str(tmp_path)]) == 2
 
 
+@pytest.mark.parametrize("lines, named", [('{"step": 1}\n{"step": 2}\n{"step": 2}\n', "line 3: step 2 after step 2"),
+                                          ('{"step": 2}\n{"step": 1}\n', "line 2: step 1 after step 2"),
+                                          ('{"step": -1}\n{"step": 1}\n', r"line 1: step -1 \(steps start at 1\)")])
+def test_steps_out_of_order_are_named_not_drawn(tmp_path, lines, named):
+    """A hand-made or concatenated metrics.jsonl with repeated, backward or negative steps was drawn as a curve
+    that doubles back (found by QA). Control: steps with a gap (a line lost) still read."""
+    from tlt.errors import TltError
+
+    (tmp_path / "metrics.jsonl").write_text(lines)
+    with pytest.raises(TltError, match=named):
+        read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 3}\n')
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 3]
+
+
 def test_a_checkpointed_step_whose_line_was_cut_short_is_said_to_be_lost(tmp_path, caplog):
     """Resuming from step 3's checkpoint with step 3's line cut short dropped that step's record without a word
     (found by QA); it is said now. Control: the same file resumed from step 2 (step 3 is re-run) says nothing."""

@@ -273,9 +273,11 @@ def test_policies_refuse_what_would_only_fail_mid_rollout():
     assert FixedSpeculation("S3K2N6").strategy == strategy
     assert RolloutEngine(tiny_model(), speculation="S3K2N6").speculation.strategy == strategy
     assert AdaptiveSpeculation(["S3K2N6", "S5K1q"]).bandit.arms[1:] == [strategy, SpecStrategy.parse("S5K1q")]
-    for malformed in (lambda: FixedSpeculation("S3K2"), lambda: AdaptiveSpeculation(["S5K1q", "S3K2"])):
-        with pytest.raises(StrategyError, match="strategy must look like S4K2N8"):
-            malformed()
+    for no_rule in (lambda: FixedSpeculation("S3K2"), lambda: AdaptiveSpeculation(["S5K1q", "S3K2"])):
+        with pytest.raises(StrategyError, match="'S3K2' names no acceptance rule: .*S3K2N6.* or S3K2q"):
+            no_rule()
+    with pytest.raises(StrategyError, match="strategy must look like S4K2N8"):
+        FixedSpeculation("S3K2x")
 
 
 def test_a_strategy_whose_frontier_outnumbers_its_tree_gets_its_slots():

@@ -707,19 +707,30 @@ def test_a_run_without_a_drafter_writes_none(tmp_path):
     assert not (tmp_path / "untrained" / "final" / "drafter").exists()
 
 
-def test_a_speculative_run_whose_drafter_never_trained_says_why_final_has_none(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("gate_off", [False, True])
+def test_a_speculative_run_whose_drafter_never_trained_says_why_final_has_none(tmp_path, capsys, monkeypatch,
+                                                                                gate_off):
+    """gate_off: run.gate=auto found no arm that pays (sd/gate 0), which its step lines said; the end of the run
+    blamed a short run or no idle worker instead (found by QA)."""
     from test_distributed import make_controller
+    from tlt.distributed.controller import DistributedGRPO
     from tlt.distributed.worker import RolloutWorker
 
     untrained = {"trained_steps": 0, "published": [], "error": None, "loss": None, "top1": None}
     monkeypatch.setattr(RolloutWorker, "spot_train", lambda self, step: untrained)  # no worker sat idle
+    if gate_off:
+        step = DistributedGRPO.train_step
+        monkeypatch.setattr(DistributedGRPO, "train_step", lambda self: {**step(self), "sd/gate": 0})
     controller = make_controller(tmp_path, **{"run.steps": 1})
     try:
         train(controller.config, trainer=controller)
     finally:
         controller.close()
     assert not (tmp_path / "final" / "drafter").exists()
-    assert "the run's drafter never trained" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the run's drafter never trained" in out
+    assert ("SD was off: no arm pays on this device" in out) == gate_off
+    assert ("no spot-training step ran" in out) != gate_off
 
 
 def test_a_run_placement_turned_off_speculation_for_is_not_said_to_have_an_untrained_drafter(tmp_path, capsys):

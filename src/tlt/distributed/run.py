@@ -105,8 +105,9 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
                       f"{shlex.quote(f'run.drafter={drafter}')})")
     elif isinstance(trainer, DistributedGRPO) and trainer.config.run.speculative != "off":  # as placed (resolve
         # may have turned it off, and said why); GRPOTrainer saves none
-        console.print(f"no drafter in {final}: the run's drafter never trained (no spot-training step ran: a short "
-                      f"run, or no worker idle in the tail) and run.drafter gave none")
+        why = ("SD was off: no arm pays on this device, run.gate=auto" if history and history[-1].get("sd/gate") == 0
+               else "no spot-training step ran: a short run, or no worker idle in the tail")
+        console.print(f"no drafter in {final}: the run's drafter never trained ({why}) and run.drafter gave none")
     return history
 
 

@@ -96,6 +96,11 @@ def _records(path: Path) -> list[tuple[str, dict]]:
                 break  # cut short: every line is written whole with its newline
             raise TltError(f"{path}, line {number}: not a step record (a JSON object with an integer step); "
                            f"delete or mend that line (the checkpoints do not depend on it)")
+        previous = records[-1][1]["step"] if records else 0
+        if record["step"] <= previous:  # a run writes steps 1, 2, ... once each (a resume truncates first)
+            raise TltError(f"{path}, line {number}: step {record['step']} "
+                           + (f"after step {previous}" if records else "(steps start at 1)")
+                           + ": a run's steps increase; delete or mend that line (the checkpoints do not depend on it)")
         records.append((line, record))
     return records
 

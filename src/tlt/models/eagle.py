@@ -82,15 +82,46 @@ def _checked_draft_vocab(draft_vocab, vocab_size: int) -> torch.Tensor:
 def check_drafter_dir(directory: str | Path) -> Path:
     """The directory, if it holds a tlt drafter's two files (a cheap check before loading anything else)."""
     directory = Path(directory)
-    if not (directory / CONFIG_FILE).exists() or not (directory / WEIGHTS_FILE).exists():
-        raise DrafterError(f"{directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    if not is_drafter_dir(directory):
+        # a run directory keeps its last drafter in final/drafter, a warm-up's --out holds one at its top
+        inside = next((directory / sub for sub in ("final/drafter", "drafter") if is_drafter_dir(directory / sub)),
+                      None)
+        hint = f"; did you mean {inside}?" if inside is not None else ""
+        raise DrafterError(f"{directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE}){hint}")
     return directory
+
+
+def is_drafter_dir(directory: Path) -> bool:
+    return (directory / CONFIG_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
 
 
 def read_target_config(directory: str | Path) -> dict:
     """The target's config a drafter directory was built for (drafter_config.json's target_config), read without
-    loading anything; OSError / ValueError / KeyError when it is missing or damaged."""
-    return json.loads((Path(directory) / CONFIG_FILE).read_text())["target_config"]
+    loading anything; a DrafterFileError naming what is missing or damaged."""
+    return read_drafter_meta(Path(directory))["target_config"]
+
+
+def read_drafter_meta(directory: Path) -> dict:
+    """drafter_config.json, checked for what loading reads: a JSON object whose target_config is an object with a
+    model_type that transformers knows (each failure one line naming the key, not Python's KeyError)."""
+    from transformers import CONFIG_MAPPING
+
+    path = directory / CONFIG_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as error:
+        raise DrafterFileError(f"{path}: cannot read it ({first_line(error)})") from None
+    except ValueError as error:
+        raise DrafterFileError(f"{path}: not valid JSON ({first_line(error)})") from None
+    target = meta.get("target_config") if isinstance(meta, dict) else None
+    if not isinstance(target, dict):
+        raise DrafterFileError(f"{path}: no target_config object (the config of the model the drafter was made "
+                               f"for); a drafter saved by tlt has one")
+    model_type = target.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        what = "no model_type" if model_type is None else f"model_type {model_type!r}, which transformers does not know"
+        raise DrafterFileError(f"{path}: target_config has {what}")
+    return meta
 
 
 @dataclass
@@ -388,8 +419,8 @@ class EagleDrafter(nn.Module):
         from transformers import AutoConfig
 
         directory = check_drafter_dir(directory)
+        meta = read_drafter_meta(directory)
         try:
-            meta = json.loads((directory / CONFIG_FILE).read_text())
             settings = dict(meta["target_config"])
             config = AutoConfig.for_model(settings.pop("model_type"), **settings)
             tensors = load_checked_tensors(directory / WEIGHTS_FILE)  # a file cut short fails here, saying so

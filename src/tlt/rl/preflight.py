@@ -78,8 +78,8 @@ def _check_drafter(directory: Path, model_path: Path | None) -> None:
         DrafterTrainer.saved_state(directory)  # its optimizer state seeds spot training: damaged fails here
     if model_path is None or model_path.is_file():
         return  # the default model or a GGUF: its shapes are checked when the drafter attaches
+    drafter = read_target_config(directory)  # a damaged drafter_config.json: its own DrafterFileError
     try:
-        drafter = read_target_config(directory)
         target = json.loads((model_path / "config.json").read_text())
     except (ValueError, KeyError, OSError) as error:
         raise ModelLoadError(f"cannot compare run.drafter with the model: {error}") from None

@@ -60,7 +60,12 @@ class SpecStrategy:
     def parse(cls, text: str) -> "SpecStrategy":
         """'S4K2N8' (target-only rule) or 'S4K2q' / 'S4K2N14q' (q-sampling)."""
         match = re.fullmatch(r"S([0-9]+)K([0-9]+)(?:N([0-9]+))?(q?)", str(text).strip())  # ASCII digits only
-        if match is None or (match.group(3) is None and not match.group(4)):
+        if match is not None and match.group(3) is None and not match.group(4):
+            depth, branching = int(match.group(1)), int(match.group(2))
+            raise StrategyError(f"strategy {text!r} names no acceptance rule: S{depth}K{branching}N<tree size> for "
+                                f"target-only (e.g. S{depth}K{branching}N{depth * branching}) or S{depth}K{branching}q "
+                                f"for q-sampling")
+        if match is None:
             raise StrategyError(f"strategy must look like S4K2N8 (depth S, branching K, tree size N) or S4K2q "
                                 f"(q-sampling), got {text!r}")
         depth, branching, size, q = match.groups()
