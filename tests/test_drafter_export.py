@@ -15,19 +15,26 @@ from tlt.models.eagle import EagleDrafter
 # loader does with a name it does not hold: vLLM looks it up (KeyError), SGLang skips an unknown bias.
 LAYER = {"layers.0.self_attn.qkv_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_up_proj.weight",
          "layers.0.mlp.down_proj.weight", "layers.0.post_attention_layernorm.weight"}
-ENGINE_PARAMETERS = {"vllm": {"fc.weight", *LAYER}, "sglang": {"fc.weight", "fc.bias", *LAYER}}
+# config attention_bias=true: both engines' LlamaAttention biases qkv_proj and o_proj (vLLM llama.py, `bias_o_proj
+# = attention_bias`; SGLang llama.py, o_proj `bias=bias`)
+ATTENTION_BIASES = {"layers.0.self_attn.qkv_proj.bias", "layers.0.self_attn.o_proj.bias"}
 STACKED = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj", ".gate_proj": ".gate_up_proj",
            ".up_proj": ".gate_up_proj"}
 
 
-def loaded_by(engine: str, names) -> set[str]:
+def engine_parameters(engine: str, attention_bias: bool = False) -> set[str]:
+    return {"fc.weight", *LAYER} | ({"fc.bias"} if engine == "sglang" else set()) | (
+        ATTENTION_BIASES if attention_bias else set())
+
+
+def loaded_by(engine: str, names, attention_bias: bool = False) -> set[str]:
     """The engine's parameters these weight names fill, as its load_weights resolves them; a name it cannot place
-    raises as the engine would (vLLM) or is skipped (SGLang's unknown biases)."""
+    raises as the engine would (vLLM at e1c4a55) or is skipped (SGLang's unknown biases)."""
     filled = set()
     for name in names:
         for shard, merged in STACKED.items():
             name = name.replace(shard, merged)
-        if name not in ENGINE_PARAMETERS[engine]:
+        if name not in engine_parameters(engine, attention_bias):
             if engine == "sglang" and name.endswith(".bias"):
                 continue
             raise KeyError(f"{engine}: {name}")
@@ -48,7 +55,7 @@ def test_each_engine_resolves_every_name_and_fills_every_parameter(tmp_path, tar
     assert config["rope_theta"] == model.config.rope_parameters["rope_theta"] != 10_000
     assert config["torch_dtype"] == config["dtype"] == "float32" and "rope_scaling" not in config
     names = set(load_file(str(tmp_path / "model.safetensors")))
-    assert loaded_by(target, names) == ENGINE_PARAMETERS[target]  # embed_tokens, lm_head: shared with the target
+    assert loaded_by(target, names) == engine_parameters(target)  # embed_tokens, lm_head: shared with the target
     assert not any("embed_tokens" in n or "lm_head" in n or "input_layernorm" in n for n in names)
     mode = lambda name: (tmp_path / name).stat().st_mode & 0o777
     assert mode("model.safetensors") == mode("config.json")  # not safetensors' own 0600: vLLM may be another user
@@ -184,13 +191,14 @@ def test_import_refuses_weights_it_would_drop(tmp_path):
         import_eagle(tmp_path, model)
 
 
-def test_non_llama_drafters_are_refused(tmp_path, monkeypatch, capsys):
+def test_drafters_neither_engine_can_read_are_refused(tmp_path, monkeypatch, capsys):
+    """Qwen3's layer normalises q and k per head, which no EAGLE-1 class of vLLM or SGLang models."""
     with pytest.raises(ExportError, match="Llama"):
         export_eagle(EagleDrafter(tiny_model("qwen3").config), tmp_path)
     from tlt.cli import main
 
     # the command refuses from the drafter's own config, before it loads the target (found by review)
-    model = tiny_model("qwen2")
+    model = tiny_model("qwen3")
     EagleDrafter(model.config).attach(model).save(tmp_path / "drafter")
 
     def no_load(*args, **kwargs):
@@ -198,7 +206,73 @@ def test_non_llama_drafters_are_refused(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr("tlt.models.load_model", no_load)
     assert main(["drafter", "export", str(tmp_path / "drafter"), "--model", "x", "--out", str(tmp_path / "o")]) == 2
-    assert "read Llama-family drafters (LlamaForCausalLMEagle); this one is 'qwen2'" in capsys.readouterr().err
+    assert "read Llama-family drafters (LlamaForCausalLMEagle; Qwen2's as Llama with attention biases); this one " \
+           "is 'qwen3'" in capsys.readouterr().err
+
+
+def qwen2_drafter_with_biases():
+    model = tiny_model("qwen2")
+    torch.manual_seed(1)
+    drafter = EagleDrafter(model.config, draft_vocab=torch.arange(40)).attach(model)
+    with torch.no_grad():  # a fresh layer's biases are zero: they must be seen to travel
+        for name, parameter in drafter.layer.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_()
+    return model, drafter
+
+
+@pytest.mark.parametrize("target", ["vllm", "sglang"])
+def test_a_qwen2_drafter_exports_as_a_llama_layer_with_attention_biases(tmp_path, target):
+    """vLLM has no Qwen2 EAGLE-1 class: a Qwen2 drafter goes out as Llama with attention_bias (the key both
+    engines' LlamaAttention reads; without it both drop the q/k/v biases silently) and a zero o_proj bias (vLLM's
+    starts uninitialised). Transformers' Llama layer built from the export computes the Qwen2 layer's output, and
+    the export reads back as the Qwen2 drafter it was."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers import LlamaConfig
+
+    model, drafter = qwen2_drafter_with_biases()
+    export_eagle(drafter, tmp_path, target)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["attention_bias"] is True and config["mlp_bias"] is False
+    assert not {"layer_types", "use_sliding_window", "sliding_window", "max_window_layers"} & set(config)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    biases = {f"layers.0.self_attn.{p}_proj.bias" for p in "qkvo"}
+    assert biases <= set(tensors) and not tensors["layers.0.self_attn.o_proj.bias"].any()
+    assert loaded_by(target, tensors, attention_bias=True) == engine_parameters(target, attention_bias=True)
+
+    llama = LlamaDecoderLayer(LlamaConfig.from_pretrained(tmp_path), layer_idx=0).eval()
+    llama.input_layernorm = torch.nn.Identity()  # both engines' EAGLE layer 0 drops it, as tlt's drafter does
+    llama.load_state_dict({k.removeprefix("layers.0."): v for k, v in tensors.items() if k.startswith("layers.0.")})
+    hidden, positions = torch.randn(1, 5, 64), torch.arange(5)[None]
+    rope = LlamaRotaryEmbedding(LlamaConfig.from_pretrained(tmp_path))(hidden, positions)
+    mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        expected = drafter.layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+        served = llama(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+    torch.testing.assert_close(served, expected)
+    back = import_eagle(tmp_path, model)
+    assert back.config.model_type == "qwen2"
+    assert all(torch.equal(drafter.state_dict()[k], v) for k, v in back.state_dict().items())
+    assert set(drafter.state_dict()) - set(back.state_dict()) == ({"draft_to_target"} if target == "vllm" else set())
+
+
+def test_a_qwen2_export_without_its_bias_switch_would_be_served_without_biases():
+    """Negative control for the emulation: the q/k/v biases under a config without attention_bias are what
+    SGLang skips (and vLLM 0.34 too), so the loaded layer has no bias at all."""
+    assert loaded_by("sglang", ["layers.0.self_attn.q_proj.bias", "layers.0.self_attn.o_proj.bias"]) == set()
+    with pytest.raises(KeyError, match="o_proj.bias"):  # vLLM at e1c4a55: any name it does not hold
+        loaded_by("vllm", ["layers.0.self_attn.o_proj.bias"])
+
+
+def test_a_qwen2_import_refuses_an_o_proj_bias_a_qwen2_layer_cannot_hold(tmp_path):
+    from safetensors.torch import save_file
+
+    model, drafter = qwen2_drafter_with_biases()
+    export_eagle(drafter, tmp_path, "sglang")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    save_file({**tensors, "layers.0.self_attn.o_proj.bias": torch.ones(64)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ExportError, match="o_proj has a non-zero bias"):
+        import_eagle(tmp_path, model)
 
 
 def test_export_never_replaces_a_model_directory_and_an_earlier_export_only_when_told(tmp_path, capsys):

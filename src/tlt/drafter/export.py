@@ -16,6 +16,10 @@ target, and drop layer 0's input norm. They differ in three places, so each targ
   `draft_to_target`), written as `draft_vocab.pt`; vLLM's EAGLE-1 drafts over the whole head, so there the
   drafter's untrained rows of the head take part (docs/benchmarks.md, section 5).
 
+A drafter made for a Qwen2 target (Qwen2.5, DeepSeek-R1-Distill-Qwen) exports in the same format: its layer is a
+Llama layer with q/k/v biases, written as a Llama config with `attention_bias: true` and a zero o_proj bias (read in
+vLLM 0.34's and SGLang 0.5.23's llama.py; `as_llama_with_attention_bias`). vLLM has no Qwen2 EAGLE-1 class.
+
 The weights and the config's dtype are the serving dtype (`dtype`): SGLang gives the draft the dtype its own
 config names under `--dtype auto` (and the target its own), so the two must agree; vLLM runs the draft in the
 target's dtype whatever the draft's config says.
@@ -100,7 +104,13 @@ def _is_an_export(out: Path) -> bool:
     return bool(names) and all(name.startswith(("fc.", "layers.0.")) for name in names)
 
 
-EXPORTABLE = ("llama",)  # the model types vLLM's and SGLang's EAGLE drafter classes are (LlamaForCausalLMEagle)
+# The model types whose drafters export: Llama as it is; Qwen2 as a Llama layer with attention biases (below).
+EXPORTABLE = ("llama", "qwen2")
+# Keys of a Qwen2 config that a Llama one lacks: its sliding window (tlt refuses a model that uses one). vLLM copies
+# every key of a draft config onto its EAGLE config, and a `layer_types` list there is indexed by the target's
+# layer count (an assertion at engine start); `dual_chunk_attention_config` is Qwen2.5-1M's chunked attention.
+QWEN2_ONLY_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+                   "dual_chunk_attention_config", "qkv_bias")
 
 
 def drafter_model_type(directory: str | Path) -> str | None:
@@ -116,8 +126,9 @@ def check_exportable(directory: str | Path) -> None:
     model_type = drafter_model_type(directory)
     if model_type is not None and model_type not in EXPORTABLE:
         raise ExportError(f"{directory}: the EAGLE loaders of vLLM and SGLang read Llama-family drafters "
-                          f"(LlamaForCausalLMEagle); this one is {model_type!r}. It serves tlt's own rollouts "
-                          f"(run.drafter=..., tlt generate --drafter) but cannot be exported")
+                          f"(LlamaForCausalLMEagle; Qwen2's as Llama with attention biases); this one is "
+                          f"{model_type!r}. It serves tlt's own rollouts (run.drafter=..., tlt generate --drafter) "
+                          f"but cannot be exported")
 
 
 def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", overwrite: bool = False,
@@ -129,9 +140,11 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
     check_export_out(out, overwrite)
     if target not in ARCHITECTURES:
         raise ExportError(f"unknown export target {target!r}: one of {', '.join(ARCHITECTURES)}")
-    if drafter.config.model_type != "llama":
-        raise ExportError(f"the EAGLE loaders of vLLM and SGLang read Llama drafters; this one is "
-                          f"{drafter.config.model_type!r}")
+    if drafter.config.model_type not in EXPORTABLE:
+        raise ExportError(f"the EAGLE loaders of vLLM and SGLang read Llama drafters (Qwen2's as Llama with "
+                          f"attention biases); this one is {drafter.config.model_type!r}")
+    if getattr(drafter.config, "use_sliding_window", False):  # neither engine's Llama layer would window it
+        raise ExportError("a drafter made for a sliding-window model cannot be exported as a Llama EAGLE draft")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or drafter.fc.weight.dtype
@@ -140,6 +153,9 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
         tensors["fc.bias"] = torch.zeros(drafter.fc.weight.shape[0])
     for name, tensor in drafter.layer.state_dict().items():
         tensors[f"layers.0.{name}"] = tensor.detach()
+    if drafter.config.model_type == "qwen2":  # attention_bias=true gives o_proj a bias too: zero, written always
+        # (vLLM's starts as uninitialised memory and its EAGLE loader checks no name is missing)
+        tensors["layers.0.self_attn.o_proj.bias"] = torch.zeros(drafter.config.hidden_size)
     save_file({k: v.to("cpu", dtype).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     share_as_umask(out / "model.safetensors")  # the serving engine may run as another user
@@ -152,8 +168,20 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
     config.update(architectures=[ARCHITECTURES[target]], num_hidden_layers=1, tie_word_embeddings=False,
                   dtype=dtype_name, torch_dtype=dtype_name, **{EXPORT_MARK: target})
     config.pop("layer_types", None)
+    if drafter.config.model_type == "qwen2":
+        config = as_llama_with_attention_bias(config)
     (out / "config.json").write_text(json.dumps(_with_legacy_keys(config), indent=1))
     return out
+
+
+def as_llama_with_attention_bias(config: dict) -> dict:
+    """A Qwen2 drafter's config as the Llama one both engines' EAGLE-1 class reads: a Qwen2 decoder layer is a
+    Llama layer with q/k/v biases, and `attention_bias` is the Llama key that turns biases on (vLLM's and SGLang's
+    LlamaAttention: on o_proj too, which the export writes as zeros). Without it both engines drop the q/k/v
+    biases without a word. vLLM has no Qwen2 EAGLE-1 class; SGLang's Qwen2ForCausalLMEagle reads the same
+    weights, so one format serves both (and `import_eagle` reads it back)."""
+    config = {key: value for key, value in config.items() if key not in QWEN2_ONLY_KEYS}
+    return config | {"model_type": "llama", "attention_bias": True, "mlp_bias": False}
 
 
 # What tlt's drafter takes from its target rather than from its own config (`EagleDrafter.step` rotates with the
@@ -265,6 +293,8 @@ def import_eagle(directory: str | Path, target_model) -> EagleDrafter:
         raise ExportError(f"{directory}: weights an EAGLE-1 Llama draft does not hold: {unknown[:3]}")
     if "fc.bias" in tensors and bool(tensors["fc.bias"].abs().max() > 0):
         raise ExportError(f"{directory}: fc has a non-zero bias, which tlt's drafter does not model")
+    if _model_type(target_model) == "qwen2" and getattr(config, "attention_bias", False):
+        config = _as_qwen2(config, tensors, directory)
     drafter = EagleDrafter(config, _read_draft_vocab(directory, tensors["fc.weight"].device)).attach(target_model)
     layer = {k[len("layers.0."):]: v for k, v in tensors.items() if k.startswith("layers.0.")}
     layer.pop("input_layernorm.weight", None)  # identity in EAGLE's first layer
@@ -275,6 +305,24 @@ def import_eagle(directory: str | Path, target_model) -> EagleDrafter:
         raise ExportError(f"{directory}: layer weights do not fit (missing {missing[:3]}, unexpected "
                           f"{unexpected[:3]})")
     return drafter
+
+
+def _model_type(target_model) -> str | None:
+    config = getattr(target_model, "config", None) or getattr(getattr(target_model, "model", None), "config", None)
+    return getattr(config, "model_type", None)
+
+
+def _as_qwen2(config, tensors: dict, directory: Path):
+    """A Llama draft with attention biases, for a Qwen2 target, as the Qwen2 drafter it was exported from
+    (`as_llama_with_attention_bias`): its o_proj bias, which a Qwen2 layer lacks, must be zero, and is dropped."""
+    from transformers import Qwen2Config
+
+    o_bias = tensors.pop("layers.0.self_attn.o_proj.bias", None)
+    if o_bias is not None and bool(o_bias.abs().max() > 0):
+        raise ExportError(f"{directory}: o_proj has a non-zero bias, which a Qwen2 layer does not have")
+    settings = {key: value for key, value in config.to_dict().items()
+                if key not in ("model_type", "architectures", "attention_bias", "mlp_bias", "pretraining_tp")}
+    return Qwen2Config(**settings)
 
 
 def _read_draft_vocab(directory: Path, device) -> torch.Tensor | None:
