@@ -129,6 +129,25 @@ def test_the_export_carries_the_targets_rope_which_the_drafter_drafts_with(tmp_p
     assert config["rope_scaling"]["rope_type"] == "linear" and config["rope_scaling"]["factor"] == 2.0
 
 
+def test_the_same_rope_written_in_another_key_order_is_not_another_rope(caplog):
+    """A run's final/ config lists a scaled RoPE's keys in another order than the drafter's saved config: attaching
+    warned that the drafter was built for another RoPE, printing two equal settings (found by QA)."""
+    import copy
+
+    model = tiny_model("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 128})
+    config = copy.deepcopy(model.config)
+    config.rope_parameters = dict(reversed(list(config.rope_parameters.items())))
+    assert list(config.rope_parameters) != list(model.config.rope_parameters)
+    with caplog.at_level("WARNING", logger="tlt.models.eagle"):
+        EagleDrafter(config).attach(model)
+    assert not [r for r in caplog.records if r.name == "tlt.models.eagle"]
+    config.rope_parameters = {**config.rope_parameters, "factor": 8.0}  # control: another scaling is said
+    with caplog.at_level("WARNING", logger="tlt.models.eagle"):
+        EagleDrafter(config).attach(model)
+    assert "drafts (and is exported) with the target's" in caplog.text
+
+
 @pytest.mark.parametrize("target", ["vllm", "sglang"])
 def test_round_trip_in_the_serving_dtype(tmp_path, target):
     model = tiny_model("llama")

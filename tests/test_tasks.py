@@ -34,7 +34,11 @@ def test_jsonl_gsm8k_answers_and_missing_fields(tmp_path):
     examples = load_examples(path)
     assert [e.answer for e in examples] == ["4", "1200"]
     path.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n" + json.dumps({"question": "q2"}) + "\n")
-    with pytest.raises(DatasetError, match=r"data.jsonl, line 2: missing field 'answer'"):
+    with pytest.raises(DatasetError, match=r"data.jsonl, line 2: missing field 'answer'.*; task.answer_field names"):
+        load_examples(path)
+    path.write_text(json.dumps({"prompt": "q", "response": "1"}) + "\n")  # another dataset's names: say the key
+    with pytest.raises(DatasetError, match=r"missing field 'question' \(fields present: prompt, response\); "
+                                           r"task.prompt_field names the field to read"):
         load_examples(path)
     path.write_text("{not json\n")
     with pytest.raises(DatasetError, match="line 1: not valid JSON"):

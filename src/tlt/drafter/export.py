@@ -36,6 +36,7 @@ import torch
 from tlt.errors import TltError
 from tlt.files import refuse_an_unwritable_place, share_as_umask
 from tlt.models.eagle import EagleDrafter, read_target_config
+from tlt.models.model_files import with_legacy_keys
 
 ARCHITECTURES = {"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -170,7 +171,7 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
     config.pop("layer_types", None)
     if drafter.config.model_type == "qwen2":
         config = as_llama_with_attention_bias(config)
-    (out / "config.json").write_text(json.dumps(_with_legacy_keys(config), indent=1))
+    (out / "config.json").write_text(json.dumps(with_legacy_keys(config), indent=1))
     return out
 
 
@@ -263,20 +264,6 @@ def target_dtype(model_path: str | Path) -> torch.dtype:
     name = str(data.get("torch_dtype") or data.get("dtype") or "float32").removeprefix("torch.")
     dtype = getattr(torch, name, None)  # "half" and "bfloat16" alike
     return dtype if dtype in DTYPES.values() else torch.float32  # "auto", "float64": as SGLang, from float32
-
-
-def _with_legacy_keys(config: dict) -> dict:
-    """Transformers 5 writes RoPE as `rope_parameters` and the dtype as `dtype`; the vLLM and SGLang EAGLE loaders
-    read `rope_theta` (defaulting to 10,000: SmolLM2's is 100,000), `rope_scaling` and `torch_dtype`, as the
-    transformers 4 they run on writes them. Both spellings, then, each reader taking its own."""
-    rope = config.get("rope_parameters") or {}
-    if "rope_theta" not in config and "rope_theta" in rope:
-        config["rope_theta"] = rope["rope_theta"]
-    if "rope_scaling" not in config and rope.get("rope_type", "default") != "default":
-        config["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
-    if "torch_dtype" not in config and "dtype" in config:
-        config["torch_dtype"] = config["dtype"]
-    return config
 
 
 def import_eagle(directory: str | Path, target_model) -> EagleDrafter:

@@ -449,8 +449,9 @@ class EagleDrafter(nn.Module):
 def _warn_if_positions_differ(drafter_config, target_config) -> None:
     """A drafter built for another target of the same shapes (e.g. another RoPE scaling) drafts with its target's
     RoPE, which is not what it was trained with: said once per pair (its export carries the target's)."""
-    ours, theirs = (str(getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None))
-                    for config in (drafter_config, target_config))
+    # as sorted JSON: equal settings whose keys a save wrote in another order are the same RoPE (found by QA)
+    ours, theirs = (json.dumps(getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None),
+                               sort_keys=True, default=str) for config in (drafter_config, target_config))
     if ours == theirs or (ours, theirs) in WARNED_POSITIONS:
         return
     WARNED_POSITIONS.add((ours, theirs))

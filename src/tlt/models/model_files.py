@@ -204,12 +204,29 @@ def save_model_dir(model, tokenizer, out: Path) -> None:
     if not getattr(config, "architectures", None):
         config.architectures = [type(model).__name__]  # a GGUF-loaded config has none: vLLM then cannot serve it
     config.save_pretrained(out)
+    written = json.loads((out / "config.json").read_text())  # the engines that serve it may run transformers 4
+    (out / "config.json").write_text(json.dumps(with_legacy_keys(written), indent=2, sort_keys=True) + "\n")
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
     save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
     share_as_umask(out / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+
+
+def with_legacy_keys(config: dict) -> dict:
+    """Transformers 5 writes RoPE as `rope_parameters` and the dtype as `dtype`; vLLM and SGLang on transformers 4
+    read a config's (a policy's, an EAGLE draft's) `rope_theta` (defaulting to 10,000: SmolLM2's is 100,000),
+    `rope_scaling` and `torch_dtype`, as transformers 4 writes them. Both spellings, then, each reader taking its
+    own (transformers 5 reads such a config back as it was: tested)."""
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    if "rope_scaling" not in config and rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
+    if "torch_dtype" not in config and "dtype" in config:
+        config["torch_dtype"] = config["dtype"]
+    return config
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -125,8 +125,10 @@ def records_to_examples(records, prompt_field: str, answer_field: str | None, so
     for number, record in records:
         for name in (prompt_field,) if answer_field is None else (prompt_field, answer_field):
             if name not in record:
+                key = "task.prompt_field" if name == prompt_field else "task.answer_field"
                 raise DatasetError(f"{source}, {unit} {number}: missing field {name!r} "
-                                   f"(fields present: {', '.join(sorted(record)) or 'none'})")
+                                   f"(fields present: {', '.join(sorted(record)) or 'none'}); {key} names the "
+                                   f"field to read")
             if record[name] is None:
                 raise DatasetError(f"{source}, {unit} {number}: field {name!r} is null")
         where = f"{source}, {unit} {number}"
