@@ -185,6 +185,7 @@ def bad_inputs(root):
     from tlt.models.eagle import EagleDrafter
     other = tiny_model("llama", vocab_size=97)
     EagleDrafter(other.config).save(root / "foreign-drafter")
+    EagleDrafter(other.config).save(root / "a-run" / "final" / "drafter")  # a run's last drafter
     from tlt.drafter.trainer import DrafterTrainer
     DrafterTrainer(EagleDrafter(other.config), None).save(root / "damaged-drafter")
     (root / "damaged-drafter" / "drafter_optimizer.safetensors").write_bytes(b"\x08")  # cut short
@@ -213,6 +214,8 @@ def bad_inputs(root):
         ("foreign drafter", [f"model.path={good}", "run.speculative=static",
                              f"run.drafter={root / 'foreign-drafter'}"], "made for another model"),
         ("not a drafter", [f"model.path={good}", "run.speculative=static", f"run.drafter={root}"], "not a tlt drafter"),
+        ("a run directory as a drafter", [f"model.path={good}", "run.speculative=static", f"run.drafter={root}/a-run"],
+         f"make one with `tlt drafter warmup`); did you mean {root}/a-run/final/drafter?"),
         ("damaged drafter optimizer state", [f"model.path={good}", "run.speculative=static",
                                              f"run.drafter={root / 'damaged-drafter'}"],
          "cannot read the drafter's optimizer state"),

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_model
 from tlt.drafter.export import ExportError, export_eagle, import_eagle
+from tlt.errors import TltError
 from tlt.models.eagle import EagleDrafter
 
 # The parameters each engine's EAGLE-1 Llama draft holds (read from vllm/model_executor/models/llama_eagle.py and
@@ -275,12 +276,40 @@ def test_a_qwen2_drafter_exports_as_a_llama_layer_with_attention_biases(tmp_path
     assert set(drafter.state_dict()) - set(back.state_dict()) == ({"draft_to_target"} if target == "vllm" else set())
 
 
-def test_a_qwen2_export_without_its_bias_switch_would_be_served_without_biases():
-    """Negative control for the emulation: the q/k/v biases under a config without attention_bias are what
-    SGLang skips (and vLLM 0.34 too), so the loaded layer has no bias at all."""
-    assert loaded_by("sglang", ["layers.0.self_attn.q_proj.bias", "layers.0.self_attn.o_proj.bias"]) == set()
-    with pytest.raises(KeyError, match="o_proj.bias"):  # vLLM at e1c4a55: any name it does not hold
-        loaded_by("vllm", ["layers.0.self_attn.o_proj.bias"])
+def test_a_qwen2_export_without_its_bias_switch_would_be_served_wrong(tmp_path):
+    """Negative control for the test above: the same export with attention_bias dropped from its config builds a
+    Llama layer without biases, which both engines load by skipping the bias names (SGLang: unknown *.bias;
+    vLLM 0.34: AutoWeightsLoader ignores .bias), and its output is not the Qwen2 layer's."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers import LlamaConfig
+
+    _, drafter = qwen2_drafter_with_biases()
+    export_eagle(drafter, tmp_path, "sglang")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["attention_bias"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llama = LlamaDecoderLayer(LlamaConfig.from_pretrained(tmp_path), layer_idx=0).eval()
+    llama.input_layernorm = torch.nn.Identity()
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert loaded_by("sglang", tensors) == engine_parameters("sglang")  # the biases skipped, nothing refused
+    llama.load_state_dict({k.removeprefix("layers.0."): v for k, v in tensors.items()
+                           if k.startswith("layers.0.") and not k.endswith(".bias")})
+    hidden, positions = torch.randn(1, 5, 64), torch.arange(5)[None]
+    rope = LlamaRotaryEmbedding(LlamaConfig.from_pretrained(tmp_path))(hidden, positions)
+    mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        expected = drafter.layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+        served = llama(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+    assert not torch.allclose(served, expected, atol=1e-3)
+
+
+def test_no_drafter_exists_for_a_sliding_window_model():
+    """Neither engine's Llama layer would window its attention; tlt's drafter refuses such a config as its lean
+    forward does, so none reaches the export."""
+    config = tiny_model("qwen2").config
+    config.use_sliding_window, config.sliding_window = True, 16
+    with pytest.raises(TltError, match="use_sliding_window=True is not supported"):
+        EagleDrafter(config)
 
 
 def test_a_qwen2_import_refuses_an_o_proj_bias_a_qwen2_layer_cannot_hold(tmp_path):

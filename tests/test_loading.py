@@ -21,8 +21,12 @@ def test_directory_round_trip_keeps_weights_and_outputs(tmp_path, arch):
     assert loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}])
-def test_a_saved_policy_names_its_rope_and_dtype_as_transformers_4_reads_them(tmp_path, scaling):
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("saver", ["run's final", "cached default"])
+@pytest.mark.parametrize("scaling", [None, YARN])
+def test_a_saved_policy_names_its_rope_and_dtype_as_transformers_4_reads_them(tmp_path, scaling, saver):
     """A run's final/ is what users serve with vLLM or SGLang. Transformers 5 writes RoPE only as rope_parameters
     and the dtype as dtype; read by transformers 4, such a config has rope_theta 10,000 (Qwen2.5's is 1e6) and
     no scaling (found by QA). Both spellings are written, and transformers 5 reads the file back as it was."""
@@ -30,8 +34,14 @@ def test_a_saved_policy_names_its_rope_and_dtype_as_transformers_4_reads_them(tm
 
     from transformers import AutoConfig
 
+    from tlt.rl.checkpoint import save_final_model
+
     model = tiny_model("qwen2", rope_theta=1e6, **({"rope_scaling": dict(scaling)} if scaling else {}))
-    save_model_dir(model, None, tmp_path)
+    if saver == "run's final":
+        save_final_model(model, None, tmp_path / "final")
+        tmp_path = tmp_path / "final"
+    else:
+        save_model_dir(model, None, tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["rope_theta"] == 1e6 and written.get("torch_dtype") == written.get("dtype")
     assert written.get("rope_scaling") == scaling

@@ -109,7 +109,8 @@ def _is_an_export(out: Path) -> bool:
 EXPORTABLE = ("llama", "qwen2")
 # Keys of a Qwen2 config that a Llama one lacks: its sliding window (tlt refuses a model that uses one). vLLM copies
 # every key of a draft config onto its EAGLE config, and a `layer_types` list there is indexed by the target's
-# layer count (an assertion at engine start); `dual_chunk_attention_config` is Qwen2.5-1M's chunked attention.
+# layer count (an assertion at engine start); `dual_chunk_attention_config` is Qwen2.5-1M's chunked attention;
+# `qkv_bias`, where a config carries it, overrides attention_bias for q/k/v in vLLM's LlamaAttention.
 QWEN2_ONLY_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
                    "dual_chunk_attention_config", "qkv_bias")
 
@@ -144,8 +145,6 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
     if drafter.config.model_type not in EXPORTABLE:
         raise ExportError(f"the EAGLE loaders of vLLM and SGLang read Llama drafters (Qwen2's as Llama with "
                           f"attention biases); this one is {drafter.config.model_type!r}")
-    if getattr(drafter.config, "use_sliding_window", False):  # neither engine's Llama layer would window it
-        raise ExportError("a drafter made for a sliding-window model cannot be exported as a Llama EAGLE draft")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or drafter.fc.weight.dtype

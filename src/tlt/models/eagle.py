@@ -83,16 +83,20 @@ def check_drafter_dir(directory: str | Path) -> Path:
     """The directory, if it holds a tlt drafter's two files (a cheap check before loading anything else)."""
     directory = Path(directory)
     if not is_drafter_dir(directory):
-        # a run directory keeps its last drafter in final/drafter, a warm-up's --out holds one at its top
-        inside = next((directory / sub for sub in ("final/drafter", "drafter") if is_drafter_dir(directory / sub)),
-                      None)
-        hint = f"; did you mean {inside}?" if inside is not None else ""
-        raise DrafterError(f"{directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE}){hint}")
+        raise DrafterError(f"{directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE})"
+                           f"{drafter_inside(directory)}")
     return directory
 
 
 def is_drafter_dir(directory: Path) -> bool:
     return (directory / CONFIG_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
+
+
+def drafter_inside(directory: Path) -> str:
+    """'; did you mean DIR/final/drafter?' when `directory` is a run directory (its last drafter is in
+    final/drafter) or a run's final/ (its drafter/), else ''."""
+    inside = next((directory / sub for sub in ("final/drafter", "drafter") if is_drafter_dir(directory / sub)), None)
+    return f"; did you mean {inside}?" if inside is not None else ""
 
 
 def read_target_config(directory: str | Path) -> dict:

@@ -204,14 +204,20 @@ def save_model_dir(model, tokenizer, out: Path) -> None:
     if not getattr(config, "architectures", None):
         config.architectures = [type(model).__name__]  # a GGUF-loaded config has none: vLLM then cannot serve it
     config.save_pretrained(out)
-    written = json.loads((out / "config.json").read_text())  # the engines that serve it may run transformers 4
-    (out / "config.json").write_text(json.dumps(with_legacy_keys(written), indent=2, sort_keys=True) + "\n")
+    add_legacy_keys(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
     save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
     share_as_umask(out / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+
+
+def add_legacy_keys(directory: Path) -> None:
+    """Rewrite a model directory's config.json with `with_legacy_keys`: the engines that serve a saved policy
+    may run transformers 4."""
+    path = Path(directory) / "config.json"
+    path.write_text(json.dumps(with_legacy_keys(json.loads(path.read_text())), indent=2, sort_keys=True) + "\n")
 
 
 def with_legacy_keys(config: dict) -> dict:

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file, save_model
 
 from tlt.errors import TltError, first_line
 from tlt.files import file_crc32, share_as_umask
+from tlt.models.model_files import add_legacy_keys
 from tlt.optimizer_state import fit_param_groups, fit_scheduler_groups, flatten_optimizer, unflatten_optimizer
 
 CHECKPOINT_PREFIX = "step-"
@@ -120,6 +121,7 @@ def save_final_model(model, tokenizer, directory: Path, *, also=None) -> Path:
     directory = Path(directory)
     with _staged(directory, ".final-", "the final policy") as staging, _no_progress_bars():
         model.save_pretrained(str(staging), safe_serialization=True)
+        add_legacy_keys(staging)  # `vllm serve RUN/final` on transformers 4 reads rope_theta, not rope_parameters
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(staging))
         if also is not None:

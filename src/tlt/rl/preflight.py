@@ -11,7 +11,8 @@ from tlt.drafter.trainer import DrafterTrainer
 from tlt.errors import RequestError
 from tlt.metrics.logger import logger_names
 from tlt.metrics.wandb_logger import check_wandb_installed
-from tlt.models.eagle import CONFIG_FILE, WEIGHTS_FILE, DrafterError, read_target_config
+from tlt.models.eagle import (CONFIG_FILE, WEIGHTS_FILE, DrafterError, drafter_inside, is_drafter_dir,
+                              read_target_config)
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
 from tlt.rl.config import BUILTIN_REWARDS
 from tlt.rl.rewards import integer_text, load_reward_function
@@ -71,9 +72,9 @@ def _check_context(config, model_path: Path) -> None:
 
 
 def _check_drafter(directory: Path, model_path: Path | None) -> None:
-    if not (directory / CONFIG_FILE).exists() or not (directory / WEIGHTS_FILE).exists():
+    if not is_drafter_dir(directory):
         raise DrafterError(f"run.drafter={directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE}; "
-                           f"make one with `tlt drafter warmup`)")
+                           f"make one with `tlt drafter warmup`){drafter_inside(directory)}")
     if DrafterTrainer.has_saved_state(directory):
         DrafterTrainer.saved_state(directory)  # its optimizer state seeds spot training: damaged fails here
     if model_path is None or model_path.is_file():
