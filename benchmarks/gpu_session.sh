@@ -203,9 +203,12 @@ THROUGHPUT_BATCHES=${THROUGHPUT_BATCHES:-1,64}     # throughput: batch sizes
 # verify too dear there to win; a GPU verifies 22 tokens for about the price of one
 SPEC_ARMS=${SPEC_ARMS:-S3K1N3,S4K2N8,S5K1q,S4K2q,S6K2q}
 # spec-greedy (T=0: argmax drafts): greedy tau at batch 1 on the CPU with the committed drafter: S5K1N5 2.42,
-# S6K2N12 2.95, S6K3N20 3.26 (4 x 128 tokens); #13 asks >= 2.5x. The q arms draft the same argmax chains and
-# trees for greedy rows through the fused kernels (eighth session: S5K1q / S6K2q steps of 317 / 344 operations)
-SPEC_GREEDY_ARMS=${SPEC_GREEDY_ARMS:-S6K2N12,S6K3N20,S5K1q,S6K2q}
+# S6K2N12 2.95, S6K3N20 3.26, S8K3N30 3.43, S8K4N40 3.68, S10K4N60 3.88 (4 x 128 tokens; the last three measured
+# 2026-12-02, docs/benchmarks.md section 2); #13 asks >= 2.5x. On a launch-bound GPU a step costs about its
+# drafting passes (one per depth) plus one verify, so S8K4N40 (+13% tau for 2 passes more than S6K3N20) replaces
+# S6K2N12. The q arms draft the same argmax chains and trees for greedy rows through the fused kernels (eighth
+# session: S5K1q / S6K2q steps of 317 / 344 operations)
+SPEC_GREEDY_ARMS=${SPEC_GREEDY_ARMS:-S6K3N20,S8K4N40,S5K1q,S6K2q}
 mkdir -p "$OUT"
 deadline=$((SECONDS + BUDGET))
 # The files carry the card they were measured on: *_h100.json on an H100, *_h200.json on an H200 (a plain device
