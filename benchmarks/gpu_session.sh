@@ -97,7 +97,7 @@
 # (Dry-run on the CPU with 4 prompts: rc 0, the drafter sent back in parts. Reading the target's middle layers
 # too, as EAGLE-3 does, bought nothing at depth 1: benchmarks/drafter_aux_features.py, section 3.)
 # Nineteenth session (2026-12-02, no GPU): greedy tau grows with the tree on the CPU (S10K4N60 3.88, S8K4N40 3.68,
-# S6K3N20 3.26), so spec-greedy's arms take S8K4N40 in place of S6K2N12; feature noise in the warm-up bought
+# S6K3N20 3.26), so spec-greedy's arms take S8K4N40 in place of S6K2N12; feature noise or weight decay bought
 # nothing (docs/benchmarks.md section 3). Plan E otherwise unchanged.
 # NEXT (plan E, 15 minutes; plan D after it when a later session has the device again):
 #   1. as plan D's call 1 (tests-fixed: the overlapped steps' CUDA tests first, correctness before speed).
