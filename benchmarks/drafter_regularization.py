@@ -21,16 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment, write_json  # noqa: E402
-from drafter_unroll import add_response_args, held_out_responses, scores  # noqa: E402
+from drafter_unroll import (add_response_args, feature_buffers, held_out_responses, scores,  # noqa: E402
+                            starting_drafter)
 
 from tlt.drafter.buffer import FeatureBuffer  # noqa: E402
-from tlt.drafter.features import collect_features  # noqa: E402
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer  # noqa: E402
-from tlt.models.eagle import EagleDrafter  # noqa: E402
 
 COMMITTED = Path(__file__).parent / "drafters" / "smollm2-arithmetic"
 KNOBS = {"noise": "feature_noise", "wd": "weight_decay"}
@@ -81,31 +78,20 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     variants = {text: parse_variant(text) for text in args.variants}
     loaded, prompts, responses_, held_from, forward = held_out_responses(args)
-    train_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=0)
-    collect_features(forward, prompts[:held_from], responses_[:held_from], train_buffer, step=0)
-    held_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=0)
-    collect_features(forward, prompts[held_from:], responses_[held_from:], held_buffer, step=0)
-    held = (prompts[held_from:], responses_[held_from:])
+    train_buffer, held_buffer, held = feature_buffers(forward, prompts, responses_, held_from)
     results = {"drafter": args.drafter, "from_scratch": args.from_scratch, "prompts": args.prompts,
                "train_responses": held_from, "held_out_responses": len(held[0]),
                "train_pairs": sum(e.num_pairs for e in train_buffer.entries),
                "steps": args.steps, "lr": args.lr, "depth": args.depth, "seed": args.seed, "variants": {},
                "environment": environment(), "complete": False}
-
-    def starting_drafter() -> EagleDrafter:
-        drafter = EagleDrafter.load(args.drafter, forward)
-        if not args.from_scratch:
-            return drafter
-        torch.manual_seed(0)
-        return EagleDrafter(drafter.config, drafter.draft_to_target).attach(forward)
-    start = starting_drafter()
+    start = starting_drafter(args, forward)
     results["before"] = {**held_out_scores(DrafterTrainer(start, held_buffer, DrafterTrainConfig()), held_buffer),
                          **scores(forward, start, *held, held_buffer, args.depth)}
     print(f"before: {results['before']}", file=sys.stderr)
     write_json(args.json, results, echo=False)
     for text, overrides in variants.items():
         print(f"variant {text}", file=sys.stderr)
-        drafter = starting_drafter()
+        drafter = starting_drafter(args, forward)
         config = DrafterTrainConfig(lr=args.lr, seed=0, **overrides)
         row = train_variant(drafter, train_buffer, held_buffer, config, args.steps, args.eval_every)
         row.update(scores(forward, drafter, *held, held_buffer, args.depth))

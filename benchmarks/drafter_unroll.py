@@ -69,6 +69,25 @@ def held_out_responses(args) -> tuple:
     return loaded, prompts, responses_, held_from, RolloutEngine(loaded, max_batch_size=8).policy_forward
 
 
+def feature_buffers(forward, prompts, responses_, held_from: int) -> tuple:
+    """(training buffer, held-out buffer, (held-out prompts, responses)): the target's features of each split."""
+    buffers = []
+    for part in (slice(None, held_from), slice(held_from, None)):
+        buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=0)
+        collect_features(forward, prompts[part], responses_[part], buffer, step=0)
+        buffers.append(buffer)
+    return buffers[0], buffers[1], (prompts[held_from:], responses_[held_from:])
+
+
+def starting_drafter(args, forward) -> EagleDrafter:
+    """--drafter as saved, or with --from-scratch a fresh drafter (torch seed 0) over its draft vocabulary."""
+    drafter = EagleDrafter.load(args.drafter, forward)
+    if not args.from_scratch:
+        return drafter
+    torch.manual_seed(0)
+    return EagleDrafter(drafter.config, drafter.draft_to_target).attach(forward)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
@@ -82,27 +101,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--depth", type=int, default=5, help="chain depth scored (and the judge's unroll)")
     args = parser.parse_args(argv)
     loaded, prompts, responses_, held_from, forward = held_out_responses(args)
-    train_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=0)
-    collect_features(forward, prompts[:held_from], responses_[:held_from], train_buffer, step=0)
-    held_buffer = FeatureBuffer(max_tokens=10_000_000, recency=0.0, seed=0)
-    collect_features(forward, prompts[held_from:], responses_[held_from:], held_buffer, step=0)
-    held = (prompts[held_from:], responses_[held_from:])
+    train_buffer, held_buffer, held = feature_buffers(forward, prompts, responses_, held_from)
     results = {"drafter": args.drafter, "prompts": args.prompts, "held_out_responses": len(held[0]),
                "steps": args.steps, "lr": args.lr, "depth": args.depth, "seed": args.seed, "variants": {},
                "environment": environment(), "complete": False}
-    def starting_drafter() -> EagleDrafter:
-        drafter = EagleDrafter.load(args.drafter, forward)
-        if not args.from_scratch:
-            return drafter
-        torch.manual_seed(0)
-        return EagleDrafter(drafter.config, drafter.draft_to_target).attach(forward)
     results["from_scratch"] = args.from_scratch
-    start = starting_drafter()
+    start = starting_drafter(args, forward)
     results["before"] = scores(forward, start, *held, held_buffer, args.depth)
     print(f"before: {results['before']}", file=sys.stderr)
     write_json(args.json, results, echo=False)
     for unroll in args.unroll:
-        drafter = starting_drafter()
+        drafter = starting_drafter(args, forward)
         trainer = DrafterTrainer(drafter, train_buffer, DrafterTrainConfig(lr=args.lr, unroll=unroll, seed=0))
         started = time.perf_counter()
         trainer.train_steps(args.steps)

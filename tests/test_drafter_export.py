@@ -247,9 +247,6 @@ def test_a_qwen2_drafter_exports_as_a_llama_layer_with_attention_biases(tmp_path
     engines' LlamaAttention reads; without it both drop the q/k/v biases silently) and a zero o_proj bias (vLLM's
     starts uninitialised). Transformers' Llama layer built from the export computes the Qwen2 layer's output, and
     the export reads back as the Qwen2 drafter it was."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-    from transformers import LlamaConfig
-
     model, drafter = qwen2_drafter_with_biases()
     export_eagle(drafter, tmp_path, target)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -260,15 +257,7 @@ def test_a_qwen2_drafter_exports_as_a_llama_layer_with_attention_biases(tmp_path
     assert biases <= set(tensors) and not tensors["layers.0.self_attn.o_proj.bias"].any()
     assert loaded_by(target, tensors, attention_bias=True) == engine_parameters(target, attention_bias=True)
 
-    llama = LlamaDecoderLayer(LlamaConfig.from_pretrained(tmp_path), layer_idx=0).eval()
-    llama.input_layernorm = torch.nn.Identity()  # both engines' EAGLE layer 0 drops it, as tlt's drafter does
-    llama.load_state_dict({k.removeprefix("layers.0."): v for k, v in tensors.items() if k.startswith("layers.0.")})
-    hidden, positions = torch.randn(1, 5, 64), torch.arange(5)[None]
-    rope = LlamaRotaryEmbedding(LlamaConfig.from_pretrained(tmp_path))(hidden, positions)
-    mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
-    with torch.no_grad():
-        expected = drafter.layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions)
-        served = llama(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+    served, expected = llama_layer_beside_drafter(tmp_path, tensors, drafter)
     torch.testing.assert_close(served, expected)
     back = import_eagle(tmp_path, model)
     assert back.config.model_type == "qwen2"
@@ -280,27 +269,34 @@ def test_a_qwen2_export_without_its_bias_switch_would_be_served_wrong(tmp_path):
     """Negative control for the test above: the same export with attention_bias dropped from its config builds a
     Llama layer without biases, which both engines load by skipping the bias names (SGLang: unknown *.bias;
     vLLM 0.34: AutoWeightsLoader ignores .bias), and its output is not the Qwen2 layer's."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-    from transformers import LlamaConfig
-
     _, drafter = qwen2_drafter_with_biases()
     export_eagle(drafter, tmp_path, "sglang")
     config = json.loads((tmp_path / "config.json").read_text())
     del config["attention_bias"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    llama = LlamaDecoderLayer(LlamaConfig.from_pretrained(tmp_path), layer_idx=0).eval()
-    llama.input_layernorm = torch.nn.Identity()
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert loaded_by("sglang", tensors) == engine_parameters("sglang")  # the biases skipped, nothing refused
-    llama.load_state_dict({k.removeprefix("layers.0."): v for k, v in tensors.items()
-                           if k.startswith("layers.0.") and not k.endswith(".bias")})
+    served, expected = llama_layer_beside_drafter(
+        tmp_path, {k: v for k, v in tensors.items() if not k.endswith(".bias")}, drafter)
+    assert not torch.allclose(served, expected, atol=1e-3)
+
+
+def llama_layer_beside_drafter(directory, tensors, drafter):
+    """(output of transformers' Llama layer built from the export's config with `tensors`' layer weights, output
+    of the drafter's own layer) on the same hidden states and positions."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers import LlamaConfig
+
+    config = LlamaConfig.from_pretrained(directory)
+    llama = LlamaDecoderLayer(config, layer_idx=0).eval()
+    llama.input_layernorm = torch.nn.Identity()  # both engines' EAGLE layer 0 drops it, as tlt's drafter does
+    llama.load_state_dict({k.removeprefix("layers.0."): v for k, v in tensors.items() if k.startswith("layers.0.")})
     hidden, positions = torch.randn(1, 5, 64), torch.arange(5)[None]
-    rope = LlamaRotaryEmbedding(LlamaConfig.from_pretrained(tmp_path))(hidden, positions)
+    rope = LlamaRotaryEmbedding(config)(hidden, positions)
     mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
     with torch.no_grad():
-        expected = drafter.layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions)
-        served = llama(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions)
-    assert not torch.allclose(served, expected, atol=1e-3)
+        return (llama(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions),
+                drafter.layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions))
 
 
 def test_no_drafter_exists_for_a_sliding_window_model():
