@@ -85,7 +85,7 @@ def starting_drafter(args, forward) -> EagleDrafter:
     if not args.from_scratch:
         return drafter
     torch.manual_seed(0)
-    return EagleDrafter(drafter.config, drafter.draft_to_target).attach(forward)
+    return drafter.like(drafter.draft_to_target).attach(forward)
 
 
 def main(argv=None) -> dict:

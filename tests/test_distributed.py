@@ -40,8 +40,8 @@ def long_tail_model():
     return model
 
 
-def make_controller(tmp_path, **overrides):
-    model = long_tail_model()
+def make_controller(tmp_path, model=None, **overrides):
+    model = long_tail_model() if model is None else model
     loaded = LoadedModel(model, IdTokenizer(eos_token_id=EOS), ModelSpec.from_config(model.config), "markov")
     settings = {"rollout.prompts_per_step": 4, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 160,
                 "optim.lr": 1e-3, "run.workers": 2, "run.backend": "inprocess", "run.speculative": "static",

@@ -233,6 +233,40 @@ def test_a_resume_goes_on_with_the_checkpoints_draft_vocabulary(tmp_path, traine
     assert any(trained in versions for versions in served), served  # the checkpoint's drafter served
 
 
+def test_a_qwen3_run_resumes_with_the_qwen3_layer_its_checkpoints_drafter_has(tmp_path, monkeypatch):
+    """A Qwen3 target's new drafter has a Llama layer since 2026-12-02; a run started before checkpointed one
+    with Qwen3's. Resumed, it goes on with that drafter (its trainer state fits it), serves it, and saves it in
+    final/: loading its weights into the new drafter failed at the first rollout (found by a trial)."""
+    import tlt.models.drafter_layer
+    from conftest import tiny_model
+    from tlt.models.eagle import EagleDrafter
+
+    qwen3 = lambda: tiny_model("qwen3", vocab_size=16)  # noqa: E731
+    with monkeypatch.context() as before:
+        before.setitem(tlt.models.drafter_layer.NEW_DRAFTER_LAYER, "qwen3", "qwen3")
+        first = make_controller(tmp_path / "a", model=qwen3())
+        try:
+            first.train_step()
+            checkpoint = first.save(tmp_path / "a")
+            trained = first.backend.hub.latest_version()
+        finally:
+            first.close()
+    assert trained > 0
+    resumed = make_controller(tmp_path / "b", model=qwen3())
+    try:
+        assert resumed.backend.workers[0].drafter.config.model_type == "llama"  # what a new run's gets
+        resumed.resume(checkpoint)
+        resumed.train_step()
+        served = [sample.drafter_versions for sample in resumed.last_rollout.samples]
+        layers = [worker.drafter.config.model_type for worker in resumed.backend.workers]
+        final = Path(resumed.save_final(tmp_path / "final"))
+    finally:
+        resumed.close()
+    assert layers == ["qwen3", "qwen3"]
+    assert any(trained in versions for versions in served), served
+    assert hasattr(EagleDrafter.load(final / "drafter", qwen3()).layer.self_attn, "q_norm")
+
+
 def test_a_fresh_drafter_drafts_over_the_task_prompts_tokens_and_the_stop_token(tmp_path):
     controller = make_controller(tmp_path, **{"run.draft_vocab": 8})
     try:

@@ -211,23 +211,91 @@ def test_import_refuses_weights_it_would_drop(tmp_path):
         import_eagle(tmp_path, model)
 
 
-def test_drafters_neither_engine_can_read_are_refused(tmp_path, monkeypatch, capsys):
-    """Qwen3's layer normalises q and k per head, which no EAGLE-1 class of vLLM or SGLang models."""
-    with pytest.raises(ExportError, match="Llama"):
-        export_eagle(EagleDrafter(tiny_model("qwen3").config), tmp_path)
+@pytest.mark.parametrize("target", ["vllm", "sglang"])
+def test_a_qwen3_targets_drafter_has_a_llama_layer_which_both_engines_serve(tmp_path, target):
+    """No EAGLE-1 class of vLLM or SGLang models Qwen3's per-head q/k norms, so a Qwen3 target's drafter gets a
+    Llama layer of the same shapes (head_dim kept: 32 here, not hidden / heads) and exports as any Llama drafter;
+    transformers' Llama layer built from the export computes the drafter's layer, and the export reads back."""
+    model = tiny_model("qwen3", head_dim=32)
+    torch.manual_seed(1)
+    drafter = EagleDrafter(model.config, draft_vocab=torch.arange(40)).attach(model)
+    assert drafter.config.model_type == "llama" and drafter.config.head_dim == 32
+    assert not hasattr(drafter.layer.self_attn, "q_norm")
+    export_eagle(drafter, tmp_path, target)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["head_dim"] == 32 and not config["attention_bias"]
+    assert not {"layer_types", "use_sliding_window", "sliding_window", "max_window_layers"} & set(config)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert loaded_by(target, tensors) == engine_parameters(target)
+    served, expected = llama_layer_beside_drafter(tmp_path, tensors, drafter)
+    torch.testing.assert_close(served, expected)
+    back = import_eagle(tmp_path, model)
+    assert back.config.model_type == "llama"
+    assert all(torch.equal(drafter.state_dict()[k], v) for k, v in back.state_dict().items())
+
+
+def test_a_drafter_saved_with_a_qwen3_layer_still_serves_but_is_refused_by_export(tmp_path, monkeypatch, capsys):
+    """Drafters made before 2026-12-02 for Qwen3 targets have Qwen3's layer: they load as they were (q/k norms
+    and all) and serve tlt's rollouts; export refuses them, saying how to get one it takes."""
+    model = tiny_model("qwen3")
+    old = EagleDrafter(model.config, layer="qwen3").attach(model)
+    with pytest.raises(ExportError, match="Llama.*'qwen3' layer.*per-head q/k norms.*tlt drafter warmup`, without "
+                                          "--init from this one"):
+        export_eagle(old, tmp_path)
+    old.save(tmp_path / "drafter")
+    loaded = EagleDrafter.load(tmp_path / "drafter", model)
+    assert hasattr(loaded.layer.self_attn, "q_norm")
+    assert all(torch.equal(old.state_dict()[k], v) for k, v in loaded.state_dict().items())
+    meta = json.loads((tmp_path / "drafter" / "drafter_config.json").read_text())
+    meta["target_config"]["model_type"] = "llama"  # its weights under a new drafter's config: named which way
+    (tmp_path / "relabelled").mkdir()
+    (tmp_path / "relabelled" / "drafter_config.json").write_text(json.dumps(meta))
+    (tmp_path / "relabelled" / "drafter.safetensors").write_bytes((tmp_path / "drafter" / "drafter.safetensors")
+                                                                  .read_bytes())
+    with pytest.raises(TltError, match=r"do not match its config \(not in its config: \['layer.self_attn.k_norm"):
+        EagleDrafter.load(tmp_path / "relabelled", model)
     from tlt.cli import main
 
     # the command refuses from the drafter's own config, before it loads the target (found by review)
-    model = tiny_model("qwen3")
-    EagleDrafter(model.config).attach(model).save(tmp_path / "drafter")
-
     def no_load(*args, **kwargs):
         raise AssertionError("the model loaded before the refusal")
 
     monkeypatch.setattr("tlt.models.load_model", no_load)
     assert main(["drafter", "export", str(tmp_path / "drafter"), "--model", "x", "--out", str(tmp_path / "o")]) == 2
     assert "read Llama-family drafters (LlamaForCausalLMEagle; Qwen2's as Llama with attention biases); this one " \
-           "is 'qwen3'" in capsys.readouterr().err
+           "has a 'qwen3' layer (per-head q/k norms" in capsys.readouterr().err
+
+
+def test_a_drafter_layer_fits_its_own_family_or_a_llama_one():
+    """A plain Llama EAGLE draft serves any supported target of its shapes (an imported one, or a Qwen3 target's);
+    another family's layer does not (a Qwen2 drafter's biases on a Llama target: not what it was made for)."""
+    from tlt.models.eagle import DrafterError
+
+    qwen2 = tiny_model("qwen2")
+    EagleDrafter(tiny_model("llama").config).attach(qwen2)
+    with pytest.raises(DrafterError, match="a qwen2 layer does not fit a llama target"):
+        EagleDrafter(qwen2.config).attach(tiny_model("llama"))
+    with pytest.raises(DrafterError, match=r"layer='qwen3'\) needs a qwen3 config"):
+        EagleDrafter(qwen2.config, layer="qwen3")
+
+
+def test_a_runs_preflight_takes_a_qwen3_targets_llama_drafter_and_refuses_another_familys(tmp_path):
+    """run.drafter is checked against the model directory before any worker starts: the drafter's layer family
+    is its target's or Llama, the shapes the target's."""
+    from tlt.models.eagle import DrafterError
+    from tlt.rl.preflight import _check_drafter
+
+    for arch in ("qwen3", "llama"):
+        tiny_model(arch).save_pretrained(tmp_path / arch)
+    qwen3 = tiny_model("qwen3")
+    for name, layer in (("new", None), ("old", "qwen3")):
+        EagleDrafter(qwen3.config, layer=layer).save(tmp_path / name)
+        _check_drafter(tmp_path / name, tmp_path / "qwen3")
+    with pytest.raises(DrafterError, match="made for another model: model_type qwen3 vs llama"):
+        _check_drafter(tmp_path / "old", tmp_path / "llama")
+    EagleDrafter(tiny_model("qwen3", head_dim=32).config).save(tmp_path / "wide")  # found by a trial: it passed
+    with pytest.raises(DrafterError, match="made for another model: head_dim 32 vs 16"):
+        _check_drafter(tmp_path / "wide", tmp_path / "qwen3")
 
 
 def qwen2_drafter_with_biases():

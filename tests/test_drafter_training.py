@@ -762,17 +762,19 @@ def test_cli_warmup_takes_the_runs_task_from_its_config(tmp_path, monkeypatch):
     assert main(["drafter", "warmup", "--config", str(config), "--data", str(data), "--out", str(tmp_path / "e")]) == 2
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_the_function_training_fits_is_the_one_serving_runs(arch):
+@pytest.mark.parametrize("arch,layer", [("llama", None), ("qwen2", None), ("qwen3", None), ("qwen3", "qwen3")])
+def test_the_function_training_fits_is_the_one_serving_runs(arch, layer):
     """Spot training fits EagleDrafter.forward (the HF layer, packed rows restarting at position 0); speculative
     decoding runs EagleDrafter.step (the lean layer, the row's absolute positions, the fused serving copy). Both
-    must compute one function, or training would improve another drafter than the one that serves."""
+    must compute one function, or training would improve another drafter than the one that serves. A Qwen3
+    target's drafter has a Llama layer (head_dim 32: not hidden / heads), or Qwen3's in one saved before."""
     from conftest import tiny_model
 
-    model = tiny_model(arch)
+    model = tiny_model(arch, **({"head_dim": 32} if arch == "qwen3" else {}))
     lean = LeanForward(model)
     torch.manual_seed(1)
-    drafter = EagleDrafter(model.config).attach(lean)
+    drafter = EagleDrafter(model.config, layer=layer).attach(lean)
+    assert hasattr(drafter.layer.self_attn, "q_norm") == (layer == "qwen3")
     with torch.no_grad():
         for parameter in drafter.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)  # not the initialization's symmetric weights

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     drafter = drafter.add_subparsers(dest="drafter_command", required=True)
     _add_warmup(drafter.add_parser("warmup", help="train a drafter on the target's own responses"))
     export = drafter.add_parser("export", help="write a drafter as an EAGLE draft model for vLLM / SGLang "
-                                "(Llama and Qwen2 targets: the engines' EAGLE loaders read Llama drafters)")
+                                "(Llama, Qwen2 and Qwen3 targets: the engines' EAGLE loaders read Llama drafters)")
     export.add_argument("directory", help="a tlt drafter directory")
     export.add_argument("--format", choices=["eagle"], default="eagle")
     export.add_argument("--target", choices=["vllm", "sglang"], default="vllm")

@@ -33,7 +33,7 @@ from tlt.drafter.tail_trainer import TailReport, TailTrainer, decoding_first
 from tlt.drafter.trainer import DrafterTrainConfig, DrafterTrainer
 from tlt.metrics.step import speculation_metrics
 from tlt.metrics.timeline import WorkerTimeline
-from tlt.models.eagle import EagleDrafter
+from tlt.models.eagle import EagleDrafter, layer_weight_names
 from tlt.rl import phases
 from tlt.rl.checkpoint import save_final_model
 from tlt.rl.config import tail_training_active
@@ -255,28 +255,35 @@ class RolloutWorker:
         version, weights = self.hub.latest()
         if weights is None or version == engine.drafter_version:
             return
-        self._fit_vocabulary(weights)
+        self._fit_drafter(weights)
         self.drafter.load_state_dict(weights)
         # an untrained version (the starting drafter of a run without run.drafter) serves no SD step
         engine.set_drafter(self.drafter, version=version, trained=self.hub.is_trained(version))
 
-    def _fit_vocabulary(self, weights: dict) -> None:
-        """Rebuild this worker's drafter over the published weights' draft vocabulary when it has another: a run
-        resumed from a checkpoint written with another run.draft_vocab (or by a tlt that drafted over the whole
-        vocabulary) goes on with the checkpoint's drafter, which its trainer state fits."""
+    def _fit_drafter(self, weights: dict) -> None:
+        """Rebuild this worker's drafter as the published weights' when they have another draft vocabulary or
+        layer: a run resumed from a checkpoint written with another run.draft_vocab (or by a tlt that drafted over
+        the whole vocabulary, or gave a Qwen3 target's new drafter Qwen3's layer) goes on with the checkpoint's
+        drafter, which its trainer state fits."""
         theirs, ours = weights.get("draft_to_target"), self.drafter.draft_to_target
-        if (theirs is None and ours is None) or (theirs is not None and ours is not None
-                                                 and torch.equal(theirs.cpu(), ours.cpu())):
+        same_layer = layer_weight_names(weights) == layer_weight_names(self.drafter.state_dict())
+        if same_layer and ((theirs is None and ours is None) or (theirs is not None and ours is not None
+                                                                 and torch.equal(theirs.cpu(), ours.cpu()))):
             return
-        size = "the whole vocabulary" if theirs is None else f"{theirs.shape[0]} tokens"
-        if self.rank == 0:
+        if self.rank == 0 and same_layer:
+            size = "the whole vocabulary" if theirs is None else f"{theirs.shape[0]} tokens"
             log.warning("the run's drafter drafts over %s (a resumed run's checkpoint may hold another vocabulary "
                         "than run.draft_vocab makes): worker %d goes on with it instead of the %s it built", size,
                         self.rank, "whole vocabulary" if ours is None else f"{ours.shape[0]} tokens")
         vocab = None if theirs is None else theirs.cpu()
         if self.tail is not None and self.tail.running:  # first: its thread uses the training objects
             self.tail.stop()  # (not at a rollout's start, where a resume refits: its thread starts in the tail)
-        self.drafter = EagleDrafter(self.drafter.config, vocab).attach(self.replica.model)
+        rebuilt = (self.drafter.like(vocab) if same_layer
+                   else EagleDrafter.for_weights(self.replica.model.config, weights, vocab))
+        if self.rank == 0 and not same_layer:
+            log.warning("the run's drafter has a %s layer (a resumed run's checkpoint may hold another than a new "
+                        "drafter gets): worker %d goes on with it", rebuilt.config.model_type, self.rank)
+        self.drafter = rebuilt.attach(self.replica.model)
         self._spot = None  # the training copy is made again, over the same vocabulary
         if self.tail is not None:
             self.tail = self._tail_trainer()
@@ -298,8 +305,7 @@ class RolloutWorker:
         """[training drafter, DrafterTrainer, local FeatureBuffer, next hub feature sequence], made on first use.
         The training drafter is a separate copy: the engine's drafter keeps serving the published version."""
         if self._spot is None:
-            drafter = EagleDrafter(self.drafter.config, self.drafter.draft_to_target).attach(
-                self.engine.policy_forward)
+            drafter = self.drafter.like(self.drafter.draft_to_target).attach(self.engine.policy_forward)
             # the ramp for a warmed drafter only: a random one has nothing a kick could cost, and a later
             # trainer state (loaded in _spot_state) has had its first steps
             warmed = self.hub.is_trained(self.hub.latest_version())
@@ -386,7 +392,7 @@ class RolloutWorker:
         if snapshot is not None and not snapshot.trained:
             snapshot = None  # the untrained drafter the run started from: nothing worth serving
         also = None if snapshot is None else (
-            lambda staging: save_final_drafter(staging / FINAL_DRAFTER_DIR, self.drafter, snapshot))
+            lambda staging: save_final_drafter(staging / FINAL_DRAFTER_DIR, self.replica.model.config, snapshot))
         return str(save_final_model(self.replica.model, self.replica.tokenizer, directory, also=also))
 
     def _drafter_snapshot(self) -> DrafterSnapshot | None:

@@ -35,6 +35,7 @@ import torch
 
 from tlt.errors import TltError
 from tlt.files import refuse_an_unwritable_place, share_as_umask
+from tlt.models.drafter_layer import QWEN_ONLY_KEYS
 from tlt.models.eagle import EagleDrafter, read_target_config
 from tlt.models.model_files import with_legacy_keys
 
@@ -105,18 +106,19 @@ def _is_an_export(out: Path) -> bool:
     return bool(names) and all(name.startswith(("fc.", "layers.0.")) for name in names)
 
 
-# The model types whose drafters export: Llama as it is; Qwen2 as a Llama layer with attention biases (below).
+# The layer families whose drafters export: Llama as it is (also a Qwen3 target's, models/drafter_layer.py); Qwen2
+# as a Llama layer with attention biases (below).
 EXPORTABLE = ("llama", "qwen2")
-# Keys of a Qwen2 config that a Llama one lacks: its sliding window (tlt refuses a model that uses one). vLLM copies
-# every key of a draft config onto its EAGLE config, and a `layer_types` list there is indexed by the target's
-# layer count (an assertion at engine start); `dual_chunk_attention_config` is Qwen2.5-1M's chunked attention;
-# `qkv_bias`, where a config carries it, overrides attention_bias for q/k/v in vLLM's LlamaAttention.
-QWEN2_ONLY_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
-                   "dual_chunk_attention_config", "qkv_bias")
+
+
+# A drafter with a Qwen3 layer was made before 2026-12-02; since then a Qwen3 target's drafter has a Llama layer.
+OLD_QWEN3_HINT = (" (per-head q/k norms, which no EAGLE-1 class of either engine models; drafters tlt makes for "
+                  "Qwen3 targets now have a Llama layer: train a new one with `tlt drafter warmup`, without "
+                  "--init from this one, which keeps its layer)")
 
 
 def drafter_model_type(directory: str | Path) -> str | None:
-    """The model type a tlt drafter directory was built for (its drafter_config.json), None if unreadable."""
+    """The family of a tlt drafter directory's layer (its drafter_config.json), None if unreadable."""
     try:
         return read_target_config(directory)["model_type"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -128,9 +130,9 @@ def check_exportable(directory: str | Path) -> None:
     model_type = drafter_model_type(directory)
     if model_type is not None and model_type not in EXPORTABLE:
         raise ExportError(f"{directory}: the EAGLE loaders of vLLM and SGLang read Llama-family drafters "
-                          f"(LlamaForCausalLMEagle; Qwen2's as Llama with attention biases); this one is "
-                          f"{model_type!r}. It serves tlt's own rollouts (run.drafter=..., tlt generate --drafter) "
-                          f"but cannot be exported")
+                          f"(LlamaForCausalLMEagle; Qwen2's as Llama with attention biases); this one has a "
+                          f"{model_type!r} layer{OLD_QWEN3_HINT if model_type == 'qwen3' else ''}. It serves tlt's "
+                          f"own rollouts (run.drafter=..., tlt generate --drafter) but cannot be exported")
 
 
 def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", overwrite: bool = False,
@@ -142,9 +144,11 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
     check_export_out(out, overwrite)
     if target not in ARCHITECTURES:
         raise ExportError(f"unknown export target {target!r}: one of {', '.join(ARCHITECTURES)}")
-    if drafter.config.model_type not in EXPORTABLE:
+    layer = drafter.config.model_type
+    if layer not in EXPORTABLE:
+        hint = OLD_QWEN3_HINT if layer == "qwen3" else ""
         raise ExportError(f"the EAGLE loaders of vLLM and SGLang read Llama drafters (Qwen2's as Llama with "
-                          f"attention biases); this one is {drafter.config.model_type!r}")
+                          f"attention biases); this one has a {layer!r} layer{hint}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or drafter.fc.weight.dtype
@@ -180,7 +184,7 @@ def as_llama_with_attention_bias(config: dict) -> dict:
     LlamaAttention: on o_proj too, which the export writes as zeros). Without it both engines drop the q/k/v
     biases without a word. vLLM has no Qwen2 EAGLE-1 class; SGLang's Qwen2ForCausalLMEagle reads the same
     weights, so one format serves both (and `import_eagle` reads it back)."""
-    config = {key: value for key, value in config.items() if key not in QWEN2_ONLY_KEYS}
+    config = {key: value for key, value in config.items() if key not in QWEN_ONLY_KEYS}
     return config | {"model_type": "llama", "attention_bias": True, "mlp_bias": False}
 
 
@@ -281,7 +285,8 @@ def import_eagle(directory: str | Path, target_model) -> EagleDrafter:
         raise ExportError(f"{directory}: fc has a non-zero bias, which tlt's drafter does not model")
     if _model_type(target_model) == "qwen2" and getattr(config, "attention_bias", False):
         config = _as_qwen2(config, tensors, directory)
-    drafter = EagleDrafter(config, _read_draft_vocab(directory, tensors["fc.weight"].device)).attach(target_model)
+    vocab = _read_draft_vocab(directory, tensors["fc.weight"].device)
+    drafter = EagleDrafter(config, vocab, layer=config.model_type).attach(target_model)  # any target: a Llama layer
     layer = {k[len("layers.0."):]: v for k, v in tensors.items() if k.startswith("layers.0.")}
     layer.pop("input_layernorm.weight", None)  # identity in EAGLE's first layer
     with torch.no_grad():  # in place and seen by version-keyed caches (a .data write would not be)

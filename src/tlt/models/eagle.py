@@ -22,6 +22,7 @@ from torch import nn
 from tlt.errors import TltError, first_line
 from tlt.files import (DamagedFileError, load_checked_tensors, refuse_a_file_in_the_way, save_checked_tensors,
                        write_whole)
+from tlt.models.drafter_layer import decoder_layer_class, fits_target, layer_configs, new_drafter_config
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.loading import LoadedModel
 from tlt.models.lean_forward import (LeanForward, aligned_span, grouped_attention_bias,
@@ -49,16 +50,6 @@ class DrafterError(TltError):
 
 class DrafterFileError(DrafterError):
     """A drafter directory whose files cannot be read, or disagree with each other (whatever the target)."""
-
-
-def _decoder_layer_class(model_type: str):
-    if model_type == "llama":
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as layer
-    elif model_type == "qwen2":
-        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer as layer
-    else:
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer as layer
-    return layer
 
 
 def _checked_draft_vocab(draft_vocab, vocab_size: int) -> torch.Tensor:
@@ -184,13 +175,18 @@ class TreeTables:
 
 
 class EagleDrafter(nn.Module):
-    def __init__(self, target_config, draft_vocab: torch.Tensor | None = None):
+    """A new drafter for a target of config `target_config` (its layer: `NEW_DRAFTER_LAYER`, models/drafter_layer.py),
+    or, with `layer`, one whose layer is of that family (a drafter rebuilt from its own config: `like`)."""
+
+    def __init__(self, target_config, draft_vocab: torch.Tensor | None = None, layer: str | None = None):
         super().__init__()
         if isinstance(target_config, nn.Module):  # EagleDrafter(model): its config was meant
             raise DrafterError(f"EagleDrafter takes the target's config (model.config), got a "
                                f"{type(target_config).__name__}")
         check_supported(target_config)
-        config = copy.deepcopy(target_config)
+        if layer is not None and layer != target_config.model_type:
+            raise DrafterError(f"EagleDrafter(layer={layer!r}) needs a {layer} config, got {target_config.model_type}")
+        config = copy.deepcopy(target_config if layer is not None else new_drafter_config(target_config))
         config.num_hidden_layers = 1
         config._attn_implementation = "sdpa"  # the training forward runs the family's own layer: name its kernel
         if hasattr(config, "layer_types") and config.layer_types is not None:
@@ -198,7 +194,7 @@ class EagleDrafter(nn.Module):
         self.config = config
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layer = _decoder_layer_class(config.model_type)(config, layer_idx=0)
+        self.layer = decoder_layer_class(config.model_type)(config, layer_idx=0)
         self.layer.input_layernorm = nn.Identity()  # EAGLE: the fused input is not normalized again
         if draft_vocab is not None:
             self.register_buffer("draft_to_target", _checked_draft_vocab(draft_vocab, config.vocab_size))
@@ -221,11 +217,14 @@ class EagleDrafter(nn.Module):
         lean = target if isinstance(target, LeanForward) else LeanForward(target)
         spec = ModelSpec.from_config(self.config)
         expected = (lean.spec.hidden_size, lean.spec.num_heads, lean.spec.num_kv_heads, lean.spec.head_dim,
-                    lean.spec.vocab_size, lean.spec.model_type)
-        found = (spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size, spec.model_type)
+                    lean.spec.vocab_size)
+        found = (spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size)
         if expected != found:
-            raise DrafterError(f"drafter shapes (hidden, heads, kv heads, head dim, vocab, type) {found} do not fit "
+            raise DrafterError(f"drafter shapes (hidden, heads, kv heads, head dim, vocab) {found} do not fit "
                                f"the target's {expected}")
+        if not fits_target(spec.model_type, lean.spec.model_type):
+            raise DrafterError(f"a drafter with a {spec.model_type} layer does not fit a {lean.spec.model_type} "
+                               f"target (its own family's layer or a Llama one does)")
         object.__setattr__(self, "_target", lean)  # a plain attribute: not a submodule, not in state_dict
         _warn_if_positions_differ(self.config, lean.decoder.config)
         return self.to(device=lean.device, dtype=lean.dtype)
@@ -233,7 +232,7 @@ class EagleDrafter(nn.Module):
     def inference_copy(self, target: LeanForward) -> "EagleDrafter":
         """A copy of this drafter's weights attached to `target` in its dtype (e.g. a bf16 rollout), leaving this
         one (maybe an fp32 drafter in training) as it is."""
-        copy_ = EagleDrafter(self.config, self.draft_to_target).attach(target)
+        copy_ = self.like(self.draft_to_target).attach(target)
         # never trained: its q/k/v and gate/up projections become views of one weight each, one GEMM instead of
         # three and two per draft pass (as the rollout copy of the target). After attach, whose dtype or device
         # move would replace the views; before the weights load, which fill them.
@@ -245,6 +244,23 @@ class EagleDrafter(nn.Module):
                                      and fused.gate_up_weight is not None)
         copy_.load_serving_weights(self)
         return copy_
+
+    @classmethod
+    def for_weights(cls, target_config, weights: dict, draft_vocab: torch.Tensor | None = None) -> "EagleDrafter":
+        """A new, unattached drafter for `target_config`'s target whose layer holds `weights`' names: the target
+        family's or a Llama one. A checkpoint may hold either for a Qwen3 target (a new drafter's layer is Llama's
+        since 2026-12-02, a run started before has Qwen3's), or a Llama layer given as run.drafter."""
+        names = layer_weight_names(weights)
+        for config in layer_configs(target_config):
+            drafter = cls(config, draft_vocab, layer=config.model_type)
+            if layer_weight_names(drafter.state_dict()) == names:
+                return drafter
+        raise DrafterError(f"these drafter weights fit no drafter layer of a {target_config.model_type} target "
+                           f"(its family's or Llama's): {sorted(names)[:4]}")
+
+    def like(self, draft_vocab: torch.Tensor | None) -> "EagleDrafter":
+        """A new, unattached drafter with this one's layer config (its family kept) over `draft_vocab`."""
+        return EagleDrafter(self.config, draft_vocab, layer=self.config.model_type)
 
     @torch.no_grad()
     def load_serving_weights(self, source: "EagleDrafter") -> None:
@@ -439,15 +455,23 @@ class EagleDrafter(nn.Module):
             # a weights file without its draft vocabulary loaded as a full-vocabulary drafter, every draft wrong
             raise DrafterFileError(f"{directory}: its config has a draft vocabulary of {meta.get('draft_vocab_size')} "
                                f"tokens, its weights {'none' if vocab is None else int(vocab.shape[0])}")
-        drafter = cls(config, vocab)
+        drafter = cls(config, vocab, layer=config.model_type)  # a drafter saved with a Qwen3 layer keeps it
         drafter.attach(target)
         own = drafter.state_dict()
-        wrong = [k for k, v in tensors.items() if k not in own or own[k].shape != v.shape]
-        if wrong or set(own) - set(tensors):
-            names = (wrong or sorted(set(own) - set(tensors)))[:3]
-            raise DrafterError(f"{directory}: drafter weights do not match its config ({names})")
+        unexpected = sorted(k for k in tensors if k not in own)
+        reshaped = sorted(k for k, v in tensors.items() if k in own and own[k].shape != v.shape)
+        missing = sorted(set(own) - set(tensors))
+        if unexpected or reshaped or missing:
+            found = [f"{what} {names[:3]}" for what, names in (("not in its config:", unexpected),
+                     ("of another shape:", reshaped), ("missing:", missing)) if names]
+            raise DrafterError(f"{directory}: drafter weights do not match its config ({'; '.join(found)})")
         drafter.load_state_dict(tensors)
         return drafter.to(device=drafter.target.device, dtype=drafter.target.dtype)
+
+
+def layer_weight_names(weights: dict) -> set[str]:
+    """A drafter state dict's weight names, less its draft vocabulary (a buffer, not a weight of the layer)."""
+    return {name for name in weights if name != "draft_to_target"}
 
 
 def _warn_if_positions_differ(drafter_config, target_config) -> None:

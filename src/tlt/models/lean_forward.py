@@ -488,7 +488,8 @@ class LeanForward:
             q = self.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(batch, num_new, heads, dim)
             k = self.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(batch, num_new, kv_heads, dim)
             v = self.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, num_new, kv_heads, dim)
-        if spec.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+        qk_norm = getattr(attn, "q_norm", None) is not None  # the layer's: a Qwen3 target's drafter has a Llama one
+        if qk_norm:  # Qwen3: per-head RMSNorm before RoPE
             q, k = rms_norm(q, attn.q_norm), rms_norm(k, attn.k_norm)
         kv_len = bias.shape[-1]
         if self._fused_kernels(num_new):  # two kernels for what follows: RoPE + KV write, attention
@@ -497,7 +498,7 @@ class LeanForward:
                                    norm_input=norm_input, eps=eps)
             return kernels.attention(q, cache.keys(index)[:, :, :kv_len], cache.values(index)[:, :, :kv_len], bias,
                                      attn.scaling)
-        if fused is not None and not spec.qk_norm:
+        if fused is not None and not qk_norm:
             # q and k are adjacent heads of one GEMM's output: rotate them together (half the RoPE kernels)
             qk = apply_rope(qkv[:, :, :heads + kv_heads].transpose(1, 2), cos, sin)   # [B, H + Hkv, T, D]
             q, k = qk[:, :heads], qk[:, heads:]

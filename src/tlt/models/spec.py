@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from tlt.errors import ModelLoadError
 
-# model_type -> whether attention applies a per-head RMSNorm to q and k before RoPE (Qwen3 does).
-SUPPORTED_ARCHITECTURES = {"llama": False, "qwen2": False, "qwen3": True}
+# The decoder families the lean forward runs (Qwen3's per-head q/k norms are read from each layer: a Qwen3
+# target's drafter has a Llama layer, models/drafter_layer.py).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,6 @@ class ModelSpec:
     max_positions: int
     rms_norm_eps: float
     hidden_act: str
-    qk_norm: bool
 
     @property
     def kv_floats_per_token(self) -> int:
@@ -47,7 +47,6 @@ class ModelSpec:
             max_positions=config.max_position_embeddings,
             rms_norm_eps=config.rms_norm_eps,
             hidden_act=config.hidden_act,
-            qk_norm=SUPPORTED_ARCHITECTURES[config.model_type],
         )
 
 

@@ -11,6 +11,7 @@ from tlt.drafter.trainer import DrafterTrainer
 from tlt.errors import RequestError
 from tlt.metrics.logger import logger_names
 from tlt.metrics.wandb_logger import check_wandb_installed
+from tlt.models.drafter_layer import fits_target
 from tlt.models.eagle import (CONFIG_FILE, WEIGHTS_FILE, DrafterError, drafter_inside, is_drafter_dir,
                               read_target_config)
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
@@ -18,7 +19,7 @@ from tlt.rl.config import BUILTIN_REWARDS
 from tlt.rl.rewards import integer_text, load_reward_function
 from tlt.tasks import DATASET_TASKS, DatasetError, dataset_fingerprint, load_task_examples
 
-SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "model_type")
+SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
 
 
 def preflight(config) -> dict | None:
@@ -71,6 +72,12 @@ def _check_context(config, model_path: Path) -> None:
                            f"of {context} tokens ({model_path})")
 
 
+def _head_dim(config: dict):
+    """A config's head_dim, or hidden / heads where it does not say (transformers' default)."""
+    heads = config.get("num_attention_heads")
+    return config.get("head_dim") or (config.get("hidden_size") // heads if isinstance(heads, int) and heads else None)
+
+
 def _check_drafter(directory: Path, model_path: Path | None) -> None:
     if not is_drafter_dir(directory):
         raise DrafterError(f"run.drafter={directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE}; "
@@ -84,7 +91,11 @@ def _check_drafter(directory: Path, model_path: Path | None) -> None:
         target = json.loads((model_path / "config.json").read_text())
     except (ValueError, KeyError, OSError) as error:
         raise ModelLoadError(f"cannot compare run.drafter with the model: {error}") from None
-    different = [k for k in SHAPE_KEYS if drafter.get(k) != target.get(k)]
+    different = [(k, drafter.get(k), target.get(k)) for k in SHAPE_KEYS if drafter.get(k) != target.get(k)]
+    if not different and _head_dim(drafter) != _head_dim(target):  # Qwen3's is not hidden / heads
+        different.append(("head_dim", _head_dim(drafter), _head_dim(target)))
+    if not fits_target(drafter.get("model_type"), target.get("model_type")):  # its layer: the target's or Llama's
+        different.append(("model_type", drafter.get("model_type"), target.get("model_type")))
     if different:
         raise DrafterError(f"run.drafter={directory} was made for another model: "
-                           + ", ".join(f"{k} {drafter.get(k)} vs {target.get(k)}" for k in different))
+                           + ", ".join(f"{k} {ours} vs {theirs}" for k, ours, theirs in different))

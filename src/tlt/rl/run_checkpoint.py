@@ -99,15 +99,16 @@ def read_drafter(checkpoint: Path) -> DrafterSnapshot | None:
     return DrafterSnapshot(meta["version"], read_tensors(path / DRAFTER_FILE), trainer, trained)
 
 
-def save_final_drafter(directory: Path, like: EagleDrafter, snapshot: DrafterSnapshot) -> Path:
+def save_final_drafter(directory: Path, target_config, snapshot: DrafterSnapshot) -> Path:
     """The run's latest drafter as a tlt drafter directory (config, weights and, once spot training has run,
     its trainer state): `tlt drafter export` makes it an EAGLE draft model for vLLM / SGLang, and
-    `run.drafter=` starts the next run's spot training where this one stopped. `like`: a drafter of the same
-    target (its config); the draft vocabulary is the snapshot's own (a resumed run's may differ from the one its
-    config builds)."""
+    `run.drafter=` starts the next run's spot training where this one stopped. `target_config`: the policy's;
+    the layer and the draft vocabulary are the snapshot's own (a resumed run's may differ from what a new drafter
+    gets)."""
     draft_vocab = snapshot.weights.get("draft_to_target")
     draft_vocab = None if draft_vocab is None else draft_vocab.cpu()
-    drafter = EagleDrafter(like.config, draft_vocab)  # unattached, on the CPU: only its own layers are written
+    # unattached, on the CPU: only its own layers are written
+    drafter = EagleDrafter.for_weights(target_config, snapshot.weights, draft_vocab)
     drafter.load_state_dict(snapshot.weights)
     drafter.save(directory)
     if snapshot.trainer_state is not None:
