@@ -45,7 +45,7 @@ def environment() -> dict:
            "python": platform.python_version(), "device": "cuda" if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name()
-        # tlt's engines turn cuDNN's attention off for the process (lean_forward.keep_cudnn_attention_out)
+        # tlt's engines turn cuDNN's attention off for the process (attention.keep_cudnn_attention_out)
         env["cudnn_sdp"] = torch.backends.cuda.cudnn_sdp_enabled()
     return env
 

@@ -30,7 +30,7 @@ from common import environment, write_json  # noqa: E402
 
 from tlt.models import load_model  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
-from tlt.models.lean_forward import resolve_kernels  # noqa: E402
+from tlt.models.kernel_choice import resolve_kernels  # noqa: E402
 from tlt.rollout.engine import RolloutEngine  # noqa: E402
 from tlt.rollout.request import Request  # noqa: E402
 from tlt.sampling import SamplingParams  # noqa: E402

@@ -53,7 +53,7 @@ def trl_step_times(model_dir: str, examples_per_step: list[list], reward, *, sam
                          out_dir=out_dir)
     timings = _StepClock(log, synchronize=not use_cpu, on_step=on_step)
     # TRL as its users run it: torch's default attention choice (cuDNN first on Hopper), also when tlt's engines
-    # ran earlier in this process and turned cuDNN's attention off (lean_forward.keep_cudnn_attention_out)
+    # ran earlier in this process and turned cuDNN's attention off (attention.keep_cudnn_attention_out)
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(True)

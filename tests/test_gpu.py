@@ -659,7 +659,7 @@ def test_each_graph_runner_captures_on_a_stream_of_its_own_device():
 
 def test_an_engine_on_cuda_takes_cudnn_attention_out():
     """cuDNN builds an attention plan for every new (batch, length) (~1 s a shape on torch 2.11): every engine on
-    CUDA turns it off for the process (lean_forward.keep_cudnn_attention_out); the update then runs SDPA on the
+    CUDA turns it off for the process (attention.keep_cudnn_attention_out); the update then runs SDPA on the
     memory-efficient kernel, as the rollout's graphs do."""
     torch.backends.cuda.enable_cudnn_sdp(True)
     model = tiny_model("llama").to(CUDA)

@@ -145,7 +145,7 @@ def test_logits_at_index_picks_positions():
 def test_attention_spans_rounded_to_16_within_the_capacity_change_nothing_but_the_last_bits():
     """On CUDA the span is rounded up to a multiple of 16 (SDPA's efficient kernel pads a copy of an unaligned
     mask every call), never past the cache; the extra slots are masked, so the logits are the same."""
-    from tlt.models.lean_forward import aligned_span, attention_mask
+    from tlt.models.attention import aligned_span, attention_mask
 
     assert [aligned_span(n, 64) for n in (1, 16, 17, 50, 63, 64)] == [16, 16, 32, 64, 64, 64]
     assert aligned_span(50, 56) == 56 and aligned_span(70, 64) == 70 and aligned_span(17, None) == 17

@@ -177,7 +177,7 @@ def test_autocast_auto_is_bf16_on_cuda_and_off_on_cpu(tmp_path):
 def test_cudnn_attention_is_taken_out_on_cuda_only():
     """cuDNN builds an attention plan for every new micro-batch shape (~1 s a shape, forward and backward, on
     torch 2.11): a replica on CUDA takes it out of SDPA's backends; on the CPU nothing changes."""
-    from tlt.models.lean_forward import keep_cudnn_attention_out
+    from tlt.models.attention import keep_cudnn_attention_out
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

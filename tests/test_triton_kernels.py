@@ -17,8 +17,9 @@ from tlt.errors import RequestError
 from tlt.models import KVCache, LeanForward
 from tlt.models import draft_kernels, kernels, tree_kernels
 from tlt.models.eagle import DrafterError, EagleDrafter
-from tlt.models.lean_forward import (apply_rope, attention_mask, grouped_attention_bias, grouped_query_attention,
-                                     resolve_kernels, signed_sin)
+from tlt.models.attention import attention_mask, grouped_attention_bias, grouped_query_attention
+from tlt.models.kernel_choice import resolve_kernels
+from tlt.models.lean_forward import apply_rope, signed_sin
 from tlt.models.rollout_copy import RolloutCopy
 from tlt.rl.config import load_config
 from tlt.rl.config_text import ConfigError

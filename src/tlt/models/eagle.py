@@ -22,11 +22,11 @@ from torch import nn
 from tlt.errors import TltError, first_line
 from tlt.files import (DamagedFileError, load_checked_tensors, refuse_a_file_in_the_way, save_checked_tensors,
                        write_whole)
+from tlt.models.attention import aligned_span, grouped_attention_bias, mask_capacity
 from tlt.models.drafter_layer import decoder_layer_class, fits_target, layer_configs, new_drafter_config
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.loading import LoadedModel
-from tlt.models.lean_forward import (LeanForward, aligned_span, grouped_attention_bias,
-                                    mask_capacity)
+from tlt.models.lean_forward import LeanForward
 from tlt.models.rollout_copy import FusedLayer, fuse_layer
 from tlt.models.spec import ModelSpec, check_supported
 

@@ -239,7 +239,7 @@ if triton is not None:
     def _attention_bias_kernel(Lengths, NewMask, Bias, nm_sb, nm_st, b_sb, b_sr, T, KV_LEN,
                                BLOCK: tl.constexpr, TREE: tl.constexpr):
         """Row r (new token t = r % T of a query head group) of row b's additive bias: 0 where it sees the slot
-        (committed, or a new token it attends to), -inf elsewhere; `lean_forward.attention_mask`'s rule."""
+        (committed, or a new token it attends to), -inf elsewhere; `attention.attention_mask`'s rule."""
         b = tl.program_id(0).to(tl.int64)
         r = tl.program_id(1)
         t = r % T

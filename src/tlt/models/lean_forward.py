@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from tlt.models import kernels
+from tlt.models.attention import (aligned_span, attention_mask, grouped_attention_bias, grouped_query_attention,
+                                  mask_capacity)
 from tlt.models.constants import made_once
+from tlt.models.kernel_choice import KERNEL_MAX_NEW_TOKENS, kernels_problem, resolve_kernels
 from tlt.models.kv_cache import CacheRows
 from tlt.models.spec import ModelSpec
 
@@ -130,128 +133,6 @@ def compile_static(function, mode: str):
         with fx_config.patch(use_duck_shape=False):  # read when a trace starts: guards never tie sizes
             return compiled(*args, **kwargs)
     return run
-# rollout.kernels' values: torch's own kernels, the fused Triton kernels of models/kernels.py (CUDA), or "auto":
-# Triton's where they run (`resolve_kernels`). Measured on an H200 (2026-11-27, benchmarks/results/
-# rollout_throughput_h200.json): the graphed bf16 decode step 2.05 -> 1.06 ms at batch 1, 2.48 -> 1.44 at batch 64.
-KERNEL_CHOICES = ("auto", "torch", "triton")
-# The Triton kernels' floor: bf16 tensor-core dots (Ampere and later), what they were built and tested for
-KERNEL_MIN_CAPABILITY = (8, 0)
-# The Triton kernels serve forwards of at most this many new tokens a row (decode steps, trees, drafter passes);
-# a prompt's prefill keeps SDPA, whose flash kernels are made for long query blocks.
-KERNEL_MAX_NEW_TOKENS = 64
-
-ATTENTION_ALIGN = 16  # SDPA's memory-efficient kernel pads (copies) a mask whose last dim is not a multiple of 16
-
-
-def aligned_span(kv_len: int, capacity: int | None) -> int:
-    """kv_len rounded up to a multiple of ATTENTION_ALIGN, but not past the cache's `capacity` slots (None:
-    kv_len as is). The extra slots are masked out (exact zeros in the softmax), yet a longer reduction may sum
-    in another order: the result can differ in the last bit, so only CUDA, where SDPA would pad, asks for it."""
-    if capacity is None:
-        return kv_len
-    return min(-(-kv_len // ATTENTION_ALIGN) * ATTENTION_ALIGN, max(capacity, kv_len))
-
-
-def mask_capacity(cache: CacheRows) -> int | None:
-    """The capacity `attention_mask` may round a span up to: the cache's, on CUDA (None elsewhere: CPU results
-    stay bit-identical to exact spans, and CPU SDPA does not pad)."""
-    return cache.cache.max_len if cache.cache.device.type == "cuda" else None
-
-
-def attention_mask(lengths: torch.Tensor, num_new: int, new_token_mask: torch.Tensor | None,
-                   device, kv_len: int | None = None, capacity: int | None = None) -> torch.Tensor:
-    """Boolean [B, 1, T, S] mask: every committed slot of the row, plus the new tokens it may see.
-
-    new_token_mask [B, T, T] says which new tokens each new token attends to (a tree mask for verification);
-    None means causal. New token t of row b sits at slot lengths[b] + t. kv_len (S) defaults to the longest
-    row + T, read from host lengths; a CUDA graph passes a fixed S and device lengths (no host sync). With the
-    cache's capacity given, S is rounded up to a multiple of ATTENTION_ALIGN within it (`aligned_span`).
-    """
-    if kv_len is None:
-        kv_len = int(lengths.max()) + num_new
-    kv_len = aligned_span(kv_len, capacity)
-    lengths = lengths.to(device)
-    rel = torch.arange(kv_len, device=device)[None, :] - lengths[:, None]          # [B, S]
-    committed = (rel < 0)[:, None, :]                                                 # [B, 1, S]
-    t = torch.arange(num_new, device=device)[None, :, None]                          # [1, T, 1]
-    rel = rel[:, None, :]                                                             # [B, 1, S]
-    if new_token_mask is None:
-        new = (rel >= 0) & (rel <= t)
-    else:
-        in_block = (rel >= 0) & (rel < num_new)
-        gathered = new_token_mask.to(device).gather(
-            2, rel.clamp(0, num_new - 1).expand(-1, num_new, -1))                   # [B, T, S]
-        new = in_block & gathered
-    return (committed | new)[:, None]                                                 # [B, 1, T, S]
-
-
-def grouped_attention_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """Turn a boolean [B, 1, T, S] mask into the additive bias of `grouped_query_attention`, once per forward
-    (SDPA would otherwise convert the boolean mask in every layer: measured 6% of a batch-64 decode step)."""
-    batch, _, num_new, kv_len = mask.shape
-    if groups > 1 and num_new > 1:
-        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * num_new, kv_len)
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    return bias.masked_fill_(~mask, float("-inf"))
-
-
-def grouped_query_attention(q, k, v, bias, scale: float) -> torch.Tensor:
-    """SDPA for GQA without expanding K/V: the G query heads that share a KV head become G x T queries
-    of that head (q [B, H, T, D], k/v [B, Hkv, S, D], bias from `grouped_attention_bias` -> [B, H, T, D]).
-
-    Measured ~20% faster than SDPA's enable_gqa at batch 64 on CPU, and it never copies the cache.
-    """
-    batch, heads, num_new, dim = q.shape
-    kv_heads = k.shape[1]
-    if heads > kv_heads:
-        q = q.reshape(batch, kv_heads, heads // kv_heads * num_new, dim)  # head h = kv * G + g, as in repeat_kv
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    return out.reshape(batch, heads, num_new, dim)  # SDPA's output may be strided on CUDA
-
-
-def keep_cudnn_attention_out(device: torch.device) -> None:
-    """On CUDA, take cuDNN out of SDPA's backends for this process.
-
-    torch 2.11 with cuDNN >= 9.15 puts cuDNN first for masked bf16 attention on Hopper and newer, and cuDNN
-    builds an execution plan for every (batch, length) it has not seen: ~0.4 s forward and ~0.55 s backward per
-    new shape reported with torch 2.11 (modelscope/FunASR#3704). The update's and the log-probs' micro-batches
-    are padded to new lengths at every step, so each step would pay that in every micro-batch; the
-    memory-efficient kernel that takes over has no plan to build. The rollout's graphs never used cuDNN
-    (`graph_runner.CAPTURED_ATTENTION`); its prefills (a new prompt length each) and the drafter's training did.
-    Every engine on CUDA calls this (and so every replica, `tlt generate`, the drafter's warm-up). Process-wide
-    rather than an `sdpa_kernel` context per forward: that sets global flags too, and in-process workers on
-    threads would race over restoring them."""
-    if torch.device(device).type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-def resolve_kernels(choice: str, device: torch.device, *, compiled: bool, dtype: torch.dtype | None = None) -> str:
-    """The kernels a forward on `device` runs for rollout.kernels=`choice`: "auto" is "triton" on a CUDA device
-    of compute capability 8.0 or more with Triton installed, no Inductor compile (its alternative) and a bf16 or
-    fp32 rollout (`dtype`, when known: the precisions the GPU tests ran), "torch" elsewhere (the CPU: oneDNN's
-    linears; Triton's interpreter is for tests only); other choices are kept (and checked by `kernels_problem`)."""
-    if choice != "auto":
-        return choice
-    device = torch.device(device)
-    usable = (device.type == "cuda" and not compiled and kernels.triton is not None
-              and dtype in (None, torch.bfloat16, torch.float32)
-              and torch.cuda.get_device_capability(device) >= KERNEL_MIN_CAPABILITY)
-    return "triton" if usable else "torch"
-
-
-def kernels_problem(choice: str, device: torch.device, *, compiled: bool) -> str | None:
-    """Why a forward on `device` cannot use kernels=`choice` (None: it can); compiled: it is, or will be,
-    Inductor-compiled (`LeanForward.compile`), the alternative to the Triton kernels."""
-    if choice not in KERNEL_CHOICES:
-        return f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}"
-    if choice in ("auto", "torch"):  # auto: whatever `resolve_kernels` picks runs
-        return None
-    reason = kernels.unavailable_reason(device)
-    if reason is not None:
-        return f"kernels='triton': {reason}"
-    if compiled:
-        return "kernels='triton' and compile are alternatives: Inductor fuses its own kernels"
-    return None
 
 
 def _raise_dynamo_limit(names: tuple[str, ...], floor: int) -> None:

@@ -16,7 +16,8 @@ import yaml
 
 from tlt.drafter.unroll import MAX_UNROLL
 from tlt.errors import TltError
-from tlt.models.lean_forward import COMPILE_MODES, KERNEL_CHOICES
+from tlt.models.kernel_choice import KERNEL_CHOICES
+from tlt.models.lean_forward import COMPILE_MODES
 from tlt.rl.config_text import (ConfigError, FlowListDumper, UniqueKeyLoader, check_key, coerce, parse_text,
                                  yaml_problem)
 from tlt.rl.grpo import AGGREGATIONS

@@ -18,7 +18,9 @@ import time
 import torch
 
 from tlt.errors import RequestError
-from tlt.models.lean_forward import LeanForward, keep_cudnn_attention_out, kernels_problem, resolve_kernels
+from tlt.models.attention import keep_cudnn_attention_out
+from tlt.models.kernel_choice import kernels_problem, resolve_kernels
+from tlt.models.lean_forward import LeanForward
 from tlt.models.loading import LoadedModel
 from tlt.models.eagle import EagleDrafter
 from tlt.models.loading import eos_token_ids as eos_token_ids_of

@@ -32,7 +32,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tlt.capture_lock import CAPTURING
 from tlt.models.kv_cache import CacheRows, KVCache
-from tlt.models.lean_forward import ATTENTION_ALIGN, ForwardOutput, LeanForward, compile_static
+from tlt.models.attention import ATTENTION_ALIGN
+from tlt.models.lean_forward import ForwardOutput, LeanForward, compile_static
 from tlt.sampling import RowSampling, sample_next
 from tlt.speculative.decoder import (
     SpecOutcome,
