@@ -172,6 +172,20 @@ def test_the_cost_curves_cache_key_knows_the_draft_vocabulary():
     assert len(keys) == 2  # the whole vocabulary, and 8 tokens (which 8 does not change the cost)
 
 
+def test_the_cost_curves_cache_key_knows_a_qwen3_targets_drafter_layer():
+    """A curve measured with a Qwen3-layer drafter (two q/k norm kernels a pass more) must not price a new Qwen3
+    target's drafter, whose layer is Llama's."""
+    from conftest import tiny_model
+    from tlt.models.eagle import EagleDrafter
+    from tlt.rollout.cost_curve import curve_key
+
+    arms = [SpecStrategy.chain(3)]
+    qwen3 = tiny_model("qwen3")
+    keys = {curve_key(RolloutEngine(qwen3, drafter=EagleDrafter(qwen3.config, layer=layer)), arms, (1, 2))
+            for layer in (None, "qwen3")}
+    assert len(keys) == 2
+
+
 def test_the_step_line_of_a_real_run_says_speculation_waited(tmp_path, monkeypatch):
     """The line `tlt train` prints, from a run whose drafter never trained (its trainer fails), and from the
     same run once trained versions serve."""

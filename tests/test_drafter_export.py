@@ -277,6 +277,14 @@ def test_a_drafter_layer_fits_its_own_family_or_a_llama_one():
         EagleDrafter(qwen2.config).attach(tiny_model("llama"))
     with pytest.raises(DrafterError, match=r"layer='qwen3'\) needs a qwen3 config"):
         EagleDrafter(qwen2.config, layer="qwen3")
+    # a checkpoint's weights pick their drafter's layer (a resumed run's): the target family's, or Llama's
+    qwen3 = tiny_model("qwen3").config
+    for layer in (None, "qwen3"):
+        weights = EagleDrafter(qwen3, layer=layer).state_dict()
+        assert EagleDrafter.for_weights(qwen3, weights).config.model_type == (layer or "llama")
+    with pytest.raises(DrafterError, match=r"fit no drafter layer of a llama target .*not in a Llama layer "
+                                           r"\['layer.self_attn.k_proj.bias'"):
+        EagleDrafter.for_weights(tiny_model("llama").config, EagleDrafter(qwen2.config).state_dict())
 
 
 def test_a_runs_preflight_takes_a_qwen3_targets_llama_drafter_and_refuses_another_familys(tmp_path):

@@ -509,7 +509,7 @@ def trained_and_untrained_loss(trainer) -> tuple[float, float]:
     entries = list(trainer.buffer.entries)[:16]
     assert entries, "the tail trainer's buffer holds no features (none were collected)"
     drafter = trainer.drafter
-    fresh = EagleDrafter(drafter.config, drafter.draft_to_target).attach(drafter.target)
+    fresh = drafter.like(drafter.draft_to_target).attach(drafter.target)
     return (trainer.evaluate(entries)["loss"],
             DrafterTrainer(fresh, trainer.buffer, trainer.config).evaluate(entries)["loss"])
 

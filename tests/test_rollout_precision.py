@@ -186,13 +186,15 @@ def test_bf16_engine_keeps_the_callers_drafter_in_fp32_and_decodes():
     assert engine.forward.dtype == torch.bfloat16 and engine.policy_forward.dtype == torch.float32
 
 
-def test_a_drafter_inference_copy_runs_fused_projections_and_follows_a_hot_swap(arch):
+@pytest.mark.parametrize("arch,layer", [("llama", None), ("qwen2", None), ("qwen3", None), ("qwen3", "qwen3")])
+def test_a_drafter_inference_copy_runs_fused_projections_and_follows_a_hot_swap(arch, layer):
     """The serving copy of a drafter (CUDA graphs, a bf16 rollout) runs q/k/v and gate/up as one GEMM each, as
     the target's rollout copy does; same output as the drafter it copies, and a hot-swap's in-place weight load
-    reaches the fused tensors (the copy's parameters are views of them)."""
+    reaches the fused tensors (the copy's parameters are views of them). For a Qwen3 target, both a new
+    drafter's Llama layer and the Qwen3 layer of one saved before 2026-12-02."""
     model = tiny_model(arch)
     lean = LeanForward(model)
-    drafter, swapped = (EagleDrafter(model.config).attach(lean) for _ in range(2))
+    drafter, swapped = (EagleDrafter(model.config, layer=layer).attach(lean) for _ in range(2))
     with torch.no_grad():  # unlike an initialization: every projection and bias matters
         for param in [*drafter.parameters(), *swapped.parameters()]:
             param.add_(torch.randn_like(param) * 0.1)

@@ -395,17 +395,20 @@ def test_the_engine_comparison_catches_a_five_percent_error(monkeypatch):
     assert generate_tokens(model, drafter, requests, None, "triton") != expected
 
 
+@pytest.mark.parametrize("layer", [None, "qwen3"], ids=["llama-layer", "qwen3-layer"])
 @pytest.mark.parametrize("kernel_choice", ["torch", "triton"])
-def test_a_drafter_step_on_the_kernels_equals_the_torch_step(kernel_choice):
+def test_a_drafter_step_on_the_kernels_equals_the_torch_step(kernel_choice, layer):
     """The drafter's own layer (identity input norm, its own cache and fused projections) through the kernels:
-    a chain of single-token passes and a multi-token pass give the torch path's ĥ."""
+    a chain of single-token passes and a multi-token pass give the torch path's ĥ. A Qwen3 target's drafter: a
+    new one's Llama layer, and the Qwen3 layer (q/k norms) of one saved before 2026-12-02."""
     model = tiny_model("qwen3").to(DEVICE)
     outputs = []
     for choice in ("torch", kernel_choice):
         forward = LeanForward(model)
         forward.use_kernels(choice)
         torch.manual_seed(3)
-        drafter = EagleDrafter(model.config).to(DEVICE).inference_copy(forward)
+        drafter = EagleDrafter(model.config, layer=layer).to(DEVICE).inference_copy(forward)
+        assert hasattr(drafter.layer.self_attn, "q_norm") == (layer == "qwen3")
         cache = drafter.new_cache(2, 64)
         rows = cache.rows(0, 2)
         generator = torch.Generator().manual_seed(4)

@@ -286,7 +286,8 @@ def import_eagle(directory: str | Path, target_model) -> EagleDrafter:
     if _model_type(target_model) == "qwen2" and getattr(config, "attention_bias", False):
         config = _as_qwen2(config, tensors, directory)
     vocab = _read_draft_vocab(directory, tensors["fc.weight"].device)
-    drafter = EagleDrafter(config, vocab, layer=config.model_type).attach(target_model)  # any target: a Llama layer
+    # a Llama layer serves any target of its shapes; a Qwen2 target's with biases became a Qwen2 layer above
+    drafter = EagleDrafter(config, vocab, layer=config.model_type).attach(target_model)
     layer = {k[len("layers.0."):]: v for k, v in tensors.items() if k.startswith("layers.0.")}
     layer.pop("input_layernorm.weight", None)  # identity in EAGLE's first layer
     with torch.no_grad():  # in place and seen by version-keyed caches (a .data write would not be)

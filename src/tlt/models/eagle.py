@@ -175,8 +175,9 @@ class TreeTables:
 
 
 class EagleDrafter(nn.Module):
-    """A new drafter for a target of config `target_config` (its layer: `NEW_DRAFTER_LAYER`, models/drafter_layer.py),
-    or, with `layer`, one whose layer is of that family (a drafter rebuilt from its own config: `like`)."""
+    """A new drafter for a target of config `target_config` (its layer: `NEW_DRAFTER_LAYER`, models/drafter_layer.py).
+    `layer` (a family, which must be the config's own) says the config is a drafter layer's, taken as it is: a
+    drafter rebuilt from its own config (`like`, `load`), whose family may not be what a new one gets."""
 
     def __init__(self, target_config, draft_vocab: torch.Tensor | None = None, layer: str | None = None):
         super().__init__()
@@ -252,15 +253,18 @@ class EagleDrafter(nn.Module):
         since 2026-12-02, a run started before has Qwen3's), or a Llama layer given as run.drafter."""
         names = layer_weight_names(weights)
         for config in layer_configs(target_config):
-            drafter = cls(config, draft_vocab, layer=config.model_type)
-            if layer_weight_names(drafter.state_dict()) == names:
-                return drafter
+            with torch.device("meta"):  # names only: no memory, no initialization (a large target's layer)
+                empty = cls(config, None, layer=config.model_type)
+            if layer_weight_names(empty.state_dict()) == names:
+                return cls(config, draft_vocab, layer=config.model_type)
+        own = layer_weight_names(empty.state_dict())
         raise DrafterError(f"these drafter weights fit no drafter layer of a {target_config.model_type} target "
-                           f"(its family's or Llama's): {sorted(names)[:4]}")
+                           f"(its family's or Llama's): not in a Llama layer {sorted(names - own)[:3]}, missing "
+                           f"{sorted(own - names)[:3]}")
 
     def like(self, draft_vocab: torch.Tensor | None) -> "EagleDrafter":
         """A new, unattached drafter with this one's layer config (its family kept) over `draft_vocab`."""
-        return EagleDrafter(self.config, draft_vocab, layer=self.config.model_type)
+        return type(self)(self.config, draft_vocab, layer=self.config.model_type)
 
     @torch.no_grad()
     def load_serving_weights(self, source: "EagleDrafter") -> None:

@@ -74,8 +74,10 @@ def _check_context(config, model_path: Path) -> None:
 
 def _head_dim(config: dict):
     """A config's head_dim, or hidden / heads where it does not say (transformers' default)."""
-    heads = config.get("num_attention_heads")
-    return config.get("head_dim") or (config.get("hidden_size") // heads if isinstance(heads, int) and heads else None)
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    if config.get("head_dim"):
+        return config["head_dim"]
+    return hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads > 0 else None
 
 
 def _check_drafter(directory: Path, model_path: Path | None) -> None:

@@ -102,9 +102,10 @@ def read_drafter(checkpoint: Path) -> DrafterSnapshot | None:
 def save_final_drafter(directory: Path, target_config, snapshot: DrafterSnapshot) -> Path:
     """The run's latest drafter as a tlt drafter directory (config, weights and, once spot training has run,
     its trainer state): `tlt drafter export` makes it an EAGLE draft model for vLLM / SGLang, and
-    `run.drafter=` starts the next run's spot training where this one stopped. `target_config`: the policy's;
-    the layer and the draft vocabulary are the snapshot's own (a resumed run's may differ from what a new drafter
-    gets)."""
+    `run.drafter=` starts the next run's spot training where this one stopped. `target_config`: the policy's,
+    which the saved config is made from (a run.drafter made for another target of the same shapes, e.g. another
+    RoPE, is saved with this one's: what it drafted with here); the layer and the draft vocabulary are the
+    snapshot's own (a resumed run's may differ from what a new drafter gets)."""
     draft_vocab = snapshot.weights.get("draft_to_target")
     draft_vocab = None if draft_vocab is None else draft_vocab.cpu()
     # unattached, on the CPU: only its own layers are written

@@ -154,6 +154,9 @@ def curve_key(engine, strategies: list[SpecStrategy], batches) -> str:
     compile_mode = getattr(engine.forward, "compile_mode", None)
     if compile_mode is not None:  # only then: the keys of uncompiled engines stay what they were
         parts.append(compile_mode)
+    if drafter is not None and drafter.config.model_type != spec.model_type:
+        # a Qwen3 target's drafter has a Llama layer (no q/k norm kernels) since 2026-12-02: not the old curve's
+        parts.append(f"drafter_layer={drafter.config.model_type}")
     kernels = getattr(engine.forward, "kernels", "torch")
     if kernels != "torch":  # likewise: the Triton kernels' costs are their own
         parts.append(f"kernels={kernels}")
