@@ -93,6 +93,53 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient():
         assert torch.allclose(torch.autograd.grad(parts, logits)[0], full, atol=1e-7), name
 
 
+def gspo_reference(logp, old, adv, mask, clip_low, clip_high):
+    """GSPO's objective as the paper writes it: s_i = exp(mean_t(log pi - log pi_old)) with its gradient, the
+    sequence's loss -min(s_i A_i, clip(s_i) A_i), averaged over sequences."""
+    m = mask.float()
+    s = torch.exp(((logp - old) * m).sum(-1) / m.sum(-1))
+    return -torch.minimum(s * adv, s.clamp(1 - clip_low, 1 + clip_high) * adv).mean()
+
+
+def test_sequence_level_ratio_is_gspos_objective_and_gradient():
+    """grpo.importance_level=sequence with the sequence-mean loss: GSPO's loss and gradient, against the paper's
+    form computed independently. Control: the token-level ratio on the same inputs has another gradient."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, requires_grad=True)
+    logp = logits * 0.05 - 1
+    old = logp.detach() + torch.randn(4, 6) * 0.02  # a second pass: near, not equal
+    adv, mask = torch.randn(4), torch.rand(4, 6) > 0.3
+    mask[:, 0] = True
+    totals = {"sequences": 4, "tokens": float(mask.sum()), "max_tokens": 6}
+    for clip in (0.2, 3e-3):  # wide: nothing clipped; narrow: some sequences clipped whole
+        loss, parts = policy_loss("grpo", logp, old, adv, mask, totals, clip_low=clip, clip_high=clip,
+                                  importance_level="sequence")
+        assert (parts["clip_fraction"] > 0) == (clip < 0.1)
+        expected = gspo_reference(logp, old, adv, mask, clip, clip)
+        assert math.isclose(loss.item(), expected.item(), rel_tol=1e-5)
+        ours, theirs = (torch.autograd.grad(value, logits, retain_graph=True)[0] for value in (loss, expected))
+        torch.testing.assert_close(ours, theirs, atol=1e-7, rtol=1e-5)
+        token = policy_loss("grpo", logp, old, adv, mask, totals, clip_low=clip, clip_high=clip)[0]
+        assert not torch.allclose(torch.autograd.grad(token, logits, retain_graph=True)[0], theirs, atol=1e-5)
+
+
+def test_a_sequence_ratio_out_of_range_stops_every_token_of_it():
+    """The clip acts on the whole sequence: row 0's sequence ratio is sqrt(2) (its tokens': 2 and 1), past 1.2
+    with A > 0, so none of its tokens has a gradient, though one token's own ratio is in range; row 1's, 2^(-1/3)
+    = 0.79 (tokens 0.5, 1, 1), is within 1 - 0.25 with A < 0, so all of its tokens have one, though one token's own
+    ratio is out. With one update a step (old = logp) the two levels give one gradient."""
+    logp, old, adv, mask = setup()
+    logp = logp.clone().requires_grad_(True)
+    totals = {"sequences": 2, "tokens": 5, "max_tokens": 4}
+    loss, parts = policy_loss("grpo", logp, old, adv, mask, totals, clip_low=0.25, importance_level="sequence")
+    grad = torch.autograd.grad(loss, logp)[0]
+    assert not grad[0].any() and grad[1].abs().min() > 0
+    assert math.isclose(parts["clip_fraction"], 2 / 5, rel_tol=1e-6)  # row 0's two tokens
+    same = [torch.autograd.grad(policy_loss("grpo", logp, logp.detach(), adv, mask, totals,
+                                            importance_level=level)[0], logp)[0] for level in ("token", "sequence")]
+    torch.testing.assert_close(*same)
+
+
 def test_k3_kl_by_hand_and_in_the_loss():
     logp = torch.log(torch.tensor([[0.5, 0.25]]))
     ref = torch.log(torch.tensor([[0.25, 0.25]]))

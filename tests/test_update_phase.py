@@ -226,6 +226,23 @@ def test_several_updates_per_step_still_compute_the_old_logprobs(tmp_path, rollo
     assert abs(stats["ratio_mean"] - 1.0) > 1e-4
 
 
+def test_the_importance_level_reaches_the_update_from_its_second_pass_on(tmp_path, rollout):
+    """grpo.importance_level=sequence (GSPO) changes the update once a pass's ratio leaves 1: the same
+    trainer moves its weights otherwise with two passes a step, identically with one (control: the key took
+    effect at all only where it should)."""
+    examples, result = rollout
+    moved = {}
+    for passes in (1, 2):
+        for level in ("token", "sequence"):
+            trainer = make_trainer(tmp_path / f"{passes}-{level}", **{"grpo.updates_per_step": passes,
+                                                                       "optim.lr": 0.05,
+                                                                       "grpo.importance_level": level})
+            trainer.update(trainer.score(examples, result))
+            moved[passes, level] = [p.detach().clone() for p in parameters(trainer)]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(moved[1, "token"], moved[1, "sequence"]))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(moved[2, "token"], moved[2, "sequence"]))
+
+
 def test_update_metrics_do_not_move_with_micro_batch_size_nor_add_up_over_passes(tmp_path, rollout, kl=0.1):
     """The logged loss summed the update passes (2 passes: twice the loss), and clip_fraction, ratio_mean and kl
     were unweighted means over micro-batches, so they changed with optim.micro_batch_size (found by review).

@@ -20,7 +20,7 @@ from tlt.models.kernel_choice import KERNEL_CHOICES
 from tlt.models.lean_forward import COMPILE_MODES
 from tlt.rl.config_text import (ConfigError, FlowListDumper, UniqueKeyLoader, check_key, coerce, parse_text,
                                  yaml_problem)
-from tlt.rl.grpo import AGGREGATIONS
+from tlt.rl.grpo import AGGREGATIONS, IMPORTANCE_LEVELS
 from tlt.rl.optim import decay_steps
 from tlt.sampling import MIN_TEMPERATURE
 from tlt.speculative.strategy import SpecStrategy
@@ -79,6 +79,10 @@ class GRPOConfig:
     scale_rewards: bool = True     # divide advantages by the group std (False = Dr. GRPO)
     kl_coef: float = 0.0           # KL to the frozen initial policy (k3 estimator); 0 = no reference model
     updates_per_step: int = 1      # optimizer passes over each rollout (PPO epochs)
+    # The PPO ratio's level: "token" (PPO/GRPO), or "sequence" (GSPO: a response's length-normalised ratio,
+    # clipped as a whole; the GSPO paper clips it at 3e-4 / 4e-4: grpo.clip_low / clip_high). With one update a
+    # step every ratio is 1 and both give the same gradient; they differ from a step's second pass on.
+    importance_level: str = "token"
     # The rollout may sample from another numerical policy than the one trained (bf16 inference copy on CUDA vs
     # the fp32 master under autocast): per token, the policy-gradient term is weighted by
     # min(pi_train / pi_rollout, rollout_is_cap) ("truncate": truncated importance sampling, TRL's default with
@@ -226,6 +230,7 @@ OTHER_LIBRARIES_NAMES = {
     "epsilon": "grpo.clip_low", "clip_ratio": "grpo.clip_low", "clip_ratio_low": "grpo.clip_low",
     "epsilon_high": "grpo.clip_high", "clip_ratio_high": "grpo.clip_high", "num_iterations": "grpo.updates_per_step",
     "ppo_epochs": "grpo.updates_per_step", "loss_type": "grpo.loss", "max_grad_norm": "optim.grad_clip",
+    "importance_sampling_level": "grpo.importance_level",
     "lr_scheduler_type": "optim.schedule", "gradient_checkpointing": "optim.grad_checkpointing",
     "per_device_train_batch_size": "optim.micro_batch_size", "ppo_micro_batch_size": "optim.micro_batch_size",
     "max_steps": "run.steps", "total_training_steps": "run.steps", "train_batch_size": "rollout.prompts_per_step",
@@ -314,6 +319,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     if rollout.compile != "off" and not rollout.cuda_graphs:
         raise ConfigError("rollout.compile compiles the steps CUDA graphs capture: it needs rollout.cuda_graphs=true")
     check_choice("grpo.loss", grpo.loss, tuple(AGGREGATIONS))
+    check_choice("grpo.importance_level", grpo.importance_level, IMPORTANCE_LEVELS)
     _check(0 <= grpo.clip_low < 1, f"grpo.clip_low must be in [0, 1), got {grpo.clip_low}")
     _at_least("grpo.clip_high", grpo.clip_high, 0)
     _at_least("grpo.kl_coef", grpo.kl_coef, 0)

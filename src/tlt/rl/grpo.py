@@ -28,9 +28,28 @@ def group_advantages(rewards: torch.Tensor, *, scale_rewards: bool = True, eps: 
     return centered / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
 
 
-def clipped_token_losses(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float):
-    """PPO-clip per token: -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A); A broadcast over tokens."""
-    ratio = torch.exp(logprobs - old_logprobs)
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+def importance_ratio(logprobs, old_logprobs, mask, level: str = "token"):
+    """pi / pi_old per token [B, T]. "token": PPO's, each token's own. "sequence": GSPO's (Zheng et al. 2025), the
+    sequence's length-normalised ratio s = exp(mean over its tokens of log pi - log pi_old), carried per token as
+    sg[s] * pi(y_t) / sg[pi(y_t)] (the paper's GSPO-token form): every token's value is s, its gradient
+    s * grad log pi(y_t), so the clipped losses' sequence mean is GSPO's objective and gradient, and the clip acts
+    on whole sequences."""
+    if level == "token":
+        return torch.exp(logprobs - old_logprobs)
+    mask = mask.to(logprobs.dtype)
+    log_ratio = ((logprobs.detach() - old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+        min=1)
+    return torch.exp(log_ratio + logprobs - logprobs.detach())
+
+
+def clipped_token_losses(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float, mask=None,
+                         level: str = "token"):
+    """PPO-clip per token: -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A); A broadcast over tokens; the ratio
+    of `importance_ratio` at `level` (mask: the response tokens, which a sequence's ratio averages over)."""
+    ratio = importance_ratio(logprobs, old_logprobs, mask, level)
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
@@ -75,16 +94,20 @@ AGGREGATIONS = {"grpo": aggregate_sequence_mean, "dapo": aggregate_token_mean, "
 
 def policy_loss(name: str, logprobs, old_logprobs, advantages, mask, totals: dict, *, clip_low: float = 0.2,
                 clip_high: float = 0.2, ref_logprobs=None, kl_coef: float = 0.0, rollout_logprobs=None,
-                is_cap: float | None = None, entropy=None, host_metrics: bool = True):
+                is_cap: float | None = None, entropy=None, host_metrics: bool = True, importance_level: str = "token"):
     """One micro-batch's share of the step loss, plus metrics. logprobs etc. [B, T]; mask [B, T] bool.
     rollout_logprobs: the sampler's own log-probs (metrics of the rollout/training mismatch; with is_cap, the
     policy-gradient term is weighted by `truncated_importance_weights`). entropy [B, T]: logged only.
     host_metrics=False: the metrics stay 0-d device tensors (`metrics_to_host` reads a whole update's at once:
-    on a GPU each read is a sync that stops the host from queueing the backward)."""
+    on a GPU each read is a sync that stops the host from queueing the backward). importance_level: the PPO
+    ratio's, per token or per sequence (GSPO; `importance_ratio`)."""
     if name not in AGGREGATIONS:
         raise ValueError(f"unknown loss {name!r}: one of {', '.join(AGGREGATIONS)}")
+    if importance_level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"unknown importance level {importance_level!r}: one of {', '.join(IMPORTANCE_LEVELS)}")
     mask = mask.float()
-    token_losses, ratio = clipped_token_losses(logprobs, old_logprobs, advantages, clip_low, clip_high)
+    token_losses, ratio = clipped_token_losses(logprobs, old_logprobs, advantages, clip_low, clip_high, mask,
+                                               importance_level)
     parts = {}
     if rollout_logprobs is not None:
         parts.update(rollout_mismatch(old_logprobs, rollout_logprobs, mask, is_cap))

@@ -345,7 +345,7 @@ def _micro_batch_backward(replica: PolicyReplica, batch: StepBatch, index: int, 
     loss, parts = policy_loss(grpo.loss, logprobs, old, batch.advantages[chunk], micro.response_mask, totals,
                               clip_low=grpo.clip_low, clip_high=grpo.clip_high, ref_logprobs=ref,
                               kl_coef=grpo.kl_coef, rollout_logprobs=sampled, is_cap=batch.is_cap,
-                              entropy=actor.entropy, host_metrics=False)
+                              entropy=actor.entropy, host_metrics=False, importance_level=grpo.importance_level)
     loss.backward()
     return parts
 
