@@ -210,6 +210,28 @@ def test_a_step_without_speculative_steps_logs_no_tau():
     assert metrics[1]["sd/tau"] == 2.0
 
 
+def test_acceptance_by_depth_pools_arms_of_several_depths_without_inventing_rejections():
+    """A 3-deep arm's row that accepted all 3 drafts went no deeper: pooled with a 5-deep arm's steps it was
+    counted as rejected at depth 4 (0.5 where the 5-deep arm accepted 10 of 10; found by a trial). Each depth is
+    now over the steps of arms that draft that deep; metrics.jsonl carries each depth's share."""
+    import torch
+
+    from tlt.metrics.step import step_metrics
+    from tlt.rollout.request import RolloutResult, SampleOutput, StepTrace
+
+    def sd(hist):  # rows that accepted 0, 1, ..., D draft tokens
+        rows = sum(hist)
+        emitted = sum(count * (accepted + 1) for accepted, count in enumerate(hist))
+        return StepTrace("decode", rows, emitted, 0.1, mode="sd", accepted_hist=hist)
+
+    steps = [sd((0, 0, 3, 10)), sd((0, 0, 0, 2, 0, 10))]   # S3: 13 rows, 10 took all 3; S5: 12 rows, 10 took all 5
+    summary = RolloutResult([], steps, 1.0).speculation_summary()
+    assert summary["acceptance_by_depth"] == [1.0, 1.0, 22 / 25, 10 / 12, 1.0]  # depth 3: 3 + 2 of 25 rejected
+    samples = [SampleOutput(0, 0, (5,), [4, 6], [0.0, 0.0], "length")]
+    metrics = step_metrics(RolloutResult(samples, steps, 1.0), torch.ones(1), torch.ones(1) > 0, {}, 1.0, 0.1, 0)
+    assert metrics["sd/acceptance_d4"] == 10 / 12 and metrics["sd/acceptance_d5"] == 1.0
+
+
 def test_a_run_without_speculative_steps_says_so_instead_of_a_table_of_zeros(run_dir):
     plain = {"step": 1, "reward_mean": 0.5, "sd/sd_step_share": 0.0, "sd/draft_s": 0.0, "sd/verify_s": 0.0}
     (run_dir / "metrics.jsonl").write_text(json.dumps(plain) + "\n")

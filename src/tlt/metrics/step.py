@@ -23,6 +23,7 @@ def step_metrics(rollout, rewards, correct, update: dict, rollout_s: float, trai
     `rollout`: a RolloutResult; `rewards` [N] and `correct` [N]: tensors; `update`: the update's statistics."""
     lengths = sorted(len(s.token_ids) for s in rollout.samples)
     decode_batches = rollout.batch_size_trace()
+    summary = rollout.speculation_summary()
     return {
         "reward_mean": float(rewards.mean()),
         "accuracy": float(correct.float().mean()),
@@ -38,7 +39,8 @@ def step_metrics(rollout, rewards, correct, update: dict, rollout_s: float, trai
         "tail_steps_fraction": _tail_steps_fraction(decode_batches),
         "reward_failures": reward_failures,
         # τ is left out of a step without SD steps: a mean of nothing, which a curve drawn at 0 would misread
-        **{f"sd/{k}": v for k, v in rollout.speculation_summary().items() if isinstance(v, (int, float))},
+        **{f"sd/{k}": v for k, v in summary.items() if isinstance(v, (int, float))},
+        **{f"sd/acceptance_d{depth}": share for depth, share in enumerate(summary["acceptance_by_depth"], 1)},
         **{f"train/{k}": v for k, v in update.items()},
     }
 
@@ -85,8 +87,9 @@ def merge_speculation_metrics(parts: list[dict]) -> dict:
 
 
 def tail_time_share(worker_traces: list[tuple[float, list]]) -> float:
-    """Share of the rollout's wall time (first start to last end, all workers) during which the rows still
-    decoding, summed over workers, are at most `tail_rows` of the peak: the long tail.
+    """Share of the rollout's decoding time (from the first decode step's start to the last one's end, all
+    workers: prompt prefills before the first decode step are not in it) during which the rows still decoding,
+    summed over workers, are at most `tail_rows` of that sum's peak: the long tail.
     `worker_traces`: per worker, (wall-clock start of its rollout, its StepTraces)."""
     events = []  # (wall time, worker, rows running from then on)
     for worker, (start, steps) in enumerate(worker_traces):

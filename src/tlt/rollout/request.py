@@ -101,6 +101,19 @@ class StepTrace:
                                      # after the call, before an arm switch or a prefill, counts to it)
 
 
+def acceptance_by_depth(sd_steps: list[StepTrace]) -> list[float]:
+    """Per depth d: of the rows that accepted d - 1 draft tokens in steps of an arm drafting d deep or more, the
+    share that accepted a d-th. A row of a shallower arm that accepted all it drafted went no deeper: it was
+    counted as rejected at the next depth when arms of several depths were pooled (found by a trial)."""
+    depth = max((len(s.accepted_hist) - 1 for s in sd_steps), default=0)  # a hist counts rows accepting 0..D
+    shares = []
+    for d in range(1, depth + 1):
+        deep = [s.accepted_hist for s in sd_steps if len(s.accepted_hist) - 1 >= d]
+        tried, accepted = sum(sum(h[d - 1:]) for h in deep), sum(sum(h[d:]) for h in deep)
+        shares.append(accepted / tried if tried else 0.0)
+    return shares
+
+
 @dataclass
 class RolloutResult:
     samples: list[SampleOutput]   # ordered by (request_index, sample_index)
@@ -123,14 +136,10 @@ class RolloutResult:
         decode = [s for s in self.steps if s.kind == "decode"]
         sd = [s for s in decode if s.mode == "sd"]
         row_steps = sum(s.batch_size for s in sd)
-        depth = max((len(s.accepted_hist) for s in sd), default=0)
-        hist = [sum(s.accepted_hist[d] if d < len(s.accepted_hist) else 0 for s in sd) for d in range(depth)]
-        reached = [sum(hist[d:]) for d in range(depth)]  # rows that accepted at least d draft tokens
         return {
             "sd_step_share": len(sd) / len(decode) if decode else 0.0,
             "tau": sum(s.new_tokens for s in sd) / row_steps if row_steps else None,  # None: no SD step ran
-            "acceptance_by_depth": [reached[d] / reached[d - 1] if reached[d - 1] else 0.0
-                                    for d in range(1, depth)],
+            "acceptance_by_depth": acceptance_by_depth(sd),
             "draft_s": sum(s.draft_s for s in sd),
             "verify_s": sum(s.verify_s for s in sd),
         }
