@@ -35,7 +35,7 @@ import torch
 
 from tlt.errors import TltError
 from tlt.files import refuse_an_unwritable_place, share_as_umask
-from tlt.models.drafter_layer import QWEN_ONLY_KEYS
+from tlt.models.drafter_layer import without_qwen_keys
 from tlt.models.eagle import EagleDrafter, read_target_config
 from tlt.models.model_files import with_legacy_keys
 
@@ -117,6 +117,12 @@ OLD_QWEN3_HINT = (" (per-head q/k norms, which no EAGLE-1 class of either engine
                   "--init from this one, which keeps its layer)")
 
 
+def _not_exportable(layer: str) -> str:
+    """Why a drafter with a `layer` layer does not export (the same words from the command and the library)."""
+    return (f"the EAGLE loaders of vLLM and SGLang read Llama-family drafters (LlamaForCausalLMEagle; Qwen2's as "
+            f"Llama with attention biases); this one has a {layer!r} layer{OLD_QWEN3_HINT if layer == 'qwen3' else ''}")
+
+
 def drafter_model_type(directory: str | Path) -> str | None:
     """The family of a tlt drafter directory's layer (its drafter_config.json), None if unreadable."""
     try:
@@ -129,10 +135,8 @@ def check_exportable(directory: str | Path) -> None:
     """Before any model loads: a drafter of a model type the engines' EAGLE loaders do not read."""
     model_type = drafter_model_type(directory)
     if model_type is not None and model_type not in EXPORTABLE:
-        raise ExportError(f"{directory}: the EAGLE loaders of vLLM and SGLang read Llama-family drafters "
-                          f"(LlamaForCausalLMEagle; Qwen2's as Llama with attention biases); this one has a "
-                          f"{model_type!r} layer{OLD_QWEN3_HINT if model_type == 'qwen3' else ''}. It serves tlt's "
-                          f"own rollouts (run.drafter=..., tlt generate --drafter) but cannot be exported")
+        raise ExportError(f"{directory}: {_not_exportable(model_type)}. It serves tlt's own rollouts "
+                          f"(run.drafter=..., tlt generate --drafter) but cannot be exported")
 
 
 def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", overwrite: bool = False,
@@ -144,11 +148,8 @@ def export_eagle(drafter: EagleDrafter, out: str | Path, target: str = "vllm", o
     check_export_out(out, overwrite)
     if target not in ARCHITECTURES:
         raise ExportError(f"unknown export target {target!r}: one of {', '.join(ARCHITECTURES)}")
-    layer = drafter.config.model_type
-    if layer not in EXPORTABLE:
-        hint = OLD_QWEN3_HINT if layer == "qwen3" else ""
-        raise ExportError(f"the EAGLE loaders of vLLM and SGLang read Llama drafters (Qwen2's as Llama with "
-                          f"attention biases); this one has a {layer!r} layer{hint}")
+    if drafter.config.model_type not in EXPORTABLE:
+        raise ExportError(_not_exportable(drafter.config.model_type))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or drafter.fc.weight.dtype
@@ -184,8 +185,7 @@ def as_llama_with_attention_bias(config: dict) -> dict:
     LlamaAttention: on o_proj too, which the export writes as zeros). Without it both engines drop the q/k/v
     biases without a word. vLLM has no Qwen2 EAGLE-1 class; SGLang's Qwen2ForCausalLMEagle reads the same
     weights, so one format serves both (and `import_eagle` reads it back)."""
-    config = {key: value for key, value in config.items() if key not in QWEN_ONLY_KEYS}
-    return config | {"model_type": "llama", "attention_bias": True, "mlp_bias": False}
+    return without_qwen_keys(config) | {"model_type": "llama", "attention_bias": True, "mlp_bias": False}
 
 
 # What tlt's drafter takes from its target rather than from its own config (`EagleDrafter.step` rotates with the

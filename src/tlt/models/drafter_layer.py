@@ -53,9 +53,14 @@ def as_llama_config(settings: dict):
     """A LlamaConfig of a Qwen2/Qwen3 config's settings, without the keys a Llama config lacks."""
     from transformers import LlamaConfig
 
-    kept = {key: value for key, value in settings.items()
-            if key not in (*QWEN_ONLY_KEYS, "model_type", "architectures", "transformers_version")}
+    kept = {key: value for key, value in without_qwen_keys(settings).items()
+            if key not in ("model_type", "architectures", "transformers_version")}
     return LlamaConfig(**kept)
+
+
+def without_qwen_keys(settings: dict) -> dict:
+    """A Qwen2/Qwen3 config's settings less the keys a Llama config lacks (`QWEN_ONLY_KEYS`)."""
+    return {key: value for key, value in settings.items() if key not in QWEN_ONLY_KEYS}
 
 
 def fits_target(drafter_type: str, target_type: str) -> bool:
