@@ -287,6 +287,36 @@ def test_a_drafter_layer_fits_its_own_family_or_a_llama_one():
         EagleDrafter.for_weights(tiny_model("llama").config, EagleDrafter(qwen2.config).state_dict())
 
 
+def test_a_drafter_keeps_the_family_it_was_made_for_and_says_when_it_drafts_for_another(tmp_path, caplog):
+    """A Qwen3 target's drafter has a Llama layer, so a Llama model of the same shapes takes it: still lossless, but
+    it was trained on another model's features. Its drafter_config.json records the family it was made for (its
+    layer does not say), kept by every rebuild; attaching it to another family warns once per pair."""
+    import tlt.models.eagle as eagle
+
+    qwen3, llama = tiny_model("qwen3"), tiny_model("llama")
+    drafter = EagleDrafter(qwen3.config).attach(qwen3)
+    assert drafter.target_family == "qwen3" and drafter.like(None).target_family == "qwen3"
+    assert EagleDrafter.for_weights(qwen3.config, drafter.state_dict()).target_family == "qwen3"
+    drafter.save(tmp_path / "d")
+    assert json.loads((tmp_path / "d" / "drafter_config.json").read_text())["target_family"] == "qwen3"
+    eagle.WARNED_FAMILIES.clear()
+    with caplog.at_level("WARNING", logger="tlt.models.eagle"):
+        EagleDrafter.load(tmp_path / "d", qwen3)
+        assert not caplog.records  # control: its own family
+        moved = EagleDrafter.load(tmp_path / "d", llama)
+    assert "made for a qwen3 model and now drafts for a llama one" in caplog.text
+    assert moved.target_family == "qwen3"  # saved again, it still names the model it was trained for
+    # a drafter saved before the family was recorded takes its first target's
+    meta = json.loads((tmp_path / "d" / "drafter_config.json").read_text())
+    del meta["target_family"]
+    (tmp_path / "d" / "drafter_config.json").write_text(json.dumps(meta))
+    assert EagleDrafter.load(tmp_path / "d", llama).target_family == "llama"
+    meta["target_family"] = 3
+    (tmp_path / "d" / "drafter_config.json").write_text(json.dumps(meta))
+    with pytest.raises(TltError, match="target_family is 3, not a model type"):
+        EagleDrafter.load(tmp_path / "d", llama)
+
+
 def test_a_runs_preflight_takes_a_qwen3_targets_llama_drafter_and_refuses_another_familys(tmp_path):
     """run.drafter is checked against the model directory before any worker starts: the drafter's layer family
     is its target's or Llama, the shapes the target's."""

@@ -32,6 +32,7 @@ from tlt.models.spec import ModelSpec, check_supported
 
 log = logging.getLogger(__name__)
 WARNED_POSITIONS: set[tuple[str, str]] = set()  # (drafter's, target's) RoPE already warned about
+WARNED_FAMILIES: set[tuple[str, str]] = set()  # (family a drafter was made for, target's) already warned about
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -193,6 +194,9 @@ class EagleDrafter(nn.Module):
         if hasattr(config, "layer_types") and config.layer_types is not None:
             config.layer_types = config.layer_types[:1]
         self.config = config
+        # the family of the target it drafts for, which its layer need not name (a Qwen3 target's is Llama's);
+        # a rebuilt drafter's is set by whoever rebuilds it (like, for_weights, load), or by its first attach
+        self.target_family: str | None = None if layer is not None else target_config.model_type
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.layer = decoder_layer_class(config.model_type)(config, layer_idx=0)
@@ -227,6 +231,7 @@ class EagleDrafter(nn.Module):
             raise DrafterError(f"a drafter with a {spec.model_type} layer does not fit a {lean.spec.model_type} "
                                f"target (its own family's layer or a Llama one does)")
         object.__setattr__(self, "_target", lean)  # a plain attribute: not a submodule, not in state_dict
+        self.target_family = _checked_family(self.target_family, lean.spec.model_type)
         _warn_if_positions_differ(self.config, lean.decoder.config)
         return self.to(device=lean.device, dtype=lean.dtype)
 
@@ -256,7 +261,9 @@ class EagleDrafter(nn.Module):
             with torch.device("meta"):  # names only: no memory, no initialization (a large target's layer)
                 empty = cls(config, None, layer=config.model_type)
             if layer_weight_names(empty.state_dict()) == names:
-                return cls(config, draft_vocab, layer=config.model_type)
+                drafter = cls(config, draft_vocab, layer=config.model_type)
+                drafter.target_family = target_config.model_type
+                return drafter
         own = layer_weight_names(empty.state_dict())
         raise DrafterError(f"these drafter weights fit no drafter layer of a {target_config.model_type} target "
                            f"(its family's or Llama's): not in a Llama layer {sorted(names - own)[:3]}, missing "
@@ -264,7 +271,9 @@ class EagleDrafter(nn.Module):
 
     def like(self, draft_vocab: torch.Tensor | None) -> "EagleDrafter":
         """A new, unattached drafter with this one's layer config (its family kept) over `draft_vocab`."""
-        return type(self)(self.config, draft_vocab, layer=self.config.model_type)
+        drafter = type(self)(self.config, draft_vocab, layer=self.config.model_type)
+        drafter.target_family = self.target_family
+        return drafter
 
     @torch.no_grad()
     def load_serving_weights(self, source: "EagleDrafter") -> None:
@@ -433,7 +442,8 @@ class EagleDrafter(nn.Module):
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         save_checked_tensors(directory / WEIGHTS_FILE, tensors)
         text = json.dumps({
-            "target_config": self.config.to_dict(),
+            "target_config": self.config.to_dict(),  # its layer's config (the name is older than the Llama layers)
+            "target_family": self.target_family,
             "draft_vocab_size": None if self.draft_to_target is None else int(self.draft_to_target.shape[0]),
         }, indent=1)
         write_whole(directory / CONFIG_FILE, lambda path: path.write_text(text))
@@ -460,6 +470,7 @@ class EagleDrafter(nn.Module):
             raise DrafterFileError(f"{directory}: its config has a draft vocabulary of {meta.get('draft_vocab_size')} "
                                f"tokens, its weights {'none' if vocab is None else int(vocab.shape[0])}")
         drafter = cls(config, vocab, layer=config.model_type)  # a drafter saved with a Qwen3 layer keeps it
+        drafter.target_family = _saved_family(meta, directory)  # None before 2026-12-03: its first target's
         drafter.attach(target)
         own = drafter.state_dict()
         unexpected = sorted(k for k in tensors if k not in own)
@@ -476,6 +487,26 @@ class EagleDrafter(nn.Module):
 def layer_weight_names(weights: dict) -> set[str]:
     """A drafter state dict's weight names, less its draft vocabulary (a buffer, not a weight of the layer)."""
     return {name for name in weights if name != "draft_to_target"}
+
+
+def _saved_family(meta: dict, directory: Path) -> str | None:
+    family = meta.get("target_family")
+    if family is not None and not isinstance(family, str):
+        raise DrafterFileError(f"{directory / CONFIG_FILE}: target_family is {family!r}, not a model type")
+    return family
+
+
+def _checked_family(made_for: str | None, target_family: str) -> str:
+    """The family a drafter drafts for once attached to a `target_family` target. One made for another family
+    whose shapes and vocabulary happen to fit (a Llama-layer drafter of a Qwen3 target on a Llama model) stays
+    lossless but was trained on other features: said once per pair, and it keeps the family it was made for."""
+    if made_for is None:
+        return target_family
+    if made_for != target_family and (made_for, target_family) not in WARNED_FAMILIES:
+        WARNED_FAMILIES.add((made_for, target_family))
+        log.warning("this drafter was made for a %s model and now drafts for a %s one: it stays lossless, but "
+                    "was trained on another model's features and will be accepted less", made_for, target_family)
+    return made_for
 
 
 def _warn_if_positions_differ(drafter_config, target_config) -> None:
