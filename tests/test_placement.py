@@ -8,7 +8,8 @@ import time
 import pytest
 
 from tlt.distributed.placement import Placement, PlacementError, check_ray_resources, plan, resolve
-from tlt.rl.config import ConfigError, load_config, tail_training_active
+from tlt.rl.config import ConfigError, load_config
+from tlt.rl.config_checks import tail_training_active
 
 SHARES = (1.0, 0.5, 0.34)
 

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from tlt.errors import TltError
-from tlt.rl.config import tail_training_active
+from tlt.rl.config_checks import tail_training_active
 
 AUTO = "auto"
 CPU_DEFAULT_WORKERS = 1  # CPU: one worker on all cores (faster than two splitting them: module docstring)

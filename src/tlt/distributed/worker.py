@@ -36,7 +36,7 @@ from tlt.metrics.timeline import WorkerTimeline
 from tlt.models.eagle import EagleDrafter, layer_weight_names
 from tlt.rl import phases
 from tlt.rl.checkpoint import save_final_model
-from tlt.rl.config import tail_training_active
+from tlt.rl.config_checks import tail_training_active
 from tlt.rl.replica import PolicyReplica
 from tlt.rl.run_checkpoint import (FINAL_DRAFTER_DIR, DrafterSnapshot, read_drafter, resume_replica,
                                    save_final_drafter, save_run_checkpoint)

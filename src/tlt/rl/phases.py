@@ -34,7 +34,8 @@ import torch
 from tlt.device_values import metrics_to_host
 from tlt.drafter.buffer import FeatureBuffer
 from tlt.rl.actor import PackedSamples, actor_hidden, token_logprobs
-from tlt.rl.config import TrainConfig, filtered_sampling
+from tlt.rl.config import TrainConfig
+from tlt.rl.config_checks import filtered_sampling
 from tlt.rl.grpo import group_advantages, policy_loss
 from tlt.rl.optim import advance_schedule, training_autocast
 from tlt.rl.replica import PolicyReplica

@@ -15,7 +15,7 @@ from tlt.models.drafter_layer import fits_target
 from tlt.models.eagle import (CONFIG_FILE, WEIGHTS_FILE, DrafterError, drafter_inside, is_drafter_dir,
                               read_target_config)
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
-from tlt.rl.config import BUILTIN_REWARDS
+from tlt.rl.config_checks import BUILTIN_REWARDS
 from tlt.rl.rewards import integer_text, load_reward_function
 from tlt.tasks import DATASET_TASKS, DatasetError, dataset_fingerprint, load_task_examples
 

@@ -20,7 +20,8 @@ from tlt.drafter.vocabulary import frequent_tokens, limits_vocab
 from tlt.errors import RequestError
 from tlt.models.eagle import EagleDrafter
 from tlt.models.loading import LoadedModel, eos_token_ids, load_model
-from tlt.rl.config import TrainConfig, check_speculation
+from tlt.rl.config import TrainConfig
+from tlt.rl.config_checks import check_speculation
 from tlt.rl.optim import (autocast_dtype, build_optimizer, build_scheduler, disable_dropout,
                           enable_grad_checkpointing)
 from tlt.rl.rewards import build_reward
