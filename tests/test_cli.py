@@ -258,10 +258,10 @@ def test_betas_take_the_comma_form_like_the_loggers(capsys):
 
 def test_verify_json_written_as_a_directory_is_refused(tmp_path, capsys):
     """`--json out/` wrote a file named out (found by review)."""
-    from tlt.cli import _check_writable
+    from tlt.verify_cli import check_writable
     from tlt.errors import TltError
 
     with pytest.raises(TltError, match="names a directory; give a file name"):
-        _check_writable(f"{tmp_path}/out/", "--json")
+        check_writable(f"{tmp_path}/out/", "--json")
     assert not (tmp_path / "out").exists()
-    _check_writable(str(tmp_path / "out.json"), "--json")  # the control
+    check_writable(str(tmp_path / "out.json"), "--json")  # the control

@@ -241,14 +241,14 @@ def test_verify_that_ran_no_speculative_step_is_an_error_not_a_pass():
 
 def test_the_json_check_leaves_the_path_alone(tmp_path):
     """It opened the path to see whether it could: a dangling symlink there was replaced by an empty file."""
-    from tlt.cli import _check_writable
+    from tlt.verify_cli import check_writable
 
     link = tmp_path / "out.json"
     link.symlink_to(tmp_path / "elsewhere" / "out.json")
-    _check_writable(link, "--json")
+    check_writable(link, "--json")
     assert link.is_symlink() and not (tmp_path / "elsewhere").exists()
     (tmp_path / "kept.json").write_text("mine")
-    _check_writable(tmp_path / "kept.json", "--json")
+    check_writable(tmp_path / "kept.json", "--json")
     assert (tmp_path / "kept.json").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == [
         "kept.json", "out.json"]
 

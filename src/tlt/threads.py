@@ -45,3 +45,9 @@ def pick_threads(requested: int = 0) -> int:
                     "slower than with %d", threads, available_cores(), available_cores())
     torch.set_num_threads(threads)
     return threads
+
+
+def add_threads(parser) -> None:
+    """The --threads flag of a single-process command (an argparse parser), read by `pick_threads`."""
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0 = the cores idle now: a busy "
+                        "core shared by torch's threads slows every op)")

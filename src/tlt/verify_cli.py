@@ -1,0 +1,153 @@
+"""`tlt verify`: the statistical check that speculative decoding is lossless on a user's model and drafter
+(tlt/verify.py), as a command: its flags, its table, its exit code."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from tlt.errors import TltError
+from tlt.files import refuse_a_file_in_the_way
+from tlt.threads import add_threads
+
+
+def add_verify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory, .gguf file, or 'smollm2' (default)")
+    parser.add_argument("--drafter", default=None, help="a tlt drafter directory (default: an untrained drafter; "
+                        "losslessness must hold for ANY drafter, a well-trained one is accepted more often and "
+                        "exercises the acceptance rule harder)")
+    parser.add_argument("--strategy", default="S4K2N8", help="depth S, branching K, tree size N (target-only "
+                        "acceptance), or S4K2q: q-sampling with the drafter's probabilities")
+    parser.add_argument("--prompts", type=int, default=8, help="arithmetic-task chat prompts")
+    parser.add_argument("--samples-per-prompt", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0, help="of the sampled check (> 0)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--alpha", type=float, default=1e-3, help="significance: fail when any test's p-value "
+                        "(PIT uniformity; drafter alignment with q and with q/(p+q)) is below alpha/3")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON to OUT")
+    add_threads(parser)
+    parser.add_argument("--negative-control", action="store_true", help="also run with a deliberately "
+                        "over-accepting rule (drafts accepted 1.2x too often), which must FAIL: shows the test can "
+                        "see a real bug at these settings")
+
+
+def run_verify(args) -> int:
+    """Exit 0 when both checks pass (and, with --negative-control, the control fails), else 1."""
+    import dataclasses
+    import json
+
+    from rich.console import Console
+
+    from tlt.models import load_model
+    from tlt.models.eagle import EagleDrafter, check_drafter_dir
+    from tlt.generate_cli import sampling_from_flags
+    from tlt.sampling import MIN_TEMPERATURE
+    from tlt.speculative.strategy import SpecStrategy
+    from tlt.tasks import ArithmeticTask, ChatTask
+    from tlt.threads import pick_threads
+    from tlt.verify import OVER_ACCEPTING, check_settings, verify
+
+    strategy = SpecStrategy.parse(args.strategy)
+    if not args.temperature >= MIN_TEMPERATURE:  # SamplingParams' advice, "0 for greedy", is no use here (QA)
+        raise TltError(f"--temperature must be at least {MIN_TEMPERATURE}, got {args.temperature} (the sampled "
+                       f"check samples; greedy identity is checked at temperature 0 anyway)")
+    params = sampling_from_flags(args)
+    check_settings(params, args.prompts, args.samples_per_prompt, args.alpha)  # before the model loads
+    if args.drafter:
+        check_drafter_dir(args.drafter)
+    if args.json:  # before the check, whose results would be lost at the end
+        check_writable(args.json, "--json")
+    pick_threads(args.threads)
+    console = Console()
+    with console.status("loading model"):
+        loaded = load_model(args.model)
+    drafter = (EagleDrafter.load(args.drafter, loaded.model) if args.drafter
+               else EagleDrafter(loaded.model.config).attach(loaded.model))
+    task = ChatTask(ArithmeticTask(), loaded.tokenizer)
+    prompts = [task.prompt_ids(example) for example in task.sample(args.prompts, args.seed)]
+    settings = dict(strategy=strategy, prompts=prompts, params=params, samples_per_prompt=args.samples_per_prompt,
+                    alpha=args.alpha, seed=args.seed)
+    with console.status("checking greedy identity and the sampled distribution"):
+        report = verify(loaded, drafter, **settings)
+    control = None
+    if args.negative_control:
+        with console.status("negative control: an over-accepting rule"):
+            control = verify(loaded, drafter, **settings, accept_rule=OVER_ACCEPTING[strategy.rule],
+                             check_greedy=False)
+    _print_verify(console, report, control, args.drafter or "untrained")
+    passed = report.passed and (control is None or not control.sampled_passed)
+    if args.json:  # "passed": the verdict the exit code gives (the check's own passing is not it: QA)
+        Path(args.json).write_text(json.dumps({
+            "model": loaded.source, "drafter": args.drafter, "params": dataclasses.asdict(params), "passed": passed,
+            "check": report.to_dict(), "negative_control": control.to_dict() if control else None}, indent=1))
+    return 0 if passed else 1
+
+
+def check_writable(path, option: str) -> None:
+    """A file the command will write at its end: its directory is made now, and a directory in its place fails
+    (so does a path written as one: `out/` became a file named out)."""
+    if str(path).endswith(("/", os.sep)):
+        raise TltError(f"{option} {path} names a directory; give a file name (e.g. {str(path).rstrip('/' + os.sep)}"
+                       f"/result.json)")
+    path = Path(path)
+    if path.is_dir():
+        raise TltError(f"{option} {path} is a directory; give a file name")
+    refuse_a_file_in_the_way(path.parent, option)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise TltError(f"{option} {path}: cannot create {path.parent} ({error.strerror})") from None
+    try:  # a read-only mount or a missing permission fails before the work, not after it; the path itself is
+        # not touched (a file there may be another process's, a symlink the user's)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise TltError(f"{option} {path}: cannot write in {path.parent} ({error.strerror})") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise TltError(f"{option} {path}: cannot write it (permission denied)")
+
+
+def _print_verify(console, report, control, drafter: str) -> None:
+    from rich.table import Table
+
+    mark = {True: "[green]PASS[/]", False: "[red]FAIL[/]"}
+    table = Table(title=f"tlt verify: {report.strategy}, drafter {drafter}, τ = {report.tau:.2f} tokens/step")
+    for column in ("check", "result", "detail"):
+        table.add_column(column)
+    where = "" if report.first_mismatch is None else \
+        f"; first at prompt {report.first_mismatch[0]}, token {report.first_mismatch[1]}"
+    table.add_row("greedy identity", mark[report.greedy_passed],
+                  f"{report.greedy_samples - report.greedy_mismatches}/{report.greedy_samples} responses "
+                  f"identical to plain decoding{where}")
+    table.add_row("sampled distribution", mark[report.sampled_passed], _ks_detail(report))
+    if control is not None:
+        table.add_row("negative control (accepts 1.2x)",
+                      "[green]FAILS, as it must[/]" if not control.sampled_passed else "[red]passes: no power[/]",
+                      _ks_detail(control))
+    console.print(table)
+    if not report.passed:
+        console.print("[bold red]FAIL[/]: speculative decoding is NOT lossless at these settings")
+    elif control is not None and control.sampled_passed:
+        console.print("[bold red]FAIL[/]: the check passed, but so did the negative control: at these settings "
+                      "the test cannot see a real bug (raise --prompts, --samples-per-prompt or --max-new-tokens)")
+    else:
+        console.print("[bold green]PASS[/]: no difference from the target found at these settings")
+    if report.choice_tokens == 0:
+        console.print("note: every emitted token had probability 1 at these settings (top-k 1, or a top-p below "
+                      "the top token's mass), so the sampled check had nothing to test")
+    elif report.tau < 1.1:
+        better = "a better-trained drafter" if drafter != "untrained" else "a trained drafter (--drafter)"
+        console.print("note: drafts were rarely accepted (τ ≈ 1), so the acceptance rule was seldom exercised; "
+                      f"{better} makes the check sharper")
+
+
+def _ks_detail(report) -> str:
+    return (f"{report.tokens} tokens of {report.sampled_responses} responses: PIT KS D = {report.ks_statistic:.4f}, "
+            f"p = {report.p_value:.3g}; drafter alignment z = {report.alignment_z:+.2f} (q), "
+            f"{report.ratio_z:+.2f} (q/(p+q)), p = {report.alignment_p_value:.3g}, {report.ratio_p_value:.3g} "
+            f"(each at alpha/3 = {report.alpha / 3:.2g})")
