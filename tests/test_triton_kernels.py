@@ -15,7 +15,7 @@ from conftest import assert_parted_only_at_near_ties, random_prompts, tiny_model
 
 from tlt.errors import RequestError
 from tlt.models import KVCache, LeanForward
-from tlt.models import draft_kernels, kernels, tree_kernels
+from tlt.models import draft_kernels, kernels, sample_kernels, tree_kernels
 from tlt.models.eagle import DrafterError, EagleDrafter
 from tlt.models.attention import attention_mask, grouped_attention_bias, grouped_query_attention
 from tlt.models.kernel_choice import resolve_kernels
@@ -371,7 +371,7 @@ def test_an_engine_on_triton_kernels_samples_what_the_torch_engine_samples(strat
     children in one launch per frontier (the root's expansion, then a frontier of K)."""
     model, drafter, requests = engine_case()
     calls = []
-    for module, name in ((kernels, "attention"), (kernels, "rope_and_store"), (kernels, "sample_from_logprobs"),
+    for module, name in ((kernels, "attention"), (kernels, "rope_and_store"), (sample_kernels, "sample_from_logprobs"),
                          (draft_kernels, "draw_without_replacement")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.append((_n, a[0].shape))
@@ -500,7 +500,7 @@ def test_the_fused_sampler_draws_the_torch_samplers_tokens(vocab):
     """Same log-probabilities, same uniforms, same tokens (the float64 CDF summed in another order could part
     only within rounding of a boundary); never a token of probability 0."""
     logprobs, uniforms = sampler_case(vocab)
-    fused = kernels.sample_from_logprobs(logprobs, uniforms)
+    fused = sample_kernels.sample_from_logprobs(logprobs, uniforms)
     assert torch.equal(fused, sampling.sample_from_logprobs(logprobs, uniforms))
     assert torch.isfinite(logprobs.gather(1, fused[:, None])).all()
 
@@ -508,7 +508,7 @@ def test_the_fused_sampler_draws_the_torch_samplers_tokens(vocab):
 def test_the_sampler_comparison_can_fail():
     """Negative control: uniforms shifted by 0.01 draw other tokens in many rows."""
     logprobs, uniforms = sampler_case(1000)
-    shifted = kernels.sample_from_logprobs(logprobs, (uniforms + 0.01).clamp(max=0.999))
+    shifted = sample_kernels.sample_from_logprobs(logprobs, (uniforms + 0.01).clamp(max=0.999))
     assert (shifted != sampling.sample_from_logprobs(logprobs, uniforms)).sum() >= 10
 
 
@@ -553,7 +553,7 @@ def test_drawing_with_routes_draws_in_its_block_and_thread_only():
 
     logprobs, uniforms = sampler_case(300)
     calls = []
-    fake = lambda lp, u: calls.append(threading.get_ident()) or kernels.sample_from_logprobs(lp, u)
+    fake = lambda lp, u: calls.append(threading.get_ident()) or sample_kernels.sample_from_logprobs(lp, u)
     other = []
     with drawing_with(fake):
         sampling.sample_from_logprobs(logprobs, uniforms)

@@ -14,7 +14,7 @@ kernel on the H100), and past the verify forward most of its launches were bookk
 
 The rest of the step's bookkeeping (tree tables, the accepted path, cache writes): `tree_kernels.py`.
 
-A program reads the vocabulary 16 blocks of 256 tokens a step (`kernels.SAMPLE_GROUP`); the CDF's float64 sums
+A program reads the vocabulary 16 blocks of 256 tokens a step (`sample_kernels.SAMPLE_GROUP`); the CDF's float64 sums
 stay per 256-token block, as torch builds them. Off CUDA they run under Triton's interpreter (TRITON_INTERPRET=1),
 which is how the CPU tests check them against the torch paths, token for token.
 """
@@ -24,13 +24,13 @@ from __future__ import annotations
 import torch
 
 from tlt.models.eagle import TreeTables
-from tlt.models.kernels import SAMPLE_GROUP as GROUP
 from tlt.models.kernels import _on_device_of, triton
+from tlt.models.sample_kernels import SAMPLE_GROUP as GROUP
 
 if triton is not None:
     import triton.language as tl
 
-    from tlt.models.kernels import _draw_in_block, _find_block, _tile_columns
+    from tlt.models.sample_kernels import _draw_in_block, _find_block, _tile_columns
 
     @triton.jit
     def _remaining_mass(Base, b, VOCAB, drawn, BLOCK: tl.constexpr):

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from tlt.errors import RequestError
-from tlt.models import draft_kernels, kernels, tree_kernels
+from tlt.models import draft_kernels, sample_kernels, tree_kernels
 from tlt.models.kv_cache import CacheRows, KVCache
 from tlt.models.lean_forward import LeanForward
 from tlt.rollout.batch_rows import BatchRows
@@ -408,7 +408,8 @@ def sampler_of(forward: LeanForward):
     its graph)."""
     if forward.kernels != "triton":
         return drawing_with(None)
-    return drawing_with(kernels.sample_from_logprobs, without_replacement=draft_kernels.draw_without_replacement,
+    return drawing_with(sample_kernels.sample_from_logprobs,
+                        without_replacement=draft_kernels.draw_without_replacement,
                         verify_q_nodes=draft_kernels.verify_q_nodes, expand_frontier=draft_kernels.expand_frontier,
                         follow_q_path=tree_kernels.follow_q_path, tree_mask=tree_kernels.ancestor_mask,
                         commit_path=tree_kernels.commit_path, gather_pairs=tree_kernels.gather_pairs,
