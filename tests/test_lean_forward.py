@@ -97,7 +97,7 @@ def test_rope_from_the_position_table_is_the_rotary_embeddings_own(arch, dtype):
     """`LeanForward.rope` looks positions up in a table made once per (device, dtype): the cos and signed sin
     the model's rotary embedding gives for the same positions, bit for bit, positions past the context clamped.
     Control: the table read one position on is another rope. A RoPE whose frequencies follow the batch's
-    longest position (dynamic, longrope) is computed per forward."""
+    longest position (dynamic) is computed per forward; a longrope one within its short span takes the table."""
     from tlt.models.lean_forward import signed_sin
 
     model = tiny_model(arch).to(dtype)

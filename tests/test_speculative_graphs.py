@@ -483,7 +483,7 @@ def test_compile_needs_the_graphs_it_compiles_for():
 
 
 def test_a_rope_that_reads_positions_on_the_host_decodes_without_graphs(caplog):
-    """transformers recomputes dynamic / longrope frequencies from each call's largest position, read on the
+    """transformers recomputes dynamic RoPE frequencies from each call's largest position, read on the
     host: a CUDA graph cannot capture that. Graphs by default: off, said once; asked for: one clear error."""
     from types import SimpleNamespace
 

@@ -397,3 +397,37 @@ def test_a_hot_swap_mid_rollout_resets_every_rows_drafter_state():
     assert bool((seen[2] > 0).any()), seen  # the old drafter had state to drop
     assert bool((seen[3] == 0).all()), seen
     assert [s.token_ids for s in result.samples] == [s.token_ids for s in plain.samples]
+
+
+def test_a_longrope_model_is_served_within_its_short_span_where_no_forward_changes_its_frequencies():
+    """transformers' longrope takes its short or long factors from the longest position of a forward, not per
+    position: beyond original_max_position_embeddings a row's tokens depended on its batch mates and its draft
+    tree's depth (a trial found greedy SD tokens differing from plain decoding). tlt serves such a model within
+    its short span: greedy SD = plain = transformers.generate beside any batch mate, and a longer request is one
+    error naming the span. Control: the model's own rotary embedding does change a row's frequencies past it."""
+    from tlt.errors import RequestError
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 24,
+            "short_factor": [1.0] * 8, "long_factor": [1.0 + 3.0 * i for i in range(8)]}
+    model = tiny_model("llama", vocab_size=30, seed=4, max_position_embeddings=96, rope_parameters=rope)
+    greedy = SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=())
+    for seed in (4, 23):  # the trial's two prompts: one SD flipped, one a batch mate flipped
+        prompt = random_prompts([16], vocab_size=30, seed=seed)[0]
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, 16:].tolist()
+        mate = Request(random_prompts([18], vocab_size=30, seed=123)[0], params=greedy)
+        _, alone = run(model, [Request(prompt, params=greedy)], batch=2, tree=64)
+        _, beside = run(model, [Request(prompt, params=greedy), mate], batch=2, tree=64)
+        _, speculative = run(model, [Request(prompt, params=greedy), mate], EagleDrafter(model.config),
+                             SpecStrategy.chain(12), batch=2, tree=64)
+        for out in (alone, beside, speculative):
+            assert out.samples[0].token_ids == expected
+    engine = RolloutEngine(model, max_batch_size=2)
+    assert engine.spec.max_positions == 24
+    with pytest.raises(RequestError, match=r"context of 24 tokens \(a longrope model's short span, "
+                                           r"original_max_position_embeddings"):
+        engine.generate([Request(random_prompts([20], vocab_size=30)[0], params=greedy)])
+    x, row = torch.empty(0), torch.arange(16, 22)[None]
+    alone_cos, _ = model.model.rotary_emb(x, row)
+    batch_cos, _ = model.model.rotary_emb(x, torch.stack([row[0], torch.full((6,), 70)]))
+    assert not torch.equal(alone_cos[0], batch_cos[0])

@@ -88,8 +88,11 @@ def pick_linear(device: torch.device, dtype: torch.dtype):
     return F.linear
 
 
-# RoPE types whose frequencies depend on the longest position of the batch (transformers' dynamic_rope_update)
-BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# RoPE types whose frequencies transformers recomputes from the longest position of each forward
+# (dynamic_rope_update): computed per forward, not looked up in a table. Within the context tlt serves (`rope`'s
+# clamp) dynamic's never change; longrope's would, past its short span, which tlt does not serve
+# (spec.context_positions): it takes the table.
+BATCH_DEPENDENT_ROPE = ("dynamic",)
 
 
 def rms_norm(x: torch.Tensor, norm_module) -> torch.Tensor:
@@ -291,7 +294,8 @@ class LeanForward:
 
         Positions are clamped to the model's context. Only a speculative tree (or its draft) of a row near the
         limit reaches past it, with nodes whose outputs are never used (they predict tokens past the row's
-        budget); unclamped, a dynamic RoPE scaling would rescale the frequencies of the whole batch's forward."""
+        budget); unclamped, a dynamic RoPE scaling would rescale the frequencies of the whole batch's forward, and
+        a longrope one switch them to its long factors (the context of a longrope model is its short span)."""
         positions = positions.clamp(max=self.spec.max_positions - 1)
         table = self._rope_table(x.device, x.dtype)
         if table is None:
@@ -306,7 +310,7 @@ class LeanForward:
         once per (device, dtype): a forward then looks its positions up in one operation, where computing them
         took ten (a GPU step is launch-bound; an SD step has three forwards). The same values: the rotary
         embedding is elementwise in the positions. None (computed per forward) for a RoPE whose frequencies
-        depend on the batch's longest position (longrope, dynamic) and under torch.compile (Inductor fuses it)."""
+        depend on the batch's longest position (dynamic) and under torch.compile (Inductor fuses it)."""
         rotary = self.decoder.rotary_emb
         if getattr(rotary, "rope_type", "default") in BATCH_DEPENDENT_ROPE or torch.compiler.is_compiling():
             return None

@@ -22,9 +22,10 @@ class ModelSpec:
     head_dim: int
     hidden_size: int
     vocab_size: int
-    max_positions: int
+    max_positions: int          # the context tlt serves: `context_positions`
     rms_norm_eps: float
     hidden_act: str
+    context_note: str = ""      # why max_positions is below the config's max_position_embeddings, if it is
 
     @property
     def kv_floats_per_token(self) -> int:
@@ -44,10 +45,42 @@ class ModelSpec:
             head_dim=head_dim,
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
-            max_positions=config.max_position_embeddings,
+            max_positions=context_positions(config.to_dict()),
             rms_norm_eps=config.rms_norm_eps,
             hidden_act=config.hidden_act,
+            context_note=context_note(config.to_dict()),
         )
+
+
+def _longrope_span(settings: dict) -> int | None:
+    """original_max_position_embeddings of a longrope config (transformers 5's rope_parameters or 4's
+    rope_scaling), None for any other RoPE."""
+    rope = settings.get("rope_parameters") or settings.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or (rope.get("rope_type") or rope.get("type")) != "longrope":
+        return None
+    span = rope.get("original_max_position_embeddings") or settings.get("original_max_position_embeddings")
+    return span if isinstance(span, int) and span > 0 else None
+
+
+def context_positions(settings: dict) -> int:
+    """The positions tlt serves for a model of config `settings` (a config.json's keys): its
+    max_position_embeddings, except for longrope, whose frequencies switch from its short factors to its long ones
+    once a forward's longest position passes original_max_position_embeddings (transformers picks them per call,
+    not per position): a row's tokens would then depend on its batch mates and on how deep its draft tree reaches,
+    and the rollout's log-probs would not be those of the training forward over the whole sequence. Within the
+    short span every forward uses the same frequencies, so that is the context served."""
+    context = settings["max_position_embeddings"]
+    span = _longrope_span(settings)
+    return context if span is None else min(context, span)
+
+
+def context_note(settings: dict) -> str:
+    """For an error naming the context: why it is below max_position_embeddings, or ''."""
+    if context_positions(settings) == settings["max_position_embeddings"]:
+        return ""
+    return (" (a longrope model's short span, original_max_position_embeddings: past it transformers picks its "
+            "frequencies from the longest position of a forward, so a row's tokens would depend on its batch; "
+            "tlt serves no longer sequences than that)")
 
 
 def check_supported(config) -> None:

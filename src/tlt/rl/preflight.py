@@ -15,6 +15,7 @@ from tlt.models.drafter_layer import fits_target
 from tlt.models.eagle import (CONFIG_FILE, WEIGHTS_FILE, DrafterError, drafter_inside, is_drafter_dir,
                               read_target_config)
 from tlt.models.loading import ModelLoadError, check_model_path, is_default_source
+from tlt.models.spec import context_note, context_positions
 from tlt.rl.config_checks import BUILTIN_REWARDS
 from tlt.rl.rewards import integer_text, load_reward_function
 from tlt.tasks import DATASET_TASKS, DatasetError, dataset_fingerprint, load_task_examples
@@ -65,11 +66,13 @@ def _check_context(config, model_path: Path) -> None:
     engine, once the task has made them)."""
     if model_path.is_file():
         return  # a GGUF: its context is in the header, and the engine checks every request anyway
-    context = json.loads((model_path / "config.json").read_text()).get("max_position_embeddings")
-    budget = config.rollout.max_new_tokens
-    if isinstance(context, int) and budget >= context:
+    settings = json.loads((model_path / "config.json").read_text())
+    if not isinstance(settings.get("max_position_embeddings"), int):
+        return
+    context, budget = context_positions(settings), config.rollout.max_new_tokens
+    if budget >= context:
         raise RequestError(f"rollout.max_new_tokens={budget} leaves no room for a prompt in the model's context "
-                           f"of {context} tokens ({model_path})")
+                           f"of {context} tokens{context_note(settings)} ({model_path})")
 
 
 def _head_dim(config: dict):

@@ -119,7 +119,7 @@ def check_prompts_fit(task, spec, max_new_tokens: int) -> None:
         what = "task.system_prompt" if task.system_prompt else "the chat template"
         raise RequestError(f"{what}: an empty prompt already takes {template} tokens, + max_new_tokens "
                            f"{max_new_tokens} = {template + max_new_tokens} exceeds the model's context of "
-                           f"{spec.max_positions}: no prompt fits")
+                           f"{spec.max_positions}{spec.context_note}: no prompt fits")
     room = spec.max_positions - max_new_tokens - template - TEMPLATE_SLACK
     params = SamplingParams(max_new_tokens=max_new_tokens)
     byte_length = _normalized_byte_length(task.tokenizer)
@@ -130,7 +130,7 @@ def check_prompts_fit(task, spec, max_new_tokens: int) -> None:
     for example, label in labelled:
         if byte_length is None or byte_length(example.prompt) > room:
             request = Request(task.prompt_ids(example), params=params)
-            check_fits(request, spec.vocab_size, spec.max_positions, label)
+            check_fits(request, spec.vocab_size, spec.max_positions, label, spec.context_note)
 
 
 def _normalized_byte_length(tokenizer):

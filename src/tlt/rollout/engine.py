@@ -281,7 +281,8 @@ class RolloutEngine:
         for index, request in enumerate(requests):
             if not isinstance(request, Request):
                 raise RequestError(f"requests[{index}] is a {type(request).__name__}, expected tlt Request")
-            check_fits(request, self.spec.vocab_size, self.spec.max_positions, request.label or f"requests[{index}]")
+            check_fits(request, self.spec.vocab_size, self.spec.max_positions, request.label or f"requests[{index}]",
+                       self.spec.context_note)
 
     def _prefill(self, groups: list[list[Sequence]], steps: list[StepTrace]) -> None:
         """The admitted groups take the rows after the running ones, each with its first token."""

@@ -29,8 +29,9 @@ from tlt.speculative.strategy import SpecStrategy
 
 log = logging.getLogger(__name__)
 # RoPE variants whose frequencies transformers recomputes from the largest position of each call, read on the host
-# (`dynamic_rope_update`): a CUDA graph cannot capture that read
-HOST_READ_ROPE = ("dynamic", "longrope")
+# (`dynamic_rope_update`): a CUDA graph cannot capture that read. (longrope's table is made once: its context is
+# its short span, spec.context_positions.)
+HOST_READ_ROPE = ("dynamic",)
 
 
 class ModelRunner:

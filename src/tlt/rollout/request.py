@@ -52,9 +52,10 @@ class Request:
         return position if self.stream is None else self.stream
 
 
-def check_fits(request: Request, vocab_size: int, context: int, name: str) -> None:
+def check_fits(request: Request, vocab_size: int, context: int, name: str, context_note: str = "") -> None:
     """A request the model can serve whole: token ids in its vocabulary, and the prompt with the response
-    budget within its context (nothing is ever truncated)."""
+    budget within its context (nothing is ever truncated). context_note: why the context is what it is
+    (`ModelSpec.context_note`)."""
     ids = request.prompt_ids
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise RequestError(f"{name}: prompt token id out of range [0, {vocab_size})")
@@ -65,8 +66,8 @@ def check_fits(request: Request, vocab_size: int, context: int, name: str) -> No
     if total > context:
         raise RequestError(
             f"{name}: prompt of {len(ids)} tokens + max_new_tokens {request.params.max_new_tokens} = {total} "
-            f"exceeds the model's context of {context} tokens (nothing is truncated: shorten the prompt or the "
-            f"budget)")
+            f"exceeds the model's context of {context} tokens{context_note} (nothing is truncated: shorten the "
+            f"prompt or the budget)")
 
 
 @dataclass
