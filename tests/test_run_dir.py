@@ -681,6 +681,54 @@ def test_a_run_with_a_drafter_leaves_it_beside_the_final_policy_ready_to_export_
     assert "spot-train" in out and "drafter steps" in out and "tail-train" not in out  # two workers: spot training
 
 
+def test_a_resume_with_sd_off_keeps_the_runs_trained_drafter_for_a_later_resume_with_sd_on(tmp_path, capsys):
+    """`--resume run.speculative=off` saved checkpoints and a final/ without the drafter the run had trained, and
+    pruning then deleted the last checkpoint holding it (found by a trial). It is carried through the SD-off
+    steps unchanged, said at the resume, and a later --resume with SD on goes on from it."""
+    from safetensors.torch import load_file
+    from test_distributed import make_controller
+
+    run_dir = tmp_path / "run"
+
+    def segment(steps, resume, **overrides):
+        controller = make_controller(run_dir, **{"run.steps": steps, "run.keep_checkpoints": 1, **overrides})
+        try:
+            train(controller.config, resume=resume, trainer=controller)
+            return controller.backend.hub.latest_version() if controller.speculative else None
+        finally:
+            controller.close()
+
+    trained = segment(1, False)
+    assert trained > 0
+    weights = load_file(str(latest_checkpoint(run_dir) / "drafter.safetensors"))
+    segment(2, True, **{"run.speculative": "off"})
+    assert f"note: run.speculative=off: the run's drafter (v{trained} in step-000001)" in capsys.readouterr().out
+    assert latest_checkpoint(run_dir).name == "step-000002"  # step-000001 pruned
+    for kept in (latest_checkpoint(run_dir) / "drafter.safetensors", run_dir / "final" / "drafter" /
+                 "drafter.safetensors"):
+        assert all(torch.equal(v, weights[k]) for k, v in load_file(str(kept)).items())
+    assert segment(3, True) > trained  # SD on again: its trainer went on from the carried version
+
+
+def test_a_resume_refuses_another_run_drafter_and_keeps_the_one_the_run_started_from(tmp_path):
+    """run.drafter given on --resume was loaded, then replaced by the checkpoint's drafter without a word, and
+    config.json recorded it as the run's (found by a trial): another one is refused, naming it; left out, the
+    resume goes on and config.json keeps the drafter the run started from."""
+    from tlt.rl.run_dir import config_text_to_keep
+
+    started = load_config(None, [f"run.drafter={tmp_path}/d1"]).to_dict()
+    fake_run(tmp_path, started)
+    for same in (started, load_config(None, []).to_dict()):
+        assert prepare_run_dir(tmp_path, same, resume=True, overwrite=False).name == "step-000001"
+    other = load_config(None, [f"run.drafter={tmp_path}/d3"]).to_dict()
+    with pytest.raises(RunDirError, match=rf'run\.drafter: "{tmp_path}/d1" in the run, "{tmp_path}/d3" now; '
+                                          r"run\.drafter is the drafter a run starts from: --resume goes on with the "
+                                          r"one its checkpoint holds"):
+        prepare_run_dir(tmp_path, other, resume=True, overwrite=False)
+    kept = json.loads(config_text_to_keep(tmp_path, load_config(None, ["run.steps=5"]).to_dict()))
+    assert kept["run"]["drafter"] == f"{tmp_path}/d1" and kept["run"]["steps"] == 5
+
+
 def test_workers_without_a_drafter_print_their_idle_share_not_drafter_vnone(tmp_path, capsys):
     from test_distributed import make_controller
 

@@ -3,7 +3,6 @@ metrics line per step, the timeline, checkpoints, resume."""
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from tlt.rl.optim import decay_steps, trains_past_its_decay
 from tlt.rl.preflight import preflight
 from tlt.rl.rewards import RewardError
 from tlt.rl.run_checkpoint import FINAL_DRAFTER_DIR
-from tlt.rl.run_dir import check_resumable, discard_replaced, hold_run_dir, prepare_run_dir, restore_replaced
+from tlt.rl.run_dir import (check_resumable, config_text_to_keep, discard_replaced, hold_run_dir, prepare_run_dir,
+                            restore_replaced)
 
 METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  len p50/p90/max "
                 "{response_len_p50:.0f}/{response_len_p90:.0f}/{response_len_max}  rollout {rollout_s:.1f}s  "
@@ -158,12 +158,16 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         logger.truncate_after(trainer.step)
         drop_timelines_after(run_dir, trainer.step)
         console.print(f"resumed from {checkpoint.name} (step {trainer.step})")
+        if config.run.speculative == "off" and (drafter := read_state(checkpoint).get("drafter")):
+            console.print(f"note: run.speculative=off: the run's drafter (v{drafter.get('version')} in "
+                          f"{checkpoint.name}) is kept as it is in this run's checkpoints and final/, for a "
+                          f"--resume with SD on to go on training")
         if trainer.step >= config.run.steps:  # config.json keeps the run's own run.steps
             console.print(f"note: the run is at step {trainer.step} and run.steps={config.run.steps}: nothing to "
                           f"train (raise run.steps to go on)")
             return []
     # Whole or not at all: --resume compares the config it is given with this one.
-    text = json.dumps(config.to_dict(), indent=1)
+    text = config_text_to_keep(run_dir, config.to_dict())
     write_whole(run_dir / "config.json", lambda path: path.write_text(text))
     history, failed_steps = [], 0
     status = _PhaseStatus(console)

@@ -22,6 +22,7 @@ import logging
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -91,6 +92,7 @@ class RolloutWorker:
         self._group_store = None  # rank 0's rendezvous (Ray workers: open_group, then join_group)
         self.engine = self.replica.engine
         self.drafter = self.engine.drafter  # in the policy's dtype; the engine serves a copy in its rollout dtype
+        self._carried: DrafterSnapshot | None = None  # a resumed checkpoint's drafter, kept while SD is off
         self._spot = None  # (training drafter, DrafterTrainer, local buffer, next feature sequence) once used
         self._last_publish: tuple | None = None  # (trainer, its steps, the version) of this worker's last publish
         self.tail = None   # a TailTrainer when this lone worker trains the drafter beside its own tail
@@ -397,13 +399,17 @@ class RolloutWorker:
 
     def _drafter_snapshot(self) -> DrafterSnapshot | None:
         if self.drafter is None:
-            return None
+            return self._carried
         version, weights = self.hub.latest()
         return None if weights is None else DrafterSnapshot(version, weights, self.hub.trainer_state(),
                                                             self.hub.is_trained(version))
 
     def resume(self, checkpoint: str) -> int:
-        """Restore this replica from the checkpoint; returns its step."""
+        """Restore this replica from the checkpoint; returns its step. A run resumed with SD off keeps the
+        checkpoint's drafter as it is, in its own checkpoints and final/ (it was deleted with the checkpoints
+        pruned after it: found by a trial), for a later --resume with SD on to go on with."""
+        if self.drafter is None and self.rank == 0:
+            self._carried = read_drafter(Path(checkpoint))
         return resume_replica(self.replica, checkpoint, self.rank)
 
     def speculation_state(self) -> dict | None:

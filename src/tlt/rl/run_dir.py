@@ -366,8 +366,13 @@ def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
     changed = {f"{section}.{key}": (_meaning(before, section, key), _meaning(now, section, key))
                for section, key in keys if f"{section}.{key}" not in OPERATIONAL_KEYS}
     changed = {name: values for name, values in changed.items() if values[0] != values[1]}
+    hint = ""
+    started_from, given = _same_path(before("run", "drafter"), "run"), _same_path(now("run", "drafter"), "run")
+    if given and given != started_from:  # it would be loaded, then replaced by the checkpoint's (found by a trial)
+        changed["run.drafter"] = (started_from, given)
+        hint = ("; run.drafter is the drafter a run starts from: --resume goes on with the one its checkpoint "
+                "holds, so leave run.drafter out or as it was")
     if changed:
-        hint = ""
         if "optim.decay_steps" in changed and changed["optim.decay_steps"][0]:
             hint = (f"; its cosine schedule decays over {changed['optim.decay_steps'][0]} steps: set "
                     f"optim.decay_steps to that to train longer on the same schedule")
@@ -406,6 +411,19 @@ def _meaning(value_of, section: str, key: str):
     if (section, key) in PATH_KEYS:
         return _same_path(value_of(section, key), section)
     return _norm(value_of(section, key))
+
+
+def config_text_to_keep(run_dir: Path, config_dict: dict) -> str:
+    """config.json's text for a resumed run's config: its paths absolute (`_with_absolute_paths`), and
+    run.drafter, when left out, the one the run started from (the checkpoint's drafter descends from it)."""
+    config_dict = _with_absolute_paths(config_dict)
+    if not config_dict.get("run", {}).get("drafter"):
+        try:
+            started_from = json.loads((run_dir / "config.json").read_text()).get("run", {}).get("drafter")
+        except (OSError, ValueError, AttributeError):
+            started_from = None
+        config_dict["run"]["drafter"] = started_from
+    return json.dumps(config_dict, indent=1)
 
 
 def _with_absolute_paths(config_dict: dict) -> dict:
