@@ -272,7 +272,11 @@ def test_bad_files_are_one_line_before_any_worker_starts(tmp_path, capfd, backen
     ("task.min_operations=6", "task.max_operations must be >= task.min_operations, got max 4 < min 6"),
     # accepted, and the run's files (and an --overwrite's deletions) went to the top of / (found by QA)
     ("run.out_dir=/", "run.out_dir=/ is the filesystem root"),
-    ("run.out_dir=~", "is your home directory: a run writes its files at the top")])
+    ("run.out_dir=~", "is your home directory: a run writes its files at the top"),
+    # a shell's undecodable bytes (lone surrogates in Python): a step trained, then no save could name the run's
+    # directory, and a system prompt failed in the chat template naming no key (found by a trial)
+    ("run.out_dir=/tmp/bad\udcffdir", "run.out_dir is not UTF-8 text: '/tmp/bad\\udcffdir'"),
+    ("task.system_prompt=\udcff", "task.system_prompt is not UTF-8 text")])
 def test_config_errors_come_before_anything_loads(tmp_path, capfd, override, expected):
     """model.path points nowhere: had anything loaded first, the error would be about the model. (A dotted
     task.reward, which the loader reads, passes this gate: `pkg.module.function` as well as `pkg.module:function`.)"""

@@ -58,7 +58,7 @@ def _check_device(device: str | None) -> None:
 
 def validate(config: TrainConfig) -> TrainConfig:
     """Every choice and range, checked before anything loads; raises ConfigError naming the first bad key."""
-    _check_finite(config)
+    _check_values(config)
     _check_device(config.model.device)
     _check_task(config.task)
     _check_rollout(config.rollout)
@@ -69,13 +69,25 @@ def validate(config: TrainConfig) -> TrainConfig:
     return config
 
 
-def _check_finite(config: TrainConfig) -> None:
-    """nan passes every range check (all its comparisons are false), inf many."""
+def _check_values(config: TrainConfig) -> None:
+    """Numbers finite: nan passes every range check (all its comparisons are false), inf many. Text UTF-8: a
+    command line's undecodable bytes reach Python as lone surrogates, which trained a step in a run.out_dir
+    that no save could then name in JSON (found by a trial), or failed in the chat template naming no key."""
     for section in dataclasses.fields(config):
         for item in dataclasses.fields(getattr(config, section.name)):
             value = getattr(getattr(config, section.name), item.name)
-            _check(not isinstance(value, float) or math.isfinite(value),
-                   f"{section.name}.{item.name} must be a finite number, got {value}")
+            key = f"{section.name}.{item.name}"
+            _check(not isinstance(value, float) or math.isfinite(value), f"{key} must be a finite number, got {value}")
+            for text in (value if isinstance(value, tuple) else (value,)):
+                _check(not isinstance(text, str) or _is_utf8(text), f"{key} is not UTF-8 text: {text!r}")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_task(task: TaskConfig) -> None:
