@@ -899,6 +899,24 @@ def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path):
     assert metric_steps(tmp_path) == [1, 2, 3]
 
 
+def test_a_refused_run_directory_is_left_as_it_was(tmp_path):
+    """Refused runs left `.tlt-lock` in a model's directory, in another run's checkpoint and in an empty
+    directory given to --resume, and made directories inside runs (found by a trial): now nothing."""
+    run(tmp_path / "run", steps=1)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "empty").mkdir()
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    for out_dir, resume, refusal in ((tmp_path / "run" / "step-000001", False, "lies inside the run"),
+                                     (tmp_path / "run" / "sub", False, "lies inside the run"),
+                                     (model, False, "not a tlt run's"), (tmp_path / "empty", True, "nothing to resume"),
+                                     (tmp_path / "new", True, "no such directory")):
+        with pytest.raises(RunDirError, match=refusal):
+            run(out_dir, steps=1, resume=resume)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
 def test_a_reward_function_that_raises_is_said_on_the_console(tmp_path, capsys, caplog):
     """Every sample's reward raised and scored 0: the step line read `reward 0.000` and the cause was nowhere
     but a reward_failures count in metrics.jsonl. The first exception is logged, the count is on the console."""

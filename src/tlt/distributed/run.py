@@ -21,8 +21,8 @@ from tlt.rl.optim import decay_steps, trains_past_its_decay
 from tlt.rl.preflight import preflight
 from tlt.rl.rewards import RewardError
 from tlt.rl.run_checkpoint import FINAL_DRAFTER_DIR
-from tlt.rl.run_dir import (check_resumable, config_text_to_keep, discard_replaced, hold_run_dir, prepare_run_dir,
-                            restore_replaced)
+from tlt.rl.run_dir import (check_before_holding, config_text_to_keep, discard_replaced, hold_run_dir,
+                            prepare_run_dir, restore_replaced)
 
 METRICS_LINE = ("step {step:>3}  reward {reward_mean:.3f}  acc {accuracy:.3f}  len p50/p90/max "
                 "{response_len_p50:.0f}/{response_len_p90:.0f}/{response_len_max}  rollout {rollout_s:.1f}s  "
@@ -57,8 +57,7 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         console.print(f"note: optim.schedule=cosine reaches lr 0 at step {decay_steps(config.optim, config.run.steps)}"
                       f" (optim.decay_steps) and optim.min_lr_ratio=0: steps after it do not train")
     run_dir = Path(config.run.out_dir)
-    if resume:
-        check_resumable(run_dir)
+    check_before_holding(run_dir, resume)
     with hold_run_dir(run_dir):  # another `tlt train` on this directory is refused until this one ends
         checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite, dataset=dataset)
         if owned and checkpoint is not None and (note := _workers_changed(checkpoint, placed.run.workers)):

@@ -34,7 +34,7 @@ RUN_DIRS = ("timeline", "tensorboard", "wandb", "report", "final")
 # fails (or is killed) before that has lost nothing, the old run is put back.
 REPLACED_DIR = ".replaced"
 RUNS_BELOW_DEPTH = 2  # how deep a fresh run's directory is searched for other runs (runs/x, runs/group/x)
-LOCK_FILE = ".tlt-lock"  # held by the run writing here (hold_run_dir); not part of the run, never deleted
+LOCK_FILE = ".tlt-lock"  # held by the run writing here (hold_run_dir); not part of the run
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
 # In a meaning section, but only how the run is measured, or how fast (or in how much memory) it computes the same
@@ -137,7 +137,9 @@ def hold_run_dir(run_dir: Path):
     """Hold RUN_DIR/.tlt-lock for a run's lifetime: a second `tlt train` on the same directory (started by
     mistake, or a --resume while the first still runs) is refused instead of writing both runs' steps and
     checkpoints into one history. An advisory lock of this process (the OS drops it when the process dies, so
-    a killed run never leaves the directory locked); where the OS has no flock, nothing is held."""
+    a killed run never leaves the directory locked); where the OS has no flock, nothing is held. A refused run
+    leaves nothing: the lock file goes when it is all the directory holds, and so does a directory made here."""
+    created = not run_dir.exists()
     _make(run_dir)
     try:
         import fcntl
@@ -160,9 +162,22 @@ def hold_run_dir(run_dir: Path):
         handle.truncate()
         handle.write(str(os.getpid()))
         handle.flush()
-        yield
+        try:
+            yield
+        finally:
+            _remove_if_nothing_else(run_dir, created)  # still held: no other run is writing here
     finally:
         handle.close()  # releases the lock
+
+
+def _remove_if_nothing_else(run_dir: Path, created: bool) -> None:
+    try:
+        if [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
+            (run_dir / LOCK_FILE).unlink()
+        if created and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+    except OSError:
+        pass  # a directory another process writes into now, or one made read-only: kept as it is
 
 
 def _refuse_nested(run_dir: Path) -> None:
@@ -255,11 +270,18 @@ def holds_run(run_dir: Path) -> bool:
     return logged or (run_dir / "final").exists() or checkpoint_dirs(run_dir) != []
 
 
-def check_resumable(run_dir: Path) -> None:
-    """--resume of a directory that does not exist: refused before anything (the run lock) creates it."""
-    if not Path(run_dir).is_dir():
+def check_before_holding(run_dir: Path, resume: bool) -> None:
+    """What refuses a directory before `hold_run_dir` makes it or writes its lock file there (refused runs
+    left `.tlt-lock` in a model's directory and in other runs' checkpoints, and made directories inside runs:
+    found by a trial): a run inside another, a model's directory, --resume of a directory that does not exist.
+    `prepare_run_dir`, under the lock, checks again."""
+    run_dir = Path(run_dir)
+    if resume and not run_dir.is_dir():
         raise RunDirError(f"nothing to resume in {run_dir}: no such directory (run without --resume to start a "
                           f"new run there)")
+    _refuse_nested(run_dir)
+    if run_dir.is_dir():
+        _refuse_foreign_config(run_dir)
 
 
 def _start_instead(run_dir: Path) -> str:
