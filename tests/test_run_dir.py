@@ -222,6 +222,24 @@ def held_interrupts_raise_and_yield(held_interrupts):
             raise OSError("disk full")
 
 
+def test_an_ignored_interrupt_stays_ignored_inside_a_held_block(capsys):
+    """A run started with SIGINT ignored (`tlt train ... &` from a script) said "stopping" at a SIGINT inside a
+    held block and went on, and three aborted it (found by a trial): ignored there too."""
+    import signal
+
+    from tlt.interrupts import held_interrupts
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with held_interrupts(notice="stopping once the step is saved"):
+            for _ in range(3):
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "stopping" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("signals", [3, 2])
 def test_a_third_interrupt_inside_a_held_block_aborts_at_once(signals):
     """A worker that hangs in a checkpoint save held every Ctrl-C until its call's limit (hours; found by QA): the

@@ -19,7 +19,9 @@ def held_interrupts(notice: str | None = None):
     own error is the one to report. Only the main thread may set handlers; elsewhere this holds nothing.
     `notice`, if given, is printed to stderr when the first signal is held (a large checkpoint takes a while).
     A third signal ends the process at once, as it does outside the block (a worker that hangs in a checkpoint
-    save held every Ctrl-C until its call's two-hour limit: found by QA)."""
+    save held every Ctrl-C until its call's two-hour limit: found by QA). A signal the process inherited as
+    ignored (`tlt train ... &` from a script) stays ignored here too: held, it said "stopping" and the run went
+    on, and three of them aborted it (found by a trial)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -36,7 +38,8 @@ def held_interrupts(notice: str | None = None):
             print("tlt: aborted", file=sys.stderr, flush=True)
             os._exit(143 if signum == signal.SIGTERM else 130)
 
-    previous = {signum: signal.signal(signum, hold) for signum in HELD_SIGNALS}
+    previous = {signum: signal.signal(signum, hold) for signum in HELD_SIGNALS
+                if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield
     except BaseException:
