@@ -110,6 +110,9 @@ def test_options_may_sit_between_overrides(capsys):
     (["run.steps=2", "b.yaml"], "'b.yaml' is not a section.key=value override (a config file goes first, or after "
                                 "--config)"),
     (["--config", "missing.yaml"], "config file not found: missing.yaml"),
+    # the last one alone was read (found by a trial)
+    (["--config", "a.yaml", "--config", "b.yaml"], "--config given 2 times (a.yaml, b.yaml): give one YAML file, "
+                                                   "and further settings as section.key=value overrides"),
     (["optim.schedule=linear"], "optim.schedule must be one of constant, cosine, got 'linear'"),
     (["run.steps=0"], "run.steps must be >= 1, got 0"),  # it trained nothing, then pointed at a report of nothing
     # each ran the built-in arithmetic task (a missing file unnoticed), or the dataset without a word
@@ -128,6 +131,14 @@ def test_bad_train_arguments_are_one_line(capsys, argv, message):
     assert main(["train", "--print-config", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.err.strip() == f"tlt: error: {message}" and captured.out == ""
+
+
+def test_an_abbreviated_option_is_refused(capsys):
+    """argparse took `--o` for --overwrite (which deletes a run) and `--res` for --resume (found by a trial)."""
+    for abbreviated in ("--o", "--res", "--print"):
+        with pytest.raises(SystemExit):
+            main(["train", abbreviated])
+        assert f"unrecognized arguments: {abbreviated}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text,message", [

@@ -32,10 +32,12 @@ def _unstated(default) -> bool:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Every (sub)command's --help shows the defaults, also for options declared without a help text."""
+    """Every (sub)command's --help shows the defaults, also for options declared without a help text. No
+    abbreviated options: `--o` was --overwrite, which deletes a run (found by a trial)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args, **kwargs):
@@ -175,7 +177,7 @@ def _add_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default=None, help="YAML file with [model], [task], [rollout], "
                         "[grpo], [optim], [run] sections (default: the embedded default; see examples/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. rollout.max_new_tokens=128")
-    parser.add_argument("--config", dest="config_file", metavar="FILE", default=None,
+    parser.add_argument("--config", dest="config_file", metavar="FILE", default=None, action="append",
                         help="the YAML file, as an option (then every positional argument is an override)")
     parser.add_argument("--print-config", action="store_true", help="print the full resolved config (defaults, "
                         "file, overrides) as YAML and exit, without loading a model")
@@ -190,7 +192,10 @@ def _run_train(args) -> int:
 
     positional = ([args.config] if args.config is not None else []) + list(args.overrides)
     if args.config_file is not None:
-        config_path, overrides = args.config_file, positional
+        if len(args.config_file) > 1:  # the last one alone was read (found by a trial)
+            raise ConfigError(f"--config given {len(args.config_file)} times ({', '.join(args.config_file)}): "
+                              f"give one YAML file, and further settings as section.key=value overrides")
+        config_path, overrides = args.config_file[0], positional
     elif positional and "=" not in positional[0]:
         config_path, overrides = positional[0], positional[1:]
     else:  # `tlt train key=value ...` without a file
