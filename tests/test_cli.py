@@ -276,3 +276,11 @@ def test_verify_json_written_as_a_directory_is_refused(tmp_path, capsys):
         check_writable(f"{tmp_path}/out/", "--json")
     assert not (tmp_path / "out").exists()
     check_writable(str(tmp_path / "out.json"), "--json")  # the control
+
+
+def test_generate_marks_a_cut_prompt_or_response():
+    """The prompt column was cut at 40 characters without a mark (found by a trial); the response had one."""
+    from tlt.generate_cli import _shown
+
+    assert _shown("x" * 40, 40) == "x" * 40
+    assert _shown("x" * 41, 40) == "x" * 39 + "…"

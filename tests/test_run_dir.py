@@ -998,7 +998,15 @@ def test_ctrl_c_says_where_to_resume_and_leaves_no_traceback(tmp_path, capsys, m
     monkeypatch.setattr(trainer, "train_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train(trainer.config, trainer=trainer)
-    assert "interrupted after 1 completed step(s): `tlt train ... --resume` continues from step-000001" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "interrupted after 1 completed step(s): `tlt train ... --resume` continues from step-000001" in out
+    assert "earlier segment" not in out  # no final/ yet
+    # a final/ an earlier segment finished with is not this step's (an interrupted resume left it unsaid: a trial)
+    (tmp_path / "final").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        train(trainer.config, resume=True, trainer=trainer)
+    assert (f"note: {tmp_path / 'final'} holds the policy (and drafter) an earlier segment of the run ended with, "
+            f"not step 1's") in capsys.readouterr().out
 
     def ctrl_c(config, **flags):
         raise KeyboardInterrupt

@@ -130,9 +130,14 @@ def _print_samples(console, tokenizer, prompts, result) -> None:
         table.add_column(column, overflow="fold")
     for sample in result.samples:
         text = tokenizer.decode(sample.token_ids, skip_special_tokens=True).strip()
-        table.add_row(prompts[sample.request_index][:40], str(sample.sample_index), str(len(sample.token_ids)),
-                      sample.finish_reason, text[:300] + ("…" if len(text) > 300 else ""))
+        table.add_row(_shown(prompts[sample.request_index], 40), str(sample.sample_index),
+                      str(len(sample.token_ids)), sample.finish_reason, _shown(text, 300))
     console.print(table)
+
+
+def _shown(text: str, limit: int) -> str:
+    """At most `limit` characters, a cut one marked (a prompt cut at 40 read as if it were whole: a trial)."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _print_trace(console, result) -> None:

@@ -80,6 +80,10 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
                     prune_checkpoints(run_dir, config.run.keep_checkpoints)
                 console.print(f"interrupted after {trainer.step} completed step(s): " + (
                     f"`tlt train ... --resume` continues from {saved.name}" if saved else "no checkpoint was saved"))
+                if (run_dir / "final").is_dir():  # a resumed run's: this one never reached its own
+                    console.print(f"note: {run_dir / 'final'} holds the policy (and drafter) an earlier segment of "
+                                  f"the run ended with, not step {trainer.step}'s; a --resume that finishes the run "
+                                  f"replaces it")
                 raise
             finally:
                 if owned:
