@@ -164,3 +164,6 @@ def test_the_cache_follows_tlt_cache_as_the_model_cache_does(monkeypatch, tmp_pa
     monkeypatch.delenv("TLT_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache_dir() == tmp_path / "xdg" / "tlt" / "cost_curves"
+    from tlt.models.default_model import cache_root
+
+    assert cache_root() == tmp_path / "xdg" / "tlt"  # the model's too (it ignored XDG_CACHE_HOME: a trial)

@@ -27,7 +27,11 @@ CACHE_MARKER = "tlt-cache.json"  # written last: a directory without it is an in
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TLT_CACHE", Path.home() / ".cache" / "tlt"))
+    """tlt's cache (the default model's conversion, the cost curves): TLT_CACHE, else XDG_CACHE_HOME/tlt, else
+    ~/.cache/tlt (the model ignored XDG_CACHE_HOME while the curves followed it: found by a trial)."""
+    if os.environ.get("TLT_CACHE"):
+        return Path(os.environ["TLT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tlt"
 
 
 def default_model_dir() -> Path:

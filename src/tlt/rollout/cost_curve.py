@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from tlt.models.default_model import cache_root
 from tlt.models.kv_cache import KVCache
 from tlt.rollout.graph_runner import batch_bucket, cache_capacity
 from tlt.rollout.model_runner import sampler_of
@@ -134,12 +135,10 @@ def _exclusive(lock_path: Path):
 
 
 def default_cache_dir() -> Path:
-    """TLT_CACHE_DIR/cost_curves, else beside the default model's cache: TLT_CACHE (what the README names to
-    move tlt's cache), XDG_CACHE_HOME/tlt, ~/.cache/tlt."""
+    """TLT_CACHE_DIR/cost_curves, else beside the default model's cache (`default_model.cache_root`)."""
     if os.environ.get("TLT_CACHE_DIR"):
         return Path(os.environ["TLT_CACHE_DIR"]) / "cost_curves"
-    root = os.environ.get("TLT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tlt"
-    return Path(root) / "cost_curves"
+    return cache_root() / "cost_curves"
 
 
 def curve_key(engine, strategies: list[SpecStrategy], batches) -> str:
