@@ -298,7 +298,7 @@ ensure_drafter() {  # this machine's drafter, else the carried copy, else (WARM_
 
 model_failed=0
 ensure_model() {  # the default model's cached copy, converted from its GGUF once per machine (~50 s there)
-  ls "${TLT_CACHE:-$HOME/.cache/tlt}"/models/*/tlt-cache.json >/dev/null 2>&1 && return 0  # as default_model.py
+  ls "${TLT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tlt}"/models/*/tlt-cache.json >/dev/null 2>&1 && return 0  # as default_model.py
   [ $model_failed = 1 ] && return 1  # tried once in this call: the next phases skip instead of trying again
   run convert 150 python3 -c 'from tlt.models.default_model import default_model_dir; print(default_model_dir())' \
     || { model_failed=1; return 1; }
