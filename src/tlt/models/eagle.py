@@ -470,7 +470,7 @@ class EagleDrafter(nn.Module):
             raise DrafterFileError(f"{directory}: its config has a draft vocabulary of {meta.get('draft_vocab_size')} "
                                f"tokens, its weights {'none' if vocab is None else int(vocab.shape[0])}")
         drafter = cls(config, vocab, layer=config.model_type)  # a drafter saved with a Qwen3 layer keeps it
-        drafter.target_family = _saved_family(meta, directory)  # None before 2026-12-03: its first target's
+        drafter.target_family = _saved_family(meta, directory)  # None if saved before 2026-12-02: its first target's
         drafter.attach(target)
         own = drafter.state_dict()
         unexpected = sorted(k for k in tensors if k not in own)
@@ -490,6 +490,7 @@ def layer_weight_names(weights: dict) -> set[str]:
 
 
 def _saved_family(meta: dict, directory: Path) -> str | None:
+    """drafter_config.json's target_family: the family its drafter was made for, None if it does not say."""
     family = meta.get("target_family")
     if family is not None and not isinstance(family, str):
         raise DrafterFileError(f"{directory / CONFIG_FILE}: target_family is {family!r}, not a model type")

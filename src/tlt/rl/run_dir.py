@@ -396,7 +396,7 @@ def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
                 "holds, so leave run.drafter out or as it was")
     if changed:
         if "optim.decay_steps" in changed and changed["optim.decay_steps"][0]:
-            hint = (f"; its cosine schedule decays over {changed['optim.decay_steps'][0]} steps: set "
+            hint += (f"; its cosine schedule decays over {changed['optim.decay_steps'][0]} steps: set "
                     f"optim.decay_steps to that to train longer on the same schedule")
         if "task.reward" in changed:  # a reward function that failed: "fix it and --resume" (QA)
             hint += (f"; a fixed reward function resumes under its old name, "
