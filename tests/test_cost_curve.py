@@ -1,6 +1,7 @@
 """The device cost curve: gate and arms derived from measured step costs, measured once and cached."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import tiny_model
@@ -167,3 +168,5 @@ def test_the_cache_follows_tlt_cache_as_the_model_cache_does(monkeypatch, tmp_pa
     from tlt.models.default_model import cache_root
 
     assert cache_root() == tmp_path / "xdg" / "tlt"  # the model's too (it ignored XDG_CACHE_HOME: a trial)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # the XDG spec: a relative path is ignored
+    assert cache_root() == Path.home() / ".cache" / "tlt"

@@ -290,7 +290,8 @@ def test_a_drafter_layer_fits_its_own_family_or_a_llama_one():
 def test_a_drafter_keeps_the_family_it_was_made_for_and_says_when_it_drafts_for_another(tmp_path, caplog):
     """A Qwen3 target's drafter has a Llama layer, so a Llama model of the same shapes takes it: still lossless, but
     it was trained on another model's features. Its drafter_config.json records the family it was made for (its
-    layer does not say), kept by every rebuild; attaching it to another family warns once per pair."""
+    layer does not say), kept when it is loaded or copied; attaching it to another family warns once per pair.
+    (A run's final/drafter records the run's model, whose features it trained on: run_checkpoint.py.)"""
     import tlt.models.eagle as eagle
 
     qwen3, llama = tiny_model("qwen3"), tiny_model("llama")

@@ -720,7 +720,7 @@ def test_a_resume_with_sd_off_keeps_the_runs_trained_drafter_for_a_later_resume_
     assert trained > 0
     weights = load_file(str(latest_checkpoint(run_dir) / "drafter.safetensors"))
     segment(2, True, **{"run.speculative": "off"})
-    assert f"note: run.speculative=off: the run's drafter (v{trained} in step-000001)" in capsys.readouterr().out
+    assert f"note: SD is off: the run's drafter (v{trained} in step-000001)" in capsys.readouterr().out
     assert latest_checkpoint(run_dir).name == "step-000002"  # step-000001 pruned
     for kept in (latest_checkpoint(run_dir) / "drafter.safetensors", run_dir / "final" / "drafter" /
                  "drafter.safetensors"):
@@ -736,9 +736,15 @@ def test_a_resume_refuses_another_run_drafter_and_keeps_the_one_the_run_started_
 
     started = load_config(None, [f"run.drafter={tmp_path}/d1"]).to_dict()
     fake_run(tmp_path, started)
+    other = load_config(None, [f"run.drafter={tmp_path}/d3"]).to_dict()
+    state = {"step": 1, "python_rng": []}
+    (tmp_path / "step-000001" / "state.json").write_text(json.dumps(state))
+    # a checkpoint without a drafter (SD was off): the given one is where SD starts (found by review)
+    assert prepare_run_dir(tmp_path, other, resume=True, overwrite=False).name == "step-000001"
+    state["drafter"] = {"version": 3, "trainer": None}
+    (tmp_path / "step-000001" / "state.json").write_text(json.dumps(state))
     for same in (started, load_config(None, []).to_dict()):
         assert prepare_run_dir(tmp_path, same, resume=True, overwrite=False).name == "step-000001"
-    other = load_config(None, [f"run.drafter={tmp_path}/d3"]).to_dict()
     with pytest.raises(RunDirError, match=rf'run\.drafter: "{tmp_path}/d1" in the run, "{tmp_path}/d3" now; '
                                           r"run\.drafter is the drafter a run starts from: --resume goes on with the "
                                           r"one its checkpoint holds"):
@@ -918,21 +924,44 @@ def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path):
 
 
 def test_a_refused_run_directory_is_left_as_it_was(tmp_path):
-    """Refused runs left `.tlt-lock` in a model's directory, in another run's checkpoint and in an empty
-    directory given to --resume, and made directories inside runs (found by a trial): now nothing."""
-    run(tmp_path / "run", steps=1)
-    model = tmp_path / "model"
-    model.mkdir()
+    """Refused runs left `.tlt-lock` in a model's directory, a drafter's, another run's checkpoint, a directory
+    of runs or of tlt-named folders and an empty directory given to --resume, and made directories inside runs
+    (found by a trial and a review): now nothing."""
+    run(tmp_path / "runs" / "run", steps=1)
+    model, drafter, foreign, empty = (tmp_path / name for name in ("model", "drafter", "foreign", "empty"))
+    for directory in (model, drafter, foreign / "timeline", empty):
+        directory.mkdir(parents=True)
     (model / "config.json").write_text('{"model_type": "llama"}')
-    (tmp_path / "empty").mkdir()
+    (drafter / "drafter_config.json").write_text("{}")
+    inside = tmp_path / "runs" / "run"
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    for out_dir, resume, refusal in ((tmp_path / "run" / "step-000001", False, "lies inside the run"),
-                                     (tmp_path / "run" / "sub", False, "lies inside the run"),
-                                     (model, False, "not a tlt run's"), (tmp_path / "empty", True, "nothing to resume"),
+    for out_dir, resume, refusal in ((inside / "step-000001", False, "lies inside the run"),
+                                     (inside / "sub", False, "lies inside the run"), (inside, False, "already holds"),
+                                     (tmp_path / "runs", False, "holds another run"),
+                                     (model, False, "not a tlt run's"), (drafter, False, "holds a drafter"),
+                                     (foreign, False, "but no tlt run"), (empty, True, "nothing to resume"),
                                      (tmp_path / "new", True, "no such directory")):
         with pytest.raises(RunDirError, match=refusal):
             run(out_dir, steps=1, resume=resume)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_the_lock_file_is_never_unlinked_so_two_runs_never_lock_two_files(tmp_path):
+    """A run that unlinked its lock on the way out let a process that had opened the old file lock it while a
+    third locked a new one: both ran (found by review). The file stays; the third is refused."""
+    import fcntl
+
+    from tlt.rl.run_dir import LOCK_FILE, hold_run_dir
+
+    with hold_run_dir(tmp_path):
+        opened_before = open(tmp_path / LOCK_FILE, "a+")  # a second run between its open and its flock
+    try:
+        fcntl.flock(opened_before, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the first one has ended: it gets the lock
+        with pytest.raises(RunDirError, match="in use by another tlt train"):
+            with hold_run_dir(tmp_path):
+                pass
+    finally:
+        opened_before.close()
 
 
 def test_a_reward_function_that_raises_is_said_on_the_console(tmp_path, capsys, caplog):

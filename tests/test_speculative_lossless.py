@@ -427,6 +427,11 @@ def test_a_longrope_model_is_served_within_its_short_span_where_no_forward_chang
     with pytest.raises(RequestError, match=r"context of 24 tokens \(a longrope model's short span, "
                                            r"original_max_position_embeddings"):
         engine.generate([Request(random_prompts([20], vocab_size=30)[0], params=greedy)])
+    from tlt.models.spec import context_positions
+
+    # a config.json's top-level key is the span transformers builds the model with (found by review)
+    settings = {"max_position_embeddings": 96, "original_max_position_embeddings": 16, "rope_parameters": rope}
+    assert context_positions(settings) == 16 and context_positions({**settings, "rope_parameters": {}}) == 96
     x, row = torch.empty(0), torch.arange(16, 22)[None]
     alone_cos, _ = model.model.rotary_emb(x, row)
     batch_cos, _ = model.model.rotary_emb(x, torch.stack([row[0], torch.full((6,), 70)]))

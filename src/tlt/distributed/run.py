@@ -57,7 +57,7 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
         console.print(f"note: optim.schedule=cosine reaches lr 0 at step {decay_steps(config.optim, config.run.steps)}"
                       f" (optim.decay_steps) and optim.min_lr_ratio=0: steps after it do not train")
     run_dir = Path(config.run.out_dir)
-    check_before_holding(run_dir, resume)
+    check_before_holding(run_dir, resume, overwrite)
     with hold_run_dir(run_dir):  # another `tlt train` on this directory is refused until this one ends
         checkpoint = prepare_run_dir(run_dir, config.to_dict(), resume=resume, overwrite=overwrite, dataset=dataset)
         if owned and checkpoint is not None and (note := _workers_changed(checkpoint, placed.run.workers)):
@@ -67,6 +67,7 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
                 # config.json keeps the config as given (e.g. workers=auto)
                 trainer = trainer or DistributedGRPO(placed, placement=placement)
                 trainer.progress = console.is_terminal
+            final = None
             try:
                 history = _loop(config, trainer, run_dir, checkpoint, console)
                 final = trainer.save_final(run_dir / "final")
@@ -80,7 +81,7 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
                     prune_checkpoints(run_dir, config.run.keep_checkpoints)
                 console.print(f"interrupted after {trainer.step} completed step(s): " + (
                     f"`tlt train ... --resume` continues from {saved.name}" if saved else "no checkpoint was saved"))
-                if (run_dir / "final").is_dir():  # a resumed run's: this one never reached its own
+                if final is None and (run_dir / "final").is_dir():  # a resumed run's: this one's is not saved
                     console.print(f"note: {run_dir / 'final'} holds the policy (and drafter) an earlier segment of "
                                   f"the run ended with, not step {trainer.step}'s; a --resume that finishes the run "
                                   f"replaces it")
@@ -161,10 +162,11 @@ def _steps(config, trainer, run_dir: Path, checkpoint: Path | None, console, log
         logger.truncate_after(trainer.step)
         drop_timelines_after(run_dir, trainer.step)
         console.print(f"resumed from {checkpoint.name} (step {trainer.step})")
-        if config.run.speculative == "off" and (drafter := read_state(checkpoint).get("drafter")):
-            console.print(f"note: run.speculative=off: the run's drafter (v{drafter.get('version')} in "
-                          f"{checkpoint.name}) is kept as it is in this run's checkpoints and final/, for a "
-                          f"--resume with SD on to go on training")
+        drafter = read_state(checkpoint).get("drafter")
+        if getattr(trainer, "config", config).run.speculative == "off" and drafter and drafter.get("trained", True):
+            console.print(f"note: SD is off: the run's drafter (v{drafter.get('version')} in {checkpoint.name}) is "
+                          f"kept as it is in this run's checkpoints and final/, for a --resume with SD on to go on "
+                          f"training")
         if trainer.step >= config.run.steps:  # config.json keeps the run's own run.steps
             console.print(f"note: the run is at step {trainer.step} and run.steps={config.run.steps}: nothing to "
                           f"train (raise run.steps to go on)")

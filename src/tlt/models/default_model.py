@@ -31,7 +31,8 @@ def cache_root() -> Path:
     ~/.cache/tlt (the model ignored XDG_CACHE_HOME while the curves followed it: found by a trial)."""
     if os.environ.get("TLT_CACHE"):
         return Path(os.environ["TLT_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tlt"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(xdg if os.path.isabs(xdg) else Path.home() / ".cache") / "tlt"  # a relative one: ignored (XDG)
 
 
 def default_model_dir() -> Path:

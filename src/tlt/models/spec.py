@@ -58,7 +58,8 @@ def _longrope_span(settings: dict) -> int | None:
     rope = settings.get("rope_parameters") or settings.get("rope_scaling") or {}
     if not isinstance(rope, dict) or (rope.get("rope_type") or rope.get("type")) != "longrope":
         return None
-    span = rope.get("original_max_position_embeddings") or settings.get("original_max_position_embeddings")
+    # the top-level key first, as transformers reads a built model's (standardize_rope_params)
+    span = settings.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
     return span if isinstance(span, int) and span > 0 else None
 
 

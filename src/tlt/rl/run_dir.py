@@ -22,7 +22,8 @@ from tlt.errors import TltError
 from tlt.files import refuse_an_unwritable_place, write_whole
 from tlt.models.eagle import CONFIG_FILE as DRAFTER_CONFIG_FILE, WEIGHTS_FILE as DRAFTER_WEIGHTS_FILE
 from tlt.models.loading import is_default_source
-from tlt.rl.checkpoint import checkpoint_dirs, checkpoint_step, latest_checkpoint, read_state, recover_retired
+from tlt.rl.checkpoint import (RETIRED_PREFIX, checkpoint_dirs, checkpoint_step, latest_checkpoint, read_state,
+                               recover_retired)
 from tlt.rl.config import PATH_KEYS, TrainConfig
 
 # Everything tlt writes into a run directory; --overwrite replaces exactly these, nothing else.
@@ -34,7 +35,8 @@ RUN_DIRS = ("timeline", "tensorboard", "wandb", "report", "final")
 # fails (or is killed) before that has lost nothing, the old run is put back.
 REPLACED_DIR = ".replaced"
 RUNS_BELOW_DEPTH = 2  # how deep a fresh run's directory is searched for other runs (runs/x, runs/group/x)
-LOCK_FILE = ".tlt-lock"  # held by the run writing here (hold_run_dir); not part of the run
+LOCK_FILE = ".tlt-lock"  # held by the run writing here (hold_run_dir); not part of the run, never deleted (a run
+# that unlinked it while held let the next two runs lock two files: found by review)
 MEANING_SECTIONS = ("model", "task", "rollout", "grpo", "optim")
 MEANING_RUN_KEYS = ("seed",)
 # In a meaning section, but only how the run is measured, or how fast (or in how much memory) it computes the same
@@ -65,22 +67,13 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
     recover_retired(run_dir)  # before anything reads final/ or the checkpoints
     _refuse_foreign_config(run_dir)
     if resume:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise RunDirError(f"nothing to resume in {run_dir}: it holds no checkpoint ({_start_instead(run_dir)})")
+        checkpoint = _checkpoint_to_resume(run_dir)
         _check_same_run(run_dir, config_dict, checkpoint)
         _check_same_dataset(run_dir, dataset)
         _drop_staging(run_dir)
         return checkpoint
-    _refuse_foreign_entries(run_dir)
-    _refuse_a_drafter_directory(run_dir)
-    _refuse_runs_below(run_dir)
+    _refuse_for_a_fresh_run(run_dir, overwrite)
     if holds_run(run_dir):
-        if not overwrite:
-            # --resume only where there is a checkpoint: without one it would fail with "nothing to resume"
-            hint = "continue it with --resume, " if latest_checkpoint(run_dir) else ""
-            raise RunDirError(f"{run_dir} already holds a run ({describe(run_dir)}): {hint}start over with "
-                              f"--overwrite (deletes that run), or set another run.out_dir")
         _refuse_inputs_inside(run_dir, config_dict)
         set_aside(run_dir)
     _drop_staging(run_dir)
@@ -91,6 +84,25 @@ def prepare_run_dir(run_dir: Path, config_dict: dict, *, resume: bool, overwrite
     if dataset is not None:
         _keep_dataset(run_dir, dataset)
     return None
+
+
+def _checkpoint_to_resume(run_dir: Path) -> Path:
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise RunDirError(f"nothing to resume in {run_dir}: it holds no checkpoint ({_start_instead(run_dir)})")
+    return checkpoint
+
+
+def _refuse_for_a_fresh_run(run_dir: Path, overwrite: bool) -> None:
+    """What a new run may not start over (its files would mix with them, --overwrite delete them)."""
+    _refuse_foreign_entries(run_dir)
+    _refuse_a_drafter_directory(run_dir)
+    _refuse_runs_below(run_dir)
+    if holds_run(run_dir) and not overwrite:
+        # --resume only where there is a checkpoint: without one it would fail with "nothing to resume"
+        hint = "continue it with --resume, " if latest_checkpoint(run_dir) else ""
+        raise RunDirError(f"{run_dir} already holds a run ({describe(run_dir)}): {hint}start over with "
+                          f"--overwrite (deletes that run), or set another run.out_dir")
 
 
 def _keep_dataset(run_dir: Path, dataset: dict) -> None:
@@ -137,9 +149,7 @@ def hold_run_dir(run_dir: Path):
     """Hold RUN_DIR/.tlt-lock for a run's lifetime: a second `tlt train` on the same directory (started by
     mistake, or a --resume while the first still runs) is refused instead of writing both runs' steps and
     checkpoints into one history. An advisory lock of this process (the OS drops it when the process dies, so
-    a killed run never leaves the directory locked); where the OS has no flock, nothing is held. A refused run
-    leaves nothing: the lock file goes when it is all the directory holds, and so does a directory made here."""
-    created = not run_dir.exists()
+    a killed run never leaves the directory locked); where the OS has no flock, nothing is held."""
     _make(run_dir)
     try:
         import fcntl
@@ -162,22 +172,9 @@ def hold_run_dir(run_dir: Path):
         handle.truncate()
         handle.write(str(os.getpid()))
         handle.flush()
-        try:
-            yield
-        finally:
-            _remove_if_nothing_else(run_dir, created)  # still held: no other run is writing here
+        yield
     finally:
         handle.close()  # releases the lock
-
-
-def _remove_if_nothing_else(run_dir: Path, created: bool) -> None:
-    try:
-        if [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
-            (run_dir / LOCK_FILE).unlink()
-        if created and not any(run_dir.iterdir()):
-            run_dir.rmdir()
-    except OSError:
-        pass  # a directory another process writes into now, or one made read-only: kept as it is
 
 
 def _refuse_nested(run_dir: Path) -> None:
@@ -270,18 +267,25 @@ def holds_run(run_dir: Path) -> bool:
     return logged or (run_dir / "final").exists() or checkpoint_dirs(run_dir) != []
 
 
-def check_before_holding(run_dir: Path, resume: bool) -> None:
-    """What refuses a directory before `hold_run_dir` makes it or writes its lock file there (refused runs
-    left `.tlt-lock` in a model's directory and in other runs' checkpoints, and made directories inside runs:
-    found by a trial): a run inside another, a model's directory, --resume of a directory that does not exist.
-    `prepare_run_dir`, under the lock, checks again."""
+def check_before_holding(run_dir: Path, resume: bool, overwrite: bool = False) -> None:
+    """The refusals that read the directory only, before `hold_run_dir` makes it or writes its lock file there
+    (refused runs left `.tlt-lock` in a model's directory, a drafter's and other runs' checkpoints, and made
+    directories inside runs: found by a trial). `prepare_run_dir`, under the lock, checks again; a directory a
+    killed run left mid-recovery (a run set aside by --overwrite, a checkpoint mid-swap) is checked only there."""
     run_dir = Path(run_dir)
     if resume and not run_dir.is_dir():
         raise RunDirError(f"nothing to resume in {run_dir}: no such directory (run without --resume to start a "
                           f"new run there)")
     _refuse_nested(run_dir)
-    if run_dir.is_dir():
-        _refuse_foreign_config(run_dir)
+    if not run_dir.is_dir():
+        return
+    _refuse_foreign_config(run_dir)
+    if (run_dir / REPLACED_DIR).exists() or any(run_dir.glob(f"{RETIRED_PREFIX}*")):
+        return
+    if resume:
+        _checkpoint_to_resume(run_dir)
+    else:
+        _refuse_for_a_fresh_run(run_dir, overwrite)
 
 
 def _start_instead(run_dir: Path) -> str:
@@ -390,7 +394,9 @@ def _check_same_run(run_dir: Path, config_dict: dict, checkpoint: Path) -> None:
     changed = {name: values for name, values in changed.items() if values[0] != values[1]}
     hint = ""
     started_from, given = _same_path(before("run", "drafter"), "run"), _same_path(now("run", "drafter"), "run")
-    if given and given != started_from:  # it would be loaded, then replaced by the checkpoint's (found by a trial)
+    # it would be loaded, then replaced by the checkpoint's drafter (found by a trial); a checkpoint without one
+    # (SD was off) starts from it
+    if given and given != started_from and read_state(checkpoint).get("drafter") is not None:
         changed["run.drafter"] = (started_from, given)
         hint = ("; run.drafter is the drafter a run starts from: --resume goes on with the one its checkpoint "
                 "holds, so leave run.drafter out or as it was")
