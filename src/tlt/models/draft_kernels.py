@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tlt.models.eagle import TreeTables
+from tlt.models.draft_tables import TreeTables
 from tlt.models.kernels import _on_device_of, triton
 from tlt.models.sample_kernels import SAMPLE_GROUP as GROUP
 
