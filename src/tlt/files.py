@@ -10,6 +10,16 @@ from pathlib import Path
 from tlt.errors import TltError
 
 
+def is_utf8_text(text: str) -> bool:
+    """Whether `text` can be written as UTF-8: a command line's undecodable bytes reach Python as lone
+    surrogates, which fail later, far from where they were given (a tokenizer's TypeError, a save's JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def write_whole(path: Path, write) -> None:
     """write(temporary path), then rename it onto `path`: a save killed midway (a warm-up going on in place,
     --init DIR --out DIR) leaves the previous file whole, never one cut short."""

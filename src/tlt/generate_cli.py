@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tlt.errors import RequestError, TltError
+from tlt.files import is_utf8_text
 from tlt.models.eagle import EagleDrafter, check_drafter_dir
 from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import tail_rows
@@ -34,11 +35,8 @@ def run_generate(args, *, demo: bool) -> int:
     console = Console()
     prompts = args.prompts or DEMO_PROMPTS
     for number, prompt in enumerate(prompts, 1):
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates: the tokenizer's TypeError
-            raise TltError(f"prompt {number} is not valid UTF-8 text (check the terminal's or script's encoding)") \
-                from None
+        if not is_utf8_text(prompt):  # else the tokenizer's TypeError
+            raise TltError(f"prompt {number} is not valid UTF-8 text (check the terminal's or script's encoding)")
     speculation = _speculation(args)  # checked before the model loads, as are the sampling settings
     params = sampling_from_flags(args)
     if args.n < 1:

@@ -12,6 +12,7 @@ import torch
 
 from tlt.drafter.unroll import MAX_UNROLL
 from tlt.errors import TltError
+from tlt.files import is_utf8_text
 from tlt.models.kernel_choice import KERNEL_CHOICES
 from tlt.models.lean_forward import COMPILE_MODES
 from tlt.rl.config_text import ConfigError
@@ -79,15 +80,7 @@ def _check_values(config: TrainConfig) -> None:
             key = f"{section.name}.{item.name}"
             _check(not isinstance(value, float) or math.isfinite(value), f"{key} must be a finite number, got {value}")
             for text in (value if isinstance(value, tuple) else (value,)):
-                _check(not isinstance(text, str) or _is_utf8(text), f"{key} is not UTF-8 text: {text!r}")
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+                _check(not isinstance(text, str) or is_utf8_text(text), f"{key} is not UTF-8 text: {text!r}")
 
 
 def _check_task(task: TaskConfig) -> None:
