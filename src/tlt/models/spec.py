@@ -36,6 +36,7 @@ class ModelSpec:
     def from_config(cls, config) -> "ModelSpec":
         check_supported(config)
         heads = config.num_attention_heads
+        settings = config.to_dict()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
             model_type=config.model_type,
@@ -45,10 +46,10 @@ class ModelSpec:
             head_dim=head_dim,
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
-            max_positions=context_positions(config.to_dict()),
+            max_positions=context_positions(settings),
             rms_norm_eps=config.rms_norm_eps,
             hidden_act=config.hidden_act,
-            context_note=context_note(config.to_dict()),
+            context_note=context_note(settings),
         )
 
 
