@@ -74,7 +74,9 @@ def compare(plain_steps, adaptive_steps) -> dict:
         by_bucket[str(bucket)] = row
     below = [f"bucket {b}: x{row['ratio']:.2f} ({row['sd_steps']} SD steps)" for b, row in by_bucket.items()
              if row.get("ratio", 1.0) < 1.0]
-    return {"by_bucket": by_bucket, "sd_below_plain_where_on": below}
+    ratios = [row["ratio"] for row in by_bucket.values() if "ratio" in row]
+    return {"by_bucket": by_bucket, "sd_below_plain_where_on": below,
+            "min_ratio_where_on": min(ratios) if ratios else None}  # what gpu_targets.py judges
 
 
 def main(argv=None) -> dict:

@@ -13,7 +13,8 @@ other settings (max_new_tokens, prompts, samples, temperature). `spot_overhead_r
 phase (a lone worker training beside its tail, serving the starting drafter); `tau_gain_late` / `tau_gain_last` its
 tau phase (spot-trained over frozen drafter, over the run's second half / at its last step, after `tau_steps`). Per
 mode (`*_by_mode`): `step_s`, `rollout_s`, `train_s` (the update phase: rewards, log-probs, update) and the
-completion lengths (`response_len_mean`). Inputs measured on different devices are named in `devices`.
+completion lengths (`response_len_mean`). Inputs measured on different devices are named in `devices`; the
+settings the natural runs share in `natural_settings`. A `--replay` file must say `equal_work: true` itself.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def _pooled_natural(files: list[dict]) -> dict:
 
 
 def merge(replay: dict | None, natural: dict, trl: dict | None, spot: dict | None) -> dict:
+    if replay is not None and replay.get("equal_work") is not True:  # its own flag, not the option it came by
+        raise SystemExit("--replay takes e2e.py --replay's output (equal_work: true); this file's equal_work is "
+                         f"{replay.get('equal_work')!r}: pass a natural run with --natural")
     result = {"equal_work": replay is not None, "environment": (replay or {}).get("environment")}
     if replay is not None:
         summarize(replay)
@@ -123,11 +127,22 @@ def main(argv=None) -> dict:
         print(f"WARNING: the inputs ran on different devices: {result['devices']}", file=sys.stderr)
     drop_ratios_across_devices(result, devices({"trl": trl}), devices(natural))
     drop_ratios_across_settings(result, trl, natural)
+    result["natural_settings"] = shared_settings(natural)
     write_json(args.json, result)
     return result
 
 
 SETTINGS = ("max_new_tokens", "prompts", "samples", "temperature")
+
+
+def shared_settings(natural: dict[str, dict]) -> dict | None:
+    """The settings every natural run shares (what TRL's ratios were measured at); None when they differ."""
+    found = {tuple((key, data.get(key)) for key in SETTINGS) for data in natural.values()}
+    if len(found) != 1:
+        if found:
+            print(f"WARNING: the natural runs differ in {SETTINGS}: no natural_settings", file=sys.stderr)
+        return None
+    return dict(found.pop())
 
 
 def drop_ratios_across_settings(result: dict, trl: dict | None, natural: dict[str, dict]) -> None:

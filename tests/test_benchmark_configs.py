@@ -92,7 +92,7 @@ def test_e2e_summary_of_a_trl_only_file_and_of_both():
 def test_e2e_merge_joins_a_sessions_files():
     import e2e_merge
 
-    replay = {"complete": True, "environment": {"device": "H100"}, "steps": 3, "warmup_steps": 1,
+    replay = {"complete": True, "environment": {"device": "H100"}, "steps": 3, "warmup_steps": 1, "equal_work": True,
               "runs": {"seed0": {"reference": _curves(20.0, 300.0), "baseline": _curves(21.0, 300.0),
                                  "tlt": _curves(10.5, 300.0)}}}
     natural = {"seed0": {"baseline": _curves(20.0, 310.0), "tlt": _curves(12.0, 290.0)}}
@@ -108,6 +108,13 @@ def test_e2e_merge_joins_a_sessions_files():
     # found by review: the natural runs' tokens/s ratio sat beside the replay's speed-up under the replay's key
     assert merged["tok_s_ratio_vs_baseline"] == 2.0  # the replay's: same tokens, so the step-time ratio
     assert merged["natural_tok_s_ratio_vs_baseline"] == round((290.0 / 12.0) / (310.0 / 20.0), 3)
+    # found by review: equal work was taken from the option a file came by, not from the file
+    with pytest.raises(SystemExit, match="equal_work is False"):
+        e2e_merge.merge({**replay, "equal_work": False}, natural, trl, spot)
+    assert e2e_merge.shared_settings({"a": {"max_new_tokens": 8, "temperature": 1.0},
+                                      "b": {"max_new_tokens": 8, "temperature": 1.0}}) == {
+        "max_new_tokens": 8, "prompts": None, "samples": None, "temperature": 1.0}
+    assert e2e_merge.shared_settings({"a": {"max_new_tokens": 8}, "b": {"max_new_tokens": 16}}) is None
 
 
 def test_e2e_merge_says_partial_when_a_natural_run_was_cut(tmp_path):
@@ -165,7 +172,8 @@ def test_gpu_targets_count_only_numbers_measured_as_the_target_says(tmp_path):
 
     cuda = {"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3"}
     spec = {"temperature": 1.0, "speedup": {"1": 2.2, "4": 0.9}, "tau": {"1": 2.6}, "complete": True,
-            "speedup_greedy": {"1": 2.7}, "temperature_greedy": 0.0, "environment": cuda}
+            "speedup_greedy": {"1": 2.7}, "temperature_greedy": 0.0, "environment": cuda, "rounds": 1,
+            "min_prompts": 8}
     (tmp_path / "speculative_h100.json").write_text(json.dumps(spec))
     throughput = {"batch1_step_ms": 1.2, "complete": False, "temperature": 0.0, "environment": cuda}
     (tmp_path / "rollout_throughput_h100.json").write_text(json.dumps(throughput))
@@ -173,8 +181,8 @@ def test_gpu_targets_count_only_numbers_measured_as_the_target_says(tmp_path):
     assert rows[(13, "SD T=1 speed-up, batch 1")]["holds"] is True
     assert rows[(14, "SD T=1 speed-up, batch 1 (H100 bound)")]["holds"] is True
     assert rows[(13, "SD greedy speed-up, batch 1")]["holds"] is True
-    assert rows[(13, "batch-1 decode step (ms), graphs")]["holds"] is False  # 1.2 > 1.0
-    assert rows[(13, "batch-1 decode step (ms), graphs")]["partial"] is True
+    assert rows[(13, "batch-1 decode step (ms), headline engine")]["holds"] is False  # 1.2 > 1.0
+    assert rows[(13, "batch-1 decode step (ms), headline engine")]["partial"] is True
     assert rows[(15, "TLT vs TRL step")]["value"] is None and rows[(15, "TLT vs TRL step")]["holds"] is None
     assert gpu_targets.below_one(gpu_targets.read_results([tmp_path])) == ["T=1.0 batch 4: x0.90"]
     spec["temperature"] = 0.0  # a greedy run's own file
@@ -183,8 +191,10 @@ def test_gpu_targets_count_only_numbers_measured_as_the_target_says(tmp_path):
     assert rows[(13, "SD T=1 speed-up, batch 1")]["value"] is None
     assert rows[(14, "tau at T=1, batch 1")]["holds"] is None
     # found by review: natural runs passed the equal-work target, and CPU or T=1 throughput files the #13 ones
+    settings = {"max_new_tokens": 1024, "temperature": 1.0, "prompts": 4, "samples": 4}
     e2e = {"equal_work": False, "speedup_vs_baseline": 2.0, "overlap_slowdown_median": 0.01,
-           "spot_overhead_ratio": 1.01, "spot_overhead_serves_trained_versions": True}
+           "spot_overhead_ratio": 1.01, "spot_overhead_serves_trained_versions": True, **settings,
+           "devices": {"replay": "NVIDIA H100 80GB HBM3", "spot": "NVIDIA H100 80GB HBM3"}}
     (tmp_path / "e2e_h100.json").write_text(json.dumps(e2e))
     throughput.update(batch1_step_ms=0.5, environment={"device": "cpu"})
     (tmp_path / "rollout_throughput_h100.json").write_text(json.dumps(throughput))
@@ -192,7 +202,7 @@ def test_gpu_targets_count_only_numbers_measured_as_the_target_says(tmp_path):
     for name in ("TLT vs no-SD step, equal work", "spot training's slowdown of the decoding it overlaps",
                  "spot vs frozen step time, lone worker"):
         assert rows[(15, name)]["value"] is None, name
-    assert rows[(13, "batch-1 decode step (ms), graphs")]["value"] is None
+    assert rows[(13, "batch-1 decode step (ms), headline engine")]["value"] is None
     e2e.update(equal_work=True, spot_overhead_serves_trained_versions=False)
     (tmp_path / "e2e_h100.json").write_text(json.dumps(e2e))
     throughput.update(environment=cuda, temperature=1.0)
@@ -200,7 +210,28 @@ def test_gpu_targets_count_only_numbers_measured_as_the_target_says(tmp_path):
     rows = {(row["issue"], row["target"]): row for row in gpu_targets.check(gpu_targets.read_results([tmp_path]))}
     assert rows[(15, "TLT vs no-SD step, equal work")]["holds"] is True
     assert rows[(15, "spot training's slowdown of the decoding it overlaps")]["holds"] is True
-    assert rows[(13, "batch-1 decode step (ms), graphs")]["value"] is None  # T=1
+    assert rows[(13, "batch-1 decode step (ms), headline engine")]["value"] is None  # T=1
+    # found by review: a file that does not name its temperature, a one-prompt tau, a CPU input merged into the
+    # e2e file, another max_new_tokens, a tau gain after one step passed their targets
+    del spec["temperature"]
+    spec["min_prompts"] = 0
+    (tmp_path / "speculative_h100.json").write_text(json.dumps(spec))
+    e2e.update(devices={"replay": "NVIDIA H100 80GB HBM3", "spot": "cpu"}, tau_gain_last=0.3, tau_steps=1,
+               speedup_vs_trl=5.0, natural_settings=dict(settings, max_new_tokens=256))
+    (tmp_path / "e2e_h100.json").write_text(json.dumps(e2e))
+    rows = {(row["issue"], row["target"]): row for row in gpu_targets.check(gpu_targets.read_results([tmp_path]))}
+    for issue, name in ((13, "SD T=1 speed-up, batch 1"), (14, "tau at T=1, batch 1"),
+                        (15, "TLT vs no-SD step, equal work"), (15, "TLT vs TRL step"),
+                        (15, "tau of the spot-trained drafter over a frozen one, minus 1")):
+        assert rows[(issue, name)]["holds"] is None and rows[(issue, name)]["not_counted"]["needs"], name
+    assert rows[(14, "tau at T=1, batch 1")]["not_counted"] == {
+        "value": 2.6, "needs": ["prompts at batch 1 >= 8", "temperature = 1.0"]}
+    e2e.update(devices={"replay": "NVIDIA H100 80GB HBM3"}, tau_steps=10, natural_settings=settings)
+    (tmp_path / "e2e_h100.json").write_text(json.dumps(e2e))
+    rows = {(row["issue"], row["target"]): row for row in gpu_targets.check(gpu_targets.read_results([tmp_path]))}
+    for name in ("TLT vs no-SD step, equal work", "TLT vs TRL step",
+                 "tau of the spot-trained drafter over a frozen one, minus 1"):
+        assert rows[(15, name)]["holds"] is True, name
 
 
 def test_trl_steps_reach_the_file_as_they_come():
@@ -273,6 +304,7 @@ def test_adaptive_buckets_compare_each_buckets_speculative_steps_with_plain_ones
     assert result["by_bucket"]["4"] == {"plain_steps": 2, "sd_steps": 1, "plain_tok_s": pytest.approx(3000.0),
                                         "sd_tok_s": pytest.approx(2000.0), "ratio": pytest.approx(2 / 3)}
     assert result["sd_below_plain_where_on"] == ["bucket 4: x0.67 (1 SD steps)"]
+    assert result["min_ratio_where_on"] == pytest.approx(2 / 3)  # gpu_targets.py's #13 row
 
 
 def test_the_speculative_benchmark_bounds_tau_over_its_prompts_at_batch_1():

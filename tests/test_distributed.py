@@ -635,6 +635,33 @@ def test_a_long_wait_for_workers_says_what_it_waits_for(tmp_path, monkeypatch, c
     assert "RL step 1: still waiting for rollout on worker 1" in caplog.text
 
 
+def test_a_long_wait_for_one_worker_says_so_too(tmp_path, monkeypatch, caplog):
+    """One worker's call (the checkpoint's save) was waited for without a word: a worker stopped mid-save
+    (SIGSTOP) left the driver silent for two hours (found by a trial). It belongs to the step just completed."""
+    import time
+
+    from tlt.distributed import controller as controller_module
+    from tlt.distributed.worker import RolloutWorker
+
+    original = RolloutWorker.save
+
+    def slow(self, *args):
+        time.sleep(0.6)
+        return original(self, *args)
+
+    monkeypatch.setattr(RolloutWorker, "save", slow)
+    monkeypatch.setattr(controller_module, "STILL_WAITING_S", 0.2)
+    monkeypatch.setattr(controller_module, "STALL_CHECK_S", 0.1)
+    controller = make_controller(tmp_path, **{"rollout.max_new_tokens": 8})
+    try:
+        controller.train_step()
+        with caplog.at_level("WARNING", logger="tlt.distributed.controller"):
+            assert controller.save(tmp_path / "run")
+    finally:
+        controller.close()
+    assert "RL step 1: still waiting for save on worker 0" in caplog.text
+
+
 @pytest.mark.parametrize("hangs", [True, False], ids=["hangs", "slow-but-decoding"])
 def test_a_rollout_that_stops_decoding_ends_the_step(tmp_path, monkeypatch, hangs):
     """A worker that hangs mid-rollout (alive) was waited for up to CALL_TIMEOUT_S, two hours (QA): a rolling-out

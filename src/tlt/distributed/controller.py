@@ -37,7 +37,7 @@ STALL_CHECK_S = 60    # how often a wait for workers checks that the rolling-out
 
 # phases that run once self.step counts the step they belong to (a failed checkpoint of step 2 was reported as
 # step 3's: found by QA)
-AFTER_THE_STEP = ("evaluate", "save", "save_final")
+AFTER_THE_STEP = ("evaluate", "speculation_state", "save", "save_final")
 
 
 class DistributedGRPO:
@@ -143,6 +143,7 @@ class DistributedGRPO:
         an answer it says what it waits for: a worker that hung (alive, stuck) said nothing for two hours
         (found by QA). A rollout whose worker has not decoded for STALL_S hangs: the step ends then."""
         calls = ", ".join(f"{phase} on worker {rank}" for phase, rank in pending.values())
+        step = self._step_of(phase for phase, _ in pending.values())
         limit, waited, said = backends.CALL_TIMEOUT_S, 0.0, 0.0
         while True:
             wait = min(STALL_CHECK_S, limit - waited)
@@ -151,13 +152,13 @@ class DistributedGRPO:
             except TimeoutError:
                 waited += wait
             if waited >= limit:
-                raise WorkerError(f"RL step {self.step + 1}: no worker answered (no answer within {limit:g} s) "
+                raise WorkerError(f"RL step {step}: no worker answered (no answer within {limit:g} s) "
                                   f"while waiting for {calls}; nothing of this step was saved{self._next_move()}")
             self._end_a_stalled_rollout(pending)
             if waited - said >= STILL_WAITING_S:
                 said = waited
                 log.warning("RL step %d: still waiting for %s after %.0f min (a long rollout, or a worker that "
-                            "hangs: it is given %.0f min; Ctrl-C three times aborts)", self.step + 1, calls,
+                            "hangs: it is given %.0f min; Ctrl-C three times aborts)", step, calls,
                             waited / 60, limit / 60)
 
     def _end_a_stalled_rollout(self, pending: dict) -> None:
@@ -195,7 +196,9 @@ class DistributedGRPO:
         return results
 
     def _call(self, rank: int, method: str, *args):
-        return self._result(self.backend.submit(rank, method, *args), method, rank)
+        """One worker's call, waited for as `_gather` waits: a worker stopped mid-save (SIGSTOP) left the driver
+        silent in the checkpoint for two hours (found by a trial); now it says what it waits for."""
+        return self._gather({rank: self.backend.submit(rank, method, *args)}, method)[rank]
 
     def _result(self, future, phase: str, rank: int):
         try:
@@ -203,13 +206,16 @@ class DistributedGRPO:
         except TltError:
             raise  # bad input met by a worker (a prompt too long, a broken reward...): its own message
         except Exception as error:  # noqa: BLE001 - any worker failure ends the step with one clear message
-            # the step a phase belongs to: the one under way, or (evaluation, checkpoint) the one just completed
-            step = self.step if phase in AFTER_THE_STEP else self.step + 1
+            step = self._step_of([phase])
             raise WorkerError(
                 f"worker {rank} failed during {phase} of RL step {step} "
                 f"({type(error).__name__}: {first_line(error)}){_memory_hint(error)}; nothing of this step was "
                 f"saved{self._next_move()}"
             ) from error
+
+    def _step_of(self, phases) -> int:
+        """The RL step calls belong to: the one under way, or (evaluation, checkpoint) the one just completed."""
+        return self.step if all(phase in AFTER_THE_STEP for phase in phases) else self.step + 1
 
     def _next_move(self) -> str:
         """Point at --resume only when there is a checkpoint to resume from."""
