@@ -112,6 +112,11 @@ def test_bad_inputs_are_one_line(tmp_path, datasets):
     (tmp_path / "hello.json").write_text("hello")  # the cause under datasets' "An error occurred while ..."
     with pytest.raises(DatasetError, match=r"hello.json: cannot load split 'train' with datasets \(.+: \w+: .+\)"):
         load_hf_examples(tmp_path / "hello.json")
+    # a bad line of a .jsonl file: datasets said "Trailing data at position 43" or blamed the row before (a trial)
+    lines = [json.dumps({"question": f"{i}?", "answer": str(i)}) for i in range(5)] + ['{"question": "5?", "ans']
+    (tmp_path / "cut.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetError, match=r"cut.jsonl, line 6: not valid JSON"):
+        load_hf_examples(tmp_path / "cut.jsonl")
 
 
 def test_without_the_datasets_package_the_error_names_the_extra(tmp_path, monkeypatch):

@@ -177,6 +177,37 @@ def test_the_answer_is_fallback_judges_the_whole_answer(completion, gold, score)
     assert math_verify_match(completion, example(gold)) == score
 
 
+@pytest.mark.parametrize("completion,gold,score", [
+    ("The answer is 42, which is even.", "42", 1.0), ("The answer is 42!", "42", 1.0),
+    ("The answer is 42; done", "42", 1.0),
+    ("The answer is 42 (forty-two).", "42", 1.0), ("The answer is 18 dollars.", "18", 1.0),
+    ("The answer is $5$ dollars.", "5", 1.0), ("**Answer**: 42", "42", 1.0), ("The answer is:\n42", "42", 1.0),
+    ("**Final Answer**\n42", "42", 1.0), ("The answer is 42 because it is even", "42", 1.0),
+    # controls: still wrong
+    ("the answer is 5!", "120", 0.0), ("The answer is 3 million.", "3", 0.0), ("3 cats", "3", 0.0),
+    ("answer: x = 2, y = 3", "2", 0.0), ("Let me check the answer\nWe have 2+2=4", "4", 0.0),
+    ("The answer is 5 times 3.", "5", 0.0)])
+def test_the_answer_is_fallback_ends_where_the_sentence_goes_on_in_words(completion, gold, score):
+    """A correct answer followed by words ("42, which is even", "42!", "18 dollars") scored 0, and "**Answer**: 42",
+    "The answer is:\\n42" and a "**Final Answer**" heading were not read at all (found by a trial)."""
+    assert integer_match(completion, example(gold)) == score
+    assert math_verify_match(completion, example(gold)) == score
+
+
+def test_a_gold_written_with_a_currency_sign_matches():
+    """A gold of -$5 matched no answer: the response's dollar signs were dropped, the gold's not (a trial)."""
+    assert math_verify_match(r"\boxed{-5}", example("-$5")) == 1.0
+    assert math_verify_match(r"\boxed{-6}", example("-$5")) == 0.0
+
+
+def test_an_async_reward_function_is_refused_when_it_loads(tmp_path, monkeypatch):
+    """Its call returned a coroutine never awaited: every sample a failure, with Python's warning (a trial)."""
+    (tmp_path / "async_reward.py").write_text("async def score(completion, example):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match="is an async function"):
+        load_reward_function("async_reward:score")
+
+
 def test_the_answer_is_fallback_gives_math_verify_the_whole_expression():
     assert math_verify_match("The answer is 3/4.", example("3/4")) == 1.0  # was cut to 3: scored 0
     assert math_verify_match(r"so the answer is \(\frac{1}{2}\).", example("0.5")) == 1.0

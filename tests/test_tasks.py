@@ -75,6 +75,19 @@ def test_gsm8k_golds_keep_the_number_of_their_line(tmp_path):
     assert math_verify_match(r"\boxed{18}", load_examples(path)[1]) == 1.0
 
 
+@pytest.mark.parametrize("gold,kept", [
+    ("#### 2,3", "2,3"), ("#### 1,5,7", "1,5,7"), ("#### 1,234", "1234"), ("#### 3 million", "3 million"),
+    ("#### 4 hundred", "4 hundred"), ("#### 2 pi", "2 pi"), ("#### 3 i", "3 i"), ("18 dollars", "18"),
+    ("#### 1,234.5 kg", "1234.5"), ("-$5", "-$5"), ("5 \\text{ cm}", "5 \\text{ cm}")])
+def test_a_gold_keeps_its_value(gold, kept):
+    """Every comma of a '####' gold was dropped ("2,3" became 23) and any word after its number too ("3 million"
+    became 3); a plain gold kept its unit ("18 dollars" matched no boxed 18): found by a trial. Thousands
+    separators and unit words go, words that change the value stay."""
+    from tlt.tasks.loaders import normalize_answer
+
+    assert normalize_answer(gold) == kept
+
+
 def test_a_warmup_reads_prompts_without_answers(tmp_path):
     """A drafter warm-up never scores its responses: a file of prompts only is fine there (QA), not for training."""
     path = tmp_path / "prompts.jsonl"

@@ -20,17 +20,22 @@ from typing import Callable
 
 from tlt.errors import TltError, first_line
 from tlt.rl.math_check import math_equal
+from tlt.tasks.answer_text import number_without_words, without_thousands_separators
 from tlt.tasks.example import TaskExample
 
 BOXED = re.compile(r"\\boxed\{")
-# "the answer is X" / "answer: X" without a box: X is the rest of the sentence (to a full stop or the line's
-# end), judged whole: taking its leading number rewarded "5/8", "2^10" and "12 - 7 = 5" as 5, 2 and 12. The line
-# is taken whole and cut in Python: a lazy group before `\s*` took time quadratic in a run of spaces
-ANSWER_LINE = re.compile(r"answer[ \t]*(?:is\b[ \t]*:?|:)[ \t]*([^\n]*)", re.I)
+# "the answer is X" / "answer: X" / "**Answer**: X" without a box: X is the rest of its sentence, or the next line
+# when the cue ends its line ("The answer is:\n42", a "**Final Answer**" heading). The line is taken whole and cut
+# in Python: a lazy group before `\s*` took time quadratic in a run of spaces. ("isn't" is no cue.)
+ANSWER_CUE = re.compile(r"answer(?:\*\*|__|\*)?[ \t]*(?:is\b(?!')[ \t]*:?|:)(?:\*\*|__)?"
+                        r"|^[ \t#>*_]*(?:the[ \t]+)?(?:final[ \t]+)?answer[ \t*_]*$", re.I | re.M)
+NEXT_LINE = re.compile(r"[ \t*_]*\n[ \t]*([^\n]*)")
 SENTENCE_END = re.compile(r"\.(?=\s|$)")
+# where a sentence goes on past its answer: ", which is even", "; done", " (forty-two)", "42!", "42?" (a trial:
+# each scored a correct 42 as 0). Not at " - " or "=": "12 - 7 = 5" is no answer of 12
+CLAUSE_END = re.compile(r",\s+(?=[A-Za-z]{2})|;|\s+\((?=[A-Za-z])|[!?](?=\s|$)")
 MARKUP = re.compile(r"^(?:\*\*|\$|\\\(|\\\[)+|(?:\*\*|\$|\\\)|\\\])+$")  # **X**, $X$, \(X\), \[X\] around it
 INTEGER = re.compile(r"^[-+]?\d+$")
-THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+$")        # 1,234 (not 4,2 or 12, 13: those are two numbers)
 TEXT_MACRO = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$")  # \textbf{42}
 UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 log = logging.getLogger(__name__)
@@ -61,17 +66,35 @@ def extract_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
+    """The last \\boxed{} answer; without one, what follows the last "the answer is" / "answer:" cue (its
+    sentence up to a clause that goes on in words, unit words after a number dropped), judged whole: taking the
+    leading number rewarded "5/8", "2^10" and "12 - 7 = 5" as 5, 2 and 12."""
     boxed = extract_boxed(text)
     if boxed is not None:
         return boxed
-    lines = ANSWER_LINE.findall(text)
-    if not lines:
+    answer = _after_last_cue(text)
+    while answer and (inner := ANSWER_CUE.search(answer)) is not None:  # "Final Answer: The final answer is 42"
+        answer = answer[inner.end():]
+    if not answer:
         return None
-    answer = lines[-1]
-    while (inner := ANSWER_LINE.search(answer)) is not None:  # "Final Answer: The final answer is 42"
-        answer = inner.group(1)
-    answer = SENTENCE_END.split(answer, maxsplit=1)[0].strip()
-    return MARKUP.sub("", answer).strip() or None
+    answer = SENTENCE_END.split(answer.strip(), maxsplit=1)[0]
+    answer = MARKUP.sub("", CLAUSE_END.split(answer, maxsplit=1)[0].strip()).strip()
+    return number_without_words(answer) or None
+
+
+def _after_last_cue(text: str) -> str | None:
+    """The rest of the line after the last answer cue, or the next line when the cue ends its line."""
+    cue = None
+    for cue in ANSWER_CUE.finditer(text):
+        pass
+    if cue is None:
+        return None
+    rest = text[cue.end():]
+    line = rest.split("\n", 1)[0]
+    if line.strip(" \t*_:"):
+        return line
+    following = NEXT_LINE.match(rest)
+    return following.group(1) if following else None
 
 
 def integer_text(answer: str) -> str | None:
@@ -83,9 +106,7 @@ def integer_text(answer: str) -> str | None:
     while (macro := TEXT_MACRO.match(text)) is not None:
         text = macro.group(1).strip()
     text = text.replace("\\$", "").replace("$", "").replace("\u2212", "-").lstrip("=").strip().rstrip(".")
-    text = text.replace("{,}", ",")  # LaTeX's thousands separator: 1{,}000 (math-verify reads it too)
-    if THOUSANDS.match(text):
-        text = text.replace(",", "")
+    text = without_thousands_separators(text.replace("{,}", ","))  # 1{,}000: LaTeX's (math-verify reads it too)
     if "." in text and text.split(".", 1)[1].strip("0") == "":
         text = text.split(".", 1)[0]  # 42.0
     if not INTEGER.match(text):
@@ -109,8 +130,9 @@ def math_verify_match(completion: str, example: TaskExample) -> float:
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
-    answer = UNESCAPED_DOLLAR.sub("", answer)  # "-$5": a currency sign would end the $...$ math-verify reads
-    return math_equal(example.answer, answer)
+    # "-$5": a currency sign would end the $...$ math-verify reads, in the answer and in the gold (a gold of
+    # -$5 matched nothing: found by a trial)
+    return math_equal(UNESCAPED_DOLLAR.sub("", str(example.answer)), UNESCAPED_DOLLAR.sub("", answer))
 
 
 def load_reward_function(path: str) -> Callable[[str, TaskExample], float]:
@@ -131,6 +153,10 @@ def load_reward_function(path: str) -> Callable[[str, TaskExample], float]:
         raise RewardError(f"cannot load reward function {path!r}: {type(error).__name__}: {error}{hint}") from None
     if not callable(function):
         raise RewardError(f"reward {path!r} is not callable")
+    if inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None)):
+        # its call returns a coroutine never awaited: every sample a failure, and Python's warning (a trial)
+        raise RewardError(f"reward {path!r} is an async function: tlt calls reward functions as plain functions "
+                          f"(def, not async def)")
     _check_signature(function, path, attribute)
     return function
 

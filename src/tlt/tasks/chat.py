@@ -13,7 +13,8 @@ def chat_prompt_ids(tokenizer, prompt: str, system_prompt: str | None = None) ->
     if tokenizer is None:
         raise TltError(NO_TOKENIZER)
     if not getattr(tokenizer, "chat_template", None):
-        raise TltError("the tokenizer has no chat template: tlt formats every prompt with it")
+        raise TltError("the tokenizer has no chat template: tlt formats every prompt with it (give the model "
+                       "directory a chat_template.jinja, or tokenizer_config.json a \"chat_template\")")
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
         [{"role": "user", "content": prompt}]
     try:

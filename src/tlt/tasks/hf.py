@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tlt.errors import first_line
 from tlt.tasks.example import TaskExample
-from tlt.tasks.loaders import DatasetError, records_to_examples
+from tlt.tasks.loaders import DatasetError, jsonl_records, records_to_examples
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 INSTALL_HINT = 'task.name=hf needs the datasets package: pip install "tlt-rl[data]"'
@@ -37,8 +37,17 @@ def load_hf_examples(path: str | Path, split: str = "train", prompt_field: str =
             raise DatasetError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x}); save the file as "
                                f"UTF-8") from None
         except Exception as error:  # noqa: BLE001 - datasets raises many types (ValueError, FileNotFoundError, ...)
+            _name_a_bad_jsonl_line(path)
             raise DatasetError(f"{path}: cannot load split {split!r} with datasets ({_root_cause(error)})") from None
     return records_to_examples(records, prompt_field, answer_field, f"{path} [{split}]", "row")
+
+
+def _name_a_bad_jsonl_line(path: Path) -> None:
+    """A .jsonl file datasets could not read: the JSON Lines reader of task.name=jsonl names the bad line
+    (datasets said "Trailing data at position 43", or blamed a column's type in the row before; found by a trial)."""
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        for _ in jsonl_records(path):  # raises DatasetError naming the line, if one is bad
+            pass
 
 
 def _root_cause(error: BaseException) -> str:

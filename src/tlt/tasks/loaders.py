@@ -10,11 +10,10 @@ from decimal import Decimal
 from pathlib import Path
 
 from tlt.errors import TltError
+from tlt.tasks.answer_text import number_without_words, without_thousands_separators
 from tlt.tasks.example import TaskExample
 
 GSM8K_ANSWER = re.compile(r"####[ \t]*\n?([^\n]*)")  # the rest of its line: text after it is no answer (QA)
-# a number followed by a unit ("#### 18 dollars"): the number is the gold, as no boxed answer carries the unit
-NUMBER_AND_UNIT = re.compile(r"([-+]?\$?[\d,]*\.?\d+)\s+[A-Za-z][A-Za-z .]*")
 EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -23,14 +22,13 @@ class DatasetError(TltError):
 
 
 def normalize_answer(answer) -> str:
-    """GSM8K answers end with '#### N' after the worked solution: keep N (without thousands separators)."""
+    """GSM8K answers end with '#### N' after the worked solution: keep N. A number with thousands separators loses
+    them (1,234; not 2,3), one followed by unit words loses the words (18 dollars; not 3 million): no boxed answer
+    carries them, in a '####' answer or a plain one."""
     text = str(answer).strip()
     match = GSM8K_ANSWER.search(text)
-    if not match:
-        return text
-    gold = match.group(1).replace(",", "").strip()
-    with_unit = NUMBER_AND_UNIT.fullmatch(gold)
-    return with_unit.group(1) if with_unit else gold
+    gold = match.group(1).strip() if match else text
+    return without_thousands_separators(number_without_words(gold))
 
 
 def _text_field(value, name: str, where: str, *, answer: bool) -> str:
@@ -100,7 +98,7 @@ def load_examples(path: str | Path, prompt_field: str = "question", answer_field
     if path.suffix.lower() == ".parquet":  # a table: its records are rows (a parquet error said "line 1")
         return records_to_examples(_parquet_records(path), prompt_field, answer_field, str(path), unit="row")
     if path.suffix.lower() in (".jsonl", ".json"):
-        return records_to_examples(_jsonl_records(path), prompt_field, answer_field, str(path))
+        return records_to_examples(jsonl_records(path), prompt_field, answer_field, str(path))
     raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet; a .csv file "
                        f"or a datasets directory reads with task.name=hf)")
 
@@ -140,7 +138,7 @@ def records_to_examples(records, prompt_field: str, answer_field: str | None, so
     return examples
 
 
-def _jsonl_records(path: Path):
+def jsonl_records(path: Path):
     try:
         # "\n" only: splitlines() also broke at U+2028, U+2029 and U+0085, which JSON allows raw inside strings;
         # utf-8-sig: a byte-order mark (Windows editors) is not part of the first record
