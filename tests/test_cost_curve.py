@@ -127,6 +127,31 @@ def test_a_damaged_cache_file_is_measured_again(tmp_path):
     assert again.plain_s[1] > 0 and json.loads(path.read_text())["plain_s"]
 
 
+@pytest.mark.parametrize("wrong", [{"plain_s": {}}, {"plain_s": {"1": 0}}, {"step_s": {"S3K1N3": {"2": 0.01}}}])
+def test_a_cache_file_that_parses_but_is_wrong_is_measured_again(tmp_path, wrong):
+    """JSON no gate can come from (no plain step, a time of 0, an arm timed where plain was not) failed in every
+    later run until the file was deleted (found by review)."""
+    engine = engine_with(False)
+    curve_for(engine, ARMS, cache_dir=tmp_path, batches=(1,))
+    path = next(tmp_path.glob("*.json"))
+    path.write_text(json.dumps({**json.loads(path.read_text()), **wrong}))
+    again = curve_for(engine, ARMS, cache_dir=tmp_path, batches=(1,))
+    assert again.plain_s[1] > 0 and again.gate() in (0, 1) and json.loads(path.read_text())["plain_s"]["1"] > 0
+
+
+def test_a_curve_cut_by_its_budget_is_not_cached(tmp_path, monkeypatch):
+    """A measurement cut short on a busy machine capped the gate at its last batch for every later run on the
+    device (found by review): it serves the run that measured it, and the next run measures again."""
+    engine = engine_with(False)
+    real = cost_curve.measure
+    monkeypatch.setattr(cost_curve, "measure", lambda e, s, b: real(e, s, b, budget_s=1e-3, tau=1e9))
+    cut = curve_for(engine, ARMS, cache_dir=tmp_path, batches=(1, 2))
+    assert cut.notes["truncated"] and cut.batches == [1] and not list(tmp_path.glob("*.json"))
+    monkeypatch.setattr(cost_curve, "measure", lambda e, s, b: real(e, s, b, tau=1e9))
+    assert curve_for(engine, ARMS, cache_dir=tmp_path, batches=(1, 2)).batches == [1, 2]
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
 def test_workers_starting_together_measure_once(tmp_path, monkeypatch):
     """Two threads (in-process workers) ask for the same curve: one measures, the other waits and reads it."""
     import threading

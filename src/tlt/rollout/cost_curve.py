@@ -20,7 +20,10 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
+import math
 import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -42,6 +45,7 @@ BATCHES = (1, 2, 4, 8, 16, 32)
 CONTEXT = 256        # committed tokens per row while timing (a mid-length response)
 MEASURE_REPEATS = 3
 MEASURE_BUDGET_S = 90.0  # a start-up cost paid once per device and model: bounded even on a loaded machine
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,15 +96,33 @@ class CostCurve:
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostCurve":
-        return cls(data["device"], {int(b): float(s) for b, s in data["plain_s"].items()},
-                   {arm: {int(b): float(s) for b, s in steps.items()} for arm, steps in data["step_s"].items()},
-                   float(data.get("measured_s", 0.0)), dict(data.get("notes", {})))
+        """ValueError for a curve no gate can come from (a cache file that parses but is wrong: no plain step,
+        a time of 0, an arm timed at a batch without a plain time failed in every later run; found by review)."""
+        curve = cls(data["device"], {int(b): float(s) for b, s in data["plain_s"].items()},
+                    {arm: {int(b): float(s) for b, s in steps.items()} for arm, steps in data["step_s"].items()},
+                    float(data.get("measured_s", 0.0)), dict(data.get("notes", {})))
+        times = [*curve.plain_s.values(), *(s for steps in curve.step_s.values() for s in steps.values())]
+        if not curve.plain_s or not all(math.isfinite(t) and t > 0 for t in times):
+            raise ValueError("a cost curve needs positive, finite step times and at least one plain step")
+        if any(batch not in curve.plain_s for steps in curve.step_s.values() for batch in steps):
+            raise ValueError("a cost curve's arm was timed at a batch without a plain step time")
+        return curve
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu x{torch.get_num_threads()}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), for the cache key: "cpu x2" on another machine that shares the cache
+    directory (a shared home) is another curve."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def curve_for(engine, strategies: list[SpecStrategy], *, cache_dir: str | Path | None = None,
@@ -117,6 +139,12 @@ def curve_for(engine, strategies: list[SpecStrategy], *, cache_dir: str | Path |
             except (ValueError, KeyError, TypeError):
                 pass  # a damaged cache file is measured again and replaced
         curve = measure(engine, strategies, batches)
+        if curve.notes.get("truncated"):
+            # cut by its time budget (a loaded machine): cached, it would cap the gate at its last batch for every
+            # later run on this device (found by review); the next run measures again
+            log.warning("the cost curve was cut after batch %d by its %g s budget (a busy machine?): not cached",
+                        max(curve.batches, default=0), MEASURE_BUDGET_S)
+            return curve
         staged = path.with_suffix(".tmp")
         staged.write_text(json.dumps(curve.to_dict(), indent=1))
         staged.replace(path)
@@ -150,6 +178,8 @@ def curve_key(engine, strategies: list[SpecStrategy], batches) -> str:
              str(engine.forward.dtype), engine.runner is not None, torch.__version__, linear_kind(engine.forward),
              sorted(s.name for s in strategies), list(batches), CONTEXT,
              None if drafter is None else drafter.draft_vocab_size]
+    if engine.device.type == "cpu":
+        parts.append(cpu_model())
     compile_mode = getattr(engine.forward, "compile_mode", None)
     if compile_mode is not None:  # only then: the keys of uncompiled engines stay what they were
         parts.append(compile_mode)

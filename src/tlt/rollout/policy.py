@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import random
 import re
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Protocol, runtime_checkable
 
@@ -233,7 +234,9 @@ class StrategyBandit:
         self._tau = defaultdict(lambda: deque(maxlen=self.config.window))        # arm -> tokens per row-step
         self._trials = defaultdict(int)                                           # (bucket, arm) -> count
         self.stats = defaultdict(ArmStats)                                        # arm -> totals
-        self.choices: list[tuple[int, Hashable]] = []                             # (bucket, arm) per step
+        # (bucket, arm) -> times chosen: counts, not a list of every choice (thousands a rollout, summed up at
+        # every RL step for the metrics: found by review)
+        self.choice_counts: Counter = Counter()
 
     def bucket(self, batch_size: int) -> int:
         """Index of the smallest bound >= batch_size (sizes above the last bound share the last bucket)."""
@@ -251,7 +254,7 @@ class StrategyBandit:
             arm = self._explore(batch_size)
         else:
             arm = max(self.arms, key=lambda a: self.estimate(batch_size, a))
-        self.choices.append((bucket, arm))
+        self.choice_counts[bucket, arm] += 1
         return arm
 
     def observe(self, batch_size: int, arm: Hashable, emitted_tokens: int, wall_s: float,
@@ -260,6 +263,10 @@ class StrategyBandit:
         timed=False (the step also captured a graph or rebuilt a drafter state): its tokens count toward τ and
         the totals, but its wall time stays out of the step-time window and it is not a trial of the arm (a
         first try that captures would otherwise make the arm look 10-100x slower than it is)."""
+        if not (math.isfinite(wall_s) and (wall_s > 0 or not timed)) or emitted_tokens < 0:
+            # a zero time divided every estimate by zero, a NaN one kept the arm from ever being chosen
+            raise PolicyError(f"a decode step needs a positive, finite wall time and tokens >= 0: got "
+                              f"wall_s={wall_s}, emitted_tokens={emitted_tokens}")
         rows = verify_steps if verify_steps is not None else batch_size
         bucket = self.bucket(batch_size)
         if timed:
@@ -276,14 +283,14 @@ class StrategyBandit:
             totals.timed_wall_s += wall_s
 
     def _explore(self, batch_size: int) -> Hashable:
-        """ε's random arm, among those the price does not rule out here. When it rules out every speculative
-        arm (a barely trained drafter, τ ≈ 1.1, on a device where a step costs ~2 plain ones), one exploration in
-        PRICED_OUT_EXPLORATION still tries one, so a better drafter's τ is noticed: exploring them at the full ε
-        cost a short CPU rollout a fifth of its time, in the tail, where the wall time is."""
+        """ε's random arm, among those the price does not rule out here; one exploration in
+        PRICED_OUT_EXPLORATION tries any arm, so a priced-out arm's τ is seen again when a better drafter lifts
+        it (exploring them at the full ε cost a short CPU rollout a fifth of its time, in the tail, where the wall
+        time is; never exploring them locked an arm out for the run while any other arm stayed open: review)."""
         open_arms = [a for a in self.arms if not self._priced_out(batch_size, a)]
-        if len(open_arms) > 1 or self._rng.random() < 1 / PRICED_OUT_EXPLORATION:
-            return self._rng.choice(open_arms if len(open_arms) > 1 else self.arms)
-        return OFF if OFF in self.arms else open_arms[0]
+        if not open_arms or self._rng.random() < 1 / PRICED_OUT_EXPLORATION:
+            return self._rng.choice(self.arms)
+        return self._rng.choice(open_arms) if len(open_arms) > 1 else open_arms[0]
 
     def _priced_out(self, batch_size: int, arm: Hashable) -> bool:
         """Whether the arm's τ, known from its tries anywhere, is below what its step costs at this batch size:
@@ -343,12 +350,13 @@ class StrategyBandit:
 
     def summary(self) -> dict:
         """Metrics: share of steps with SD, the arm chosen most per bucket, τ and tokens/s per arm."""
-        sd_steps = sum(1 for _, arm in self.choices if arm != OFF)
+        chosen = sum(self.choice_counts.values())
+        sd_steps = sum(count for (_, arm), count in self.choice_counts.items() if arm != OFF)
         per_bucket: dict[int, dict] = defaultdict(lambda: defaultdict(int))
-        for bucket, arm in self.choices:
-            per_bucket[bucket][str(arm)] += 1
+        for (bucket, arm), count in sorted(self.choice_counts.items(), key=lambda item: item[0][0]):
+            per_bucket[bucket][str(arm)] += count
         return {
-            "sd_step_share": sd_steps / len(self.choices) if self.choices else 0.0,
+            "sd_step_share": sd_steps / chosen if chosen else 0.0,
             "arm_counts_per_bucket": {str(self.config.bucket_bounds[b]): dict(c) for b, c in per_bucket.items()},
             "arms": {str(a): s.metrics() for a, s in self.stats.items()},
         }
