@@ -137,6 +137,7 @@ def test_a_cache_file_that_parses_but_is_wrong_is_measured_again(tmp_path, wrong
     path.write_text(json.dumps({**json.loads(path.read_text()), **wrong}))
     again = curve_for(engine, ARMS, cache_dir=tmp_path, batches=(1,))
     assert again.plain_s[1] > 0 and again.gate() in (0, 1) and json.loads(path.read_text())["plain_s"]["1"] > 0
+    assert all(set(steps) <= {1} for steps in again.step_s.values())  # measured, not the file's batch-2 time
 
 
 def test_a_curve_cut_by_its_budget_is_not_cached(tmp_path, monkeypatch):
