@@ -256,3 +256,14 @@ def test_many_unclosed_boxes_take_one_pass():
     started = time.perf_counter()
     assert extract_boxed(r"\boxed{7} " + r"\boxed{" * 20_000) == "7"
     assert time.perf_counter() - started < 2.0  # a scan per box: 20,000 x 140,000 characters
+
+
+def test_math_verify_logs_a_long_text_shortened(caplog):
+    """math-verify logs a timeout with the whole text it parsed: one 100,000-character line per sample (a trial)."""
+    import logging
+
+    import tlt.rl.math_check  # noqa: F401 - installs the filter
+
+    with caplog.at_level("WARNING", logger="math_verify.parser"):
+        logging.getLogger("math_verify.parser").warning(f"Timeout during parsing: {'x' * 100_000}")
+    assert len(caplog.records[-1].getMessage()) < 300 and "(100,024 characters)" in caplog.text

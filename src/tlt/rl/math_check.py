@@ -10,6 +10,7 @@ script), in its main thread with math-verify's own timeouts.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import subprocess
@@ -21,6 +22,23 @@ from tlt.errors import first_line
 MATH_VERIFY_TIMEOUT_S = 5  # per parse and per verify: math-verify's own default
 # the child's first call imports sympy (~2 s); past this a check is stuck beyond math-verify's own timeouts
 MATH_VERIFY_HARD_TIMEOUT_S = 60.0
+
+
+class _Shortened(logging.Filter):
+    """math-verify logs a timeout with the whole text it parsed: a 100,000-character response made one log line
+    of it per sample (found by a trial). Kept to its first MAX_LOGGED characters."""
+
+    MAX_LOGGED = 200
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if len(text) > self.MAX_LOGGED:
+            record.msg, record.args = f"{text[:self.MAX_LOGGED]}... ({len(text):,} characters)", ()
+        return True
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_Shortened())
 
 
 def math_equal(gold: str, answer: str) -> float:
