@@ -20,7 +20,7 @@ from common import MIXED_PROMPTS, environment, write_json  # noqa: E402
 
 from tlt.models import load_model  # noqa: E402
 from tlt.models.eagle import EagleDrafter  # noqa: E402
-from tlt.models.lean_forward import PackedOneDNNLinear, _onednn_linear  # noqa: E402
+from tlt.models.onednn_linear import PackedOneDNNLinear, _onednn_linear  # noqa: E402
 from tlt.rollout.engine import RolloutEngine  # noqa: E402
 from tlt.rollout.request import Request  # noqa: E402
 from tlt.sampling import SamplingParams  # noqa: E402

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import random_prompts, tiny_model
 
 from tlt.models import KVCache, LeanForward
-from tlt.models.lean_forward import PackedOneDNNLinear, pick_linear
+from tlt.models.onednn_linear import PackedOneDNNLinear, padded_rows, pick_linear
 
 TOL = 1e-4
 
@@ -201,6 +201,25 @@ def test_packed_linear_drops_the_packs_of_freed_weights_and_copies_empty():
         del weights[:2]
         gc.collect()
         assert len(linear._packs) == 1 and len(copied._packs) == 0
+
+
+@packed_only
+@pytest.mark.parametrize("shape", [(65, 5), (3, 100, 5), (1078, 5)])
+def test_packed_linear_pads_many_rows_and_returns_only_theirs(shape):
+    """Inputs past ROUNDED_ABOVE rows run at a rounded row count (oneDNN makes a primitive per shape, ~0.65 MB
+    each, kept: a CPU run's memory grew for hundreds of steps, found by a soak trial); the output is the input's."""
+    linear = PackedOneDNNLinear()
+    weight, bias, x = torch.randn(7, 5), torch.randn(7), torch.randn(*shape)
+    with torch.no_grad():
+        out = linear(x, weight, bias)
+    assert out.shape == (*shape[:-1], 7) and torch.allclose(out, F.linear(x, weight, bias), atol=1e-5)
+
+
+def test_row_counts_past_64_take_a_few_shapes_per_octave():
+    padded = [padded_rows(rows) for rows in range(1, 4097)]
+    assert padded[:64] == list(range(1, 65))  # decode batches and verify trees: exact
+    assert all(rows <= p <= rows * 1.125 for rows, p in enumerate(padded, start=1))
+    assert len(set(padded[64:])) == 8 * 6  # 65-4096: six octaves of 8 shapes each, instead of 4,032
 
 
 @packed_only

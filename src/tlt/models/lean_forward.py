@@ -9,7 +9,6 @@ hidden states that the EAGLE drafter consumes.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ from tlt.models.attention import (aligned_span, attention_mask, grouped_attentio
 from tlt.models.constants import made_once
 from tlt.models.kernel_choice import KERNEL_MAX_NEW_TOKENS, kernels_problem, resolve_kernels
 from tlt.models.kv_cache import CacheRows
+from tlt.models.onednn_linear import pick_linear
 from tlt.models.spec import ModelSpec
 
 
@@ -28,64 +28,6 @@ from tlt.models.spec import ModelSpec
 class ForwardOutput:
     logits: torch.Tensor | None  # [B, T', V] at the requested positions (None if none were asked)
     hidden: torch.Tensor         # [B, T, H] final normed hidden states of every input position
-
-
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's linear; `weight` plain (re-laid out on every call) or packed by PackedOneDNNLinear."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-class PackedOneDNNLinear:
-    """oneDNN's linear over weights reordered once into its blocked layout, re-packed when a weight changes.
-
-    Unpacked, oneDNN re-lays out the weight on every call: harmless for one row, but a verify forward of a few
-    rows then pays that for every matrix (measured on the 2-core AMD EPYC dev machines, per layer of SmolLM2:
-    1 row 1.05 ms, 4 rows 1.61 ms unpacked; 0.87 ms and 0.97 ms packed). A pack is keyed by the weight's identity,
-    storage and version counter, so an in-place policy update (optimizer step, load_state_dict, a hot-swapped
-    drafter) is seen at the next call; the packs cost one more copy of the weights in memory. Only under
-    no_grad (with gradients on, F.linear: neither packed weights nor oneDNN's pointwise op give a weight gradient)."""
-
-    ROWS_HINT = 4  # the batch the layout is tuned for: decode rows and verify trees are a handful of rows
-
-    def __init__(self):
-        self._packs: dict[int, tuple] = {}
-
-    def __deepcopy__(self, memo) -> PackedOneDNNLinear:
-        return PackedOneDNNLinear()  # packs are a cache of the weights: a copy re-packs its own
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return F.linear(x, weight, bias)  # oneDNN's pointwise linear has no gradient for the weight
-        return _onednn_linear(x, self._packed(weight), bias)
-
-    def _packed(self, weight: torch.Tensor) -> torch.Tensor:
-        key = id(weight)
-        entry = self._packs.get(key)
-        if entry is None or entry[0]() is not weight or entry[1] != (weight.data_ptr(), weight._version):
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.ROWS_HINT)
-            drop = lambda _ref, packs=self._packs, key=key: packs.pop(key, None)
-            entry = (weakref.ref(weight, drop), (weight.data_ptr(), weight._version), packed)
-            self._packs[key] = entry
-        return entry[2]
-
-
-def pick_linear(device: torch.device, dtype: torch.dtype):
-    """The fastest exact fp32 linear for this device.
-
-    On CPU, torch's F.linear goes to MKL, whose GEMV runs a slow generic path on some CPUs (measured on the
-    2-core AMD EPYC dev machines: 15 GB/s, vs 24 GB/s through oneDNN; lm_head 8.1 ms vs 3.7 ms), and oneDNN is
-    faster still over packed weights (PackedOneDNNLinear).
-    """
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        try:
-            probe, weight = torch.ones(1, 2), torch.ones(3, 2)
-            packed = PackedOneDNNLinear()
-            with torch.no_grad():
-                if torch.allclose(packed(probe, weight, torch.zeros(3)), torch.full((1, 3), 2.0)):
-                    return packed
-        except (RuntimeError, AttributeError):
-            pass
-    return F.linear
 
 
 # RoPE types whose frequencies transformers recomputes from the longest position of each forward
