@@ -56,7 +56,8 @@ def main(argv=None) -> dict:
     max_new = 128 if args.quick else 256
     params = SamplingParams(temperature=0, max_new_tokens=max_new)
     requests = [Request(task.prompt_ids(e), params=params) for e in task.sample(64, seed=7)]
-    rollout(loaded, None, requests[:2], None)  # warm-up
+    rollout(loaded, None, requests[:2], None)  # warm-ups: plain, and the speculative path (its first arm paid
+    rollout(loaded, drafter, requests[:2], STRATEGIES[0])  # the SD path's one-off costs: found by review)
 
     baseline = rollout(loaded, None, requests, None)
     results = {"no_sd_s": baseline.wall_s, "static_s": {}, "static_tau": {}, "tokens": baseline.generated_tokens,
