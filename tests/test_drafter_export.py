@@ -200,6 +200,23 @@ def test_an_export_from_before_its_mark_is_still_replaced_when_told(tmp_path):
         check_export_out(tmp_path / "odd", overwrite=True)
 
 
+def test_an_export_named_as_a_drafter_says_what_it_is_and_import_names_missing_files(tmp_path):
+    """A trial passed an export to `tlt generate --drafter`: "is not a tlt drafter" without a word on what to do;
+    import_eagle of a directory without model.safetensors raised a bare FileNotFoundError."""
+    from tlt.models.eagle import DrafterError, check_drafter_dir
+
+    model = tiny_model("llama")
+    export_eagle(EagleDrafter(model.config).attach(model), tmp_path / "export")
+    with pytest.raises(DrafterError, match="looks like an EAGLE draft for vLLM/SGLang.*import_eagle"):
+        check_drafter_dir(tmp_path / "export")
+    (tmp_path / "export" / "model.safetensors").unlink()
+    with pytest.raises(ExportError, match="not an EAGLE draft directory: no model.safetensors"):
+        import_eagle(tmp_path / "export", model)
+    with pytest.raises(DrafterError) as refused:  # control: an export is named only when it is one
+        check_drafter_dir(tmp_path / "export")
+    assert "EAGLE" not in str(refused.value)
+
+
 def test_import_refuses_weights_it_would_drop(tmp_path):
     from safetensors.torch import save_file
 

