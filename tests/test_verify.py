@@ -157,7 +157,7 @@ def test_cli_verify_on_a_model_directory(tmp_path, capsys):
     save_model_dir(model, byte_tokenizer(), tmp_path / "model")
     out = tmp_path / "verify.json"
     code = main(["verify", "--model", str(tmp_path / "model"), "--strategy", "S3K2N6", "--prompts", "2",
-                 "--samples-per-prompt", "8", "--max-new-tokens", "16", "--json", str(out)])
+                 "--samples-per-prompt", "8", "--max-new-tokens", "16", "--no-negative-control", "--json", str(out)])
     assert code == 0, capsys.readouterr().out
     assert "PASS" in capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -166,9 +166,10 @@ def test_cli_verify_on_a_model_directory(tmp_path, capsys):
 
 
 def test_cli_verify_json_gives_the_verdict_of_the_exit_code(tmp_path, capsys, monkeypatch):
-    """With --negative-control, a control that passes fails the command (exit 1), but the JSON held only the
-    check's "passed": true and the control's (QA): a top-level "passed" now gives the verdict, and the control,
-    whose greedy check does not run, reports greedy_passed null."""
+    """A control that passes makes the verdict INCONCLUSIVE (exit 3; it was FAIL, exit 1, though nothing was
+    found: a trial), but the JSON held only the check's "passed": true and the control's (QA): a top-level
+    "passed" and "verdict" now give it, and the control, whose greedy check does not run, reports greedy_passed
+    null."""
     from tlt import verify as verify_module
     from tlt.models.model_files import save_model_dir
 
@@ -178,26 +179,31 @@ def test_cli_verify_json_gives_the_verdict_of_the_exit_code(tmp_path, capsys, mo
     out = tmp_path / "verify.json"
     code = main(["verify", "--model", str(tmp_path / "model"), "--strategy", "S2K1N2", "--prompts", "1",
                  "--samples-per-prompt", "2", "--max-new-tokens", "6", "--negative-control", "--json", str(out)])
-    assert code == 1, capsys.readouterr().out
+    assert code == 3, capsys.readouterr().out
     result = json.loads(out.read_text())
-    assert result["passed"] is False and result["check"]["passed"] is True
+    assert result["passed"] is False and result["verdict"] == "inconclusive" and result["check"]["passed"] is True
     assert result["negative_control"]["sampled_passed"] is True
     assert result["negative_control"]["greedy_passed"] is None and result["check"]["greedy_passed"] is True
 
 
 def test_verify_says_when_the_distribution_left_no_choice(tmp_path, capsys):
-    """top-k 1 (or a top-p below the top token's mass): every token has probability 1, the check cannot fail;
-    it said PASS with no word (QA). Control: at top-k 0 tokens had a choice."""
+    """top-k 1, a temperature near 0 (or a top-p below the top token's mass): every token has probability 1, the
+    check cannot fail; it said PASS with no word (QA), then PASS with a note and exit 0 (a trial): INCONCLUSIVE,
+    exit 3. Control: at top-k 0 tokens had a choice."""
     from tlt.models.model_files import save_model_dir
 
     model = tiny_model("llama", vocab_size=257, eos_token_id=256, max_position_embeddings=512)
     save_model_dir(model, byte_tokenizer(), tmp_path / "model")
     args = ["verify", "--model", str(tmp_path / "model"), "--strategy", "S2K1N2", "--prompts", "1",
-            "--samples-per-prompt", "2", "--max-new-tokens", "6"]
-    assert main([*args, "--top-k", "1"]) == 0
-    assert "every emitted token had probability 1" in capsys.readouterr().out
+            "--samples-per-prompt", "2", "--max-new-tokens", "6", "--no-negative-control"]
+    for narrow in (["--top-k", "1"], ["--temperature", "1e-5"]):
+        assert main([*args, *narrow]) == 3
+        out = " ".join(capsys.readouterr().out.split())
+        assert "INCONCLUSIVE: every emitted token had probability 1" in out and "a temperature near 0" in out
     assert main(args) == 0
     assert "every emitted token had probability 1" not in capsys.readouterr().out
+    main([*args[:-3], "--max-new-tokens", "2", "--no-negative-control"])  # τ 1 from the budget, not the drafter
+    assert "because each response is 2 tokens" in " ".join(capsys.readouterr().out.split())
 
 
 def test_cli_verify_rejects_a_bad_strategy(tmp_path):

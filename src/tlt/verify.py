@@ -1,6 +1,6 @@
 """`tlt verify`: check, on the user's own model and drafter, that speculative decoding is lossless.
 
-Two checks, both against references that share nothing with the speculative path:
+Two checks, both against references computed without the speculative path:
 - greedy identity: at temperature 0, SD must emit exactly the tokens of plain decoding;
 - sampled distribution: every token SD emits at temperature > 0 is judged against the target's processed
   distribution p, recomputed by teacher forcing the transformers model itself, by three tests (each at alpha / 3):
@@ -11,7 +11,9 @@ Two checks, both against references that share nothing with the speculative path
   target-only rule's over-accepted drafts, g = q / (p + q) the q rule's (each one's negative control on SmolLM2:
   z = 8.75 and 0.02; 0.37 and 3.55). The PIT test alone missed min(1, 1.2 p/q) at 12,288 tokens. (q comes from
   the drafter's code, which SD shares; the z-tests stay valid whatever g is, as long as it is fixed by the tokens
-  before each position: only p is the reference, and p shares nothing with SD.)
+  before each position: only p is the reference.) p's temperature / top-k / top-p processing is tlt's
+  `processed_logprobs`, which the decoders also use (a trial): a bug there is no SD bug and this check cannot see
+  it; tests/test_sampling.py holds it to transformers' own warpers.
 
 Losslessness must hold for ANY drafter (a bad drafter only costs speed), so an untrained drafter is a valid
 subject; a drafter that is accepted often exercises the acceptance rule more and makes the test sharper.
