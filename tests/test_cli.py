@@ -196,7 +196,7 @@ def test_generate_with_a_drafter_speculates_while_the_batch_is_within_the_gate(t
     out = " ".join(capsys.readouterr().out.split())
     assert code == 0, out
     assert "speculative decoding (S3K1N3q, while ≤ 6 rows ran)" in out and "τ" in out
-    assert "the long tail that speculative decoding targets" in out  # 6 rows drain
+    assert "no step ran at ≤ 1 row" in out  # 6 rows drain to 4 of 12 tokens each: not to a tail (a trial)
     # a tree whose drafted frontier ((4 - 1) x 3 nodes) outnumbers the nodes it keeps (5) gets its cache slots
     code = main(["generate", "--model", model, "--drafter", drafter, "--strategy", "S4K3N5", "--gate", "6",
                  "-n", "2", "--max-new-tokens", "8", "--threads", "1", "hello"])
@@ -215,6 +215,7 @@ def test_generate_with_a_drafter_speculates_while_the_batch_is_within_the_gate(t
 
 @pytest.mark.parametrize("flags,message", [(["--strategy", "deep"], "strategy must look like"),
                                            (["--strategy", ""], "strategy must look like"),  # ran the default (QA)
+                                           (["--strategy", "s4k2n8"], "case-sensitive: 'S4K2N8'"),  # a trial
                                            (["--gate", "0"], "--gate must be at least 1"),
                                            (["--drafter", "/nonexistent/drafter"], "is not a tlt drafter"),
                                            (["--no-drafter", "--strategy", "S3K1q"], "needs --drafter"),
@@ -284,3 +285,27 @@ def test_generate_marks_a_cut_prompt_or_response():
 
     assert _shown("x" * 40, 40) == "x" * 40
     assert _shown("x" * 41, 40) == "x" * 39 + "…"
+
+
+def test_generate_names_the_long_tails_bound_in_rows_and_a_rollout_without_one():
+    """With a peak of 2 rows, batch 1 was called "≤ 1/4 of the peak batch"; rows that all ended together were
+    still "the long tail that speculative decoding targets" at 0 of 17 steps (found by a trial)."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from tlt.generate_cli import _print_trace
+    from tlt.rollout.request import RolloutResult, StepTrace
+
+    def trace(batches):
+        console = Console(record=True, width=400)
+        steps = [StepTrace("decode", b, b, 0.01) for b in batches]
+        samples = [SimpleNamespace(token_ids=[0])] * max(batches)
+        _print_trace(console, RolloutResult(samples, steps, 1.0))
+        return " ".join(console.export_text().split())
+
+    drained = trace([2, 2, 1, 1, 1])
+    assert "3 of 5 steps (60%) ran at ≤ 1 row (the long tail: a quarter of the peak batch of 2" in drained
+    together = trace([8] * 17)
+    assert "no step ran at ≤ 2 rows" in together and "the responses ended close together" in together
+    assert "speculative decoding targets" not in together

@@ -141,17 +141,23 @@ def _shown(text: str, limit: int) -> str:
 def _print_trace(console, result) -> None:
     decode = [s for s in result.steps if s.kind == "decode"]
     batches = [s.batch_size for s in decode]
-    console.print(f"[bold]{result.generated_tokens}[/] tokens in {result.wall_s:.1f}s "
+    console.print(f"[bold]{result.generated_tokens}[/] token{'s' * (result.generated_tokens != 1)} in "
+                  f"{result.wall_s:.1f}s "
                   f"= [bold]{result.tokens_per_s:.1f} tok/s[/] over {len(decode)} decode steps")
     if batches and max(batches) == 1:
         console.print("one row ran at a time: no batch to drain, so no long tail (sample more with -n or prompts)")
     elif batches:
-        tail = sum(1 for b in batches if b <= tail_rows(max(batches)))
+        limit = tail_rows(max(batches))
+        tail = sum(1 for b in batches if b <= limit)
         # rows admitted after the first ones finished (more samples than --max-batch-size) also run small batches
         # at the end: that is a queue's last wave, not responses of uneven length
         cause = ("the long tail that speculative decoding targets" if len(result.samples) <= max(batches) else
                  f"the queue's last wave ({len(result.samples)} samples, at most {max(batches)} at a time) and "
                  f"the long tail")
-        console.print(f"running batch: {batches[0]} at the start → {batches[-1]} at the end; "
-                      f"{tail} of {len(batches)} steps ({100 * tail / len(batches):.0f}%) ran at ≤ 1/4 of the peak "
-                      f"batch — {cause}")
+        # "1/4 of the peak" was false below a peak of 4 (the tail is at least one row) and a tail of 0 steps was
+        # still called the long tail (found by a trial): the bound is said as rows
+        where = (f"ran at ≤ {limit} row{'s' * (limit != 1)} (the long tail: a quarter of the peak batch of "
+                 f"{max(batches)}, at least one row)")
+        said = (f"{tail} of {len(batches)} steps ({100 * tail / len(batches):.0f}%) {where} — {cause}" if tail else
+                f"no step {where}: the responses ended close together")
+        console.print(f"running batch: {batches[0]} at the start → {batches[-1]} at the end; {said}")

@@ -167,7 +167,8 @@ def _print_verify(console, report, control, drafter: str, said: str, max_new_tok
 
 
 def _ks_detail(report) -> str:
-    return (f"{report.tokens} tokens of {report.sampled_responses} responses: PIT KS D = {report.ks_statistic:.4f}, "
+    return (f"{report.tokens} token{'s' * (report.tokens != 1)} of {report.sampled_responses} "
+            f"response{'s' * (report.sampled_responses != 1)}: PIT KS D = {report.ks_statistic:.4f}, "
             f"p = {report.p_value:.3g}; drafter alignment z = {report.alignment_z:+.2f} (q), "
             f"{report.ratio_z:+.2f} (q/(p+q)), p = {report.alignment_p_value:.3g}, {report.ratio_p_value:.3g} "
             f"(each at alpha/3 = {report.alpha / 3:.2g})")

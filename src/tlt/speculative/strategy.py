@@ -66,8 +66,12 @@ class SpecStrategy:
                                 f"target-only (e.g. S{depth}K{branching}N{depth * branching}) or S{depth}K{branching}q "
                                 f"for q-sampling")
         if match is None:
+            cased = str(text).strip().upper()
+            cased = cased[:-1] + "q" if cased.endswith("Q") else cased  # s4k2n8 -> S4K2N8, s4k2q -> S4K2q
+            fits = cased != str(text).strip() and re.fullmatch(r"S[0-9]+K[0-9]+(?:N[0-9]+)?q?", cased)
+            hint = f" (the letters are case-sensitive: {cased!r}?)" if fits else ""
             raise StrategyError(f"strategy must look like S4K2N8 (depth S, branching K, tree size N) or S4K2q "
-                                f"(q-sampling), got {text!r}")
+                                f"(q-sampling), got {text!r}{hint}")
         depth, branching, size, q = match.groups()
         return cls(int(depth), int(branching), None if size is None else int(size), "q" if q else "target")
 
