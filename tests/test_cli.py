@@ -1,5 +1,7 @@
 """The command line as a user meets it: --version, defaults in --help, and the thread count it picks."""
 
+import json
+
 import pytest
 import torch
 
@@ -270,7 +272,7 @@ def test_betas_take_the_comma_form_like_the_loggers(capsys):
 
 def test_verify_json_written_as_a_directory_is_refused(tmp_path, capsys):
     """`--json out/` wrote a file named out (found by review)."""
-    from tlt.verify_cli import check_writable
+    from tlt.files import check_writable
     from tlt.errors import TltError
 
     with pytest.raises(TltError, match="names a directory; give a file name"):
@@ -309,3 +311,17 @@ def test_generate_names_the_long_tails_bound_in_rows_and_a_rollout_without_one()
     together = trace([8] * 17)
     assert "no step ran at ≤ 2 rows" in together and "the responses ended close together" in together
     assert "speculative decoding targets" not in together
+
+
+def test_generate_writes_every_response_in_full_as_json(tmp_path, capsys):
+    """The table shows 300 characters of a response; a trial could not see a long one whole: --json OUT."""
+    model, _ = _model_dir_and_drafter(tmp_path)
+    out = tmp_path / "out" / "gen.json"
+    assert main(["generate", "--model", model, "-n", "2", "--max-new-tokens", "40", "--threads", "1",
+                 "--json", str(out), "hello"]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["samples"]) == 2 and result["params"]["max_new_tokens"] == 40
+    assert sum(len(s["token_ids"]) for s in result["samples"]) == result["generated_tokens"]
+    assert all(len(s["logprobs"]) == len(s["token_ids"]) and s["prompt"] == "hello" for s in result["samples"])
+    assert main(["generate", "--model", model, "--json", str(tmp_path), "hello"]) == 2  # a directory: refused
+    assert "is a directory" in capsys.readouterr().err

@@ -247,7 +247,7 @@ def test_verify_that_ran_no_speculative_step_is_an_error_not_a_pass():
 
 def test_the_json_check_leaves_the_path_alone(tmp_path):
     """It opened the path to see whether it could: a dangling symlink there was replaced by an empty file."""
-    from tlt.verify_cli import check_writable
+    from tlt.files import check_writable
 
     link = tmp_path / "out.json"
     link.symlink_to(tmp_path / "elsewhere" / "out.json")

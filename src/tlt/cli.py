@@ -352,6 +352,9 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", default="off", choices=["off", "inductor", "max-autotune"],
                         help="on CUDA: Inductor-compile the steps the CUDA graphs replay (fewer, fused kernels; "
                         "the first steps pay the compile)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write every response in full (text, "
+                        "token ids, log-probs, finish reason) and the run's numbers as JSON to OUT (the table shows "
+                        "at most 300 characters of each)")
     parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
                         help="on CUDA: triton = fused Triton kernels (RoPE + KV write, attention, SiLU, sampling; "
                         "norms folded into the projections); an alternative to --compile. auto (default): triton "

@@ -133,3 +133,27 @@ def load_checked_tensors(path: Path) -> dict:
 def _tensors_start(data: bytes) -> int:
     """Where a safetensors file's tensor bytes start: after its header's 8-byte length and the header's JSON."""
     return 8 + int.from_bytes(data[:8], "little")
+
+
+def check_writable(path, option: str) -> None:
+    """A file the command will write at its end: its directory is made now, and a directory in its place fails
+    (so does a path written as one: `out/` became a file named out)."""
+    if str(path).endswith(("/", os.sep)):
+        raise TltError(f"{option} {path} names a directory; give a file name (e.g. {str(path).rstrip('/' + os.sep)}"
+                       f"/result.json)")
+    path = Path(path)
+    if path.is_dir():
+        raise TltError(f"{option} {path} is a directory; give a file name")
+    refuse_a_file_in_the_way(path.parent, option)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise TltError(f"{option} {path}: cannot create {path.parent} ({error.strerror})") from None
+    try:  # a read-only mount or a missing permission fails before the work, not after it; the path itself is
+        # not touched (a file there may be another process's, a symlink the user's)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise TltError(f"{option} {path}: cannot write in {path.parent} ({error.strerror})") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise TltError(f"{option} {path}: cannot write it (permission denied)")

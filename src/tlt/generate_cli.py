@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tlt.errors import RequestError, TltError
-from tlt.files import is_utf8_text
+from tlt.files import check_writable, is_utf8_text
 from tlt.models.eagle import EagleDrafter, check_drafter_dir
 from tlt.rollout.policy import FixedSpeculation
 from tlt.rollout.request import tail_rows
@@ -49,6 +49,8 @@ def run_generate(args, *, demo: bool) -> int:
         raise TltError(f"--kernels {args.kernels}: the Triton kernels run on CUDA, and this machine has none")
     if args.kernels == "triton" and args.compile != "off":
         raise TltError("--kernels triton and --compile are alternatives (Inductor fuses its own kernels): pick one")
+    if getattr(args, "json", None):  # before the work, whose results would be lost at its end
+        check_writable(args.json, "--json")
     pick_threads(args.threads)  # a negative count is refused here, before the model loads
     with console.status("loading model (first run: fetches and converts SmolLM2-135M-Instruct, ~1 min)"):
         loaded = load_model(args.model)
@@ -71,7 +73,26 @@ def run_generate(args, *, demo: bool) -> int:
     _print_trace(console, result)
     if speculation is not None:
         _print_speculation(console, speculation, result)
+    if getattr(args, "json", None):
+        _write_json(args.json, loaded, params, prompts, result)
+        console.print(f"wrote {args.json}")
     return 0
+
+
+def _write_json(path: str, loaded, params: SamplingParams, prompts: list[str], result) -> None:
+    """Every response in full, with what produced it (a trial: long responses could only be seen cut)."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    tokenizer = loaded.tokenizer
+    samples = [{"prompt": prompts[s.request_index], "prompt_index": s.request_index, "sample_index": s.sample_index,
+                "text": tokenizer.decode(s.token_ids, skip_special_tokens=True), "token_ids": s.token_ids,
+                "logprobs": s.logprobs, "finish_reason": s.finish_reason} for s in result.samples]
+    Path(path).write_text(json.dumps({
+        "model": loaded.source, "params": dataclasses.asdict(params), "samples": samples,
+        "generated_tokens": result.generated_tokens, "wall_s": result.wall_s, "tokens_per_s": result.tokens_per_s,
+        "speculation": result.speculation_summary()}, indent=1, ensure_ascii=False))
 
 
 # SamplingParams' fields as the command line spells them: its errors name the field (QA: "max_new_tokens must be

@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from pathlib import Path
 
 from tlt.errors import TltError
-from tlt.files import refuse_a_file_in_the_way
+from tlt.files import check_writable
 from tlt.threads import add_threads
 
 
@@ -102,30 +100,6 @@ def run_verify(args) -> int:
             "passed": said == "pass", "verdict": said,
             "check": report.to_dict(), "negative_control": control.to_dict() if control else None}, indent=1))
     return EXIT_CODES[said]
-
-
-def check_writable(path, option: str) -> None:
-    """A file the command will write at its end: its directory is made now, and a directory in its place fails
-    (so does a path written as one: `out/` became a file named out)."""
-    if str(path).endswith(("/", os.sep)):
-        raise TltError(f"{option} {path} names a directory; give a file name (e.g. {str(path).rstrip('/' + os.sep)}"
-                       f"/result.json)")
-    path = Path(path)
-    if path.is_dir():
-        raise TltError(f"{option} {path} is a directory; give a file name")
-    refuse_a_file_in_the_way(path.parent, option)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise TltError(f"{option} {path}: cannot create {path.parent} ({error.strerror})") from None
-    try:  # a read-only mount or a missing permission fails before the work, not after it; the path itself is
-        # not touched (a file there may be another process's, a symlink the user's)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as error:
-        raise TltError(f"{option} {path}: cannot write in {path.parent} ({error.strerror})") from None
-    if path.exists() and not os.access(path, os.W_OK):
-        raise TltError(f"{option} {path}: cannot write it (permission denied)")
 
 
 def _print_verify(console, report, control, drafter: str, said: str, max_new_tokens: int) -> None:
