@@ -178,20 +178,35 @@ def test_the_answer_is_fallback_judges_the_whole_answer(completion, gold, score)
 
 
 @pytest.mark.parametrize("completion,gold,score", [
-    ("The answer is 42, which is even.", "42", 1.0), ("The answer is 42!", "42", 1.0),
-    ("The answer is 42; done", "42", 1.0),
+    ("The answer is 42, which is even.", "42", 1.0), ("The answer is 42?", "42", 1.0),
+    ("The answer is 42; done", "42", 1.0), ("The answer is 42.\nFinal answer", "42", 1.0),
+    ("**Final Answer**\n\n42", "42", 1.0), ("The answer is 3 (x+1).", "3(x+1)", 1.0),
     ("The answer is 42 (forty-two).", "42", 1.0), ("The answer is 18 dollars.", "18", 1.0),
     ("The answer is $5$ dollars.", "5", 1.0), ("**Answer**: 42", "42", 1.0), ("The answer is:\n42", "42", 1.0),
-    ("**Final Answer**\n42", "42", 1.0), ("The answer is 42 because it is even", "42", 1.0),
-    # controls: still wrong
-    ("the answer is 5!", "120", 0.0), ("The answer is 3 million.", "3", 0.0), ("3 cats", "3", 0.0),
+    ("**Final Answer**\n42", "42", 1.0), ("The answer is 1, 2, and 3", "1, 2, 3", 1.0),
+    # controls: still wrong ("5!" is a factorial: 120; a review)
+    ("the answer is 5!", "5", 0.0), ("The answer is 3 million.", "3", 0.0), ("3 cats", "3", 0.0),
+    ("The answer is 2 thirds.", "2", 0.0), ("The answer is 5 below zero.", "5", 0.0),
+    ("The answer is 3 (x+1).", "3", 0.0), ("The answer is 42 because it is even", "42", 0.0),
     ("answer: x = 2, y = 3", "2", 0.0), ("Let me check the answer\nWe have 2+2=4", "4", 0.0),
     ("The answer is 5 times 3.", "5", 0.0)])
 def test_the_answer_is_fallback_ends_where_the_sentence_goes_on_in_words(completion, gold, score):
-    """A correct answer followed by words ("42, which is even", "42!", "18 dollars") scored 0, and "**Answer**: 42",
+    """A correct answer followed by words ("42, which is even", "42?", "18 dollars") scored 0, and "**Answer**: 42",
     "The answer is:\\n42" and a "**Final Answer**" heading were not read at all (found by a trial)."""
-    assert integer_match(completion, example(gold)) == score
+    if gold.lstrip("-").isdigit():  # the integer reward refuses other golds
+        assert integer_match(completion, example(gold)) == score
     assert math_verify_match(completion, example(gold)) == score
+
+
+@pytest.mark.parametrize("text", ["The answer is 5" + " " * 100_000 + "x", "The answer is 5" + "**" * 50_000 + "x",
+                                  "The answer is 5," + " " * 100_000 + "1", "The answer is 5" + "$" * 100_000])
+def test_an_unboxed_answer_is_read_in_linear_time(text):
+    """`\\s+\\(` in the clause cut took 29 s on 100,000 spaces, the markup strip 106 s on 50,000 "**" (a review)."""
+    import time
+
+    started = time.perf_counter()
+    extract_answer(text)
+    assert time.perf_counter() - started < 1.0
 
 
 def test_a_gold_written_with_a_currency_sign_matches():

@@ -78,7 +78,10 @@ def test_gsm8k_golds_keep_the_number_of_their_line(tmp_path):
 @pytest.mark.parametrize("gold,kept", [
     ("#### 2,3", "2,3"), ("#### 1,5,7", "1,5,7"), ("#### 1,234", "1234"), ("#### 3 million", "3 million"),
     ("#### 4 hundred", "4 hundred"), ("#### 2 pi", "2 pi"), ("#### 3 i", "3 i"), ("18 dollars", "18"),
-    ("#### 1,234.5 kg", "1234.5"), ("-$5", "-$5"), ("5 \\text{ cm}", "5 \\text{ cm}")])
+    ("#### 1,234.5 kg", "1234.5"), ("-$5", "-$5"), ("5 \\text{ cm}", "5 \\text{ cm}"),
+    # a review: text golds, value words, and a plain gold's commas (its fingerprint) are kept
+    ("3 Doors Down", "3 Doors Down"), ("2 Samuel", "2 Samuel"), ("3,000 BC", "3,000 BC"), ("1,000", "1,000"),
+    ("#### 2 thirds", "2 thirds"), ("#### 2 and a half", "2 and a half")])
 def test_a_gold_keeps_its_value(gold, kept):
     """Every comma of a '####' gold was dropped ("2,3" became 23) and any word after its number too ("3 million"
     became 3); a plain gold kept its unit ("18 dollars" matched no boxed 18): found by a trial. Thousands

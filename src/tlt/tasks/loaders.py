@@ -22,13 +22,15 @@ class DatasetError(TltError):
 
 
 def normalize_answer(answer) -> str:
-    """GSM8K answers end with '#### N' after the worked solution: keep N. A number with thousands separators loses
-    them (1,234; not 2,3), one followed by unit words loses the words (18 dollars; not 3 million): no boxed answer
-    carries them, in a '####' answer or a plain one."""
+    """GSM8K answers end with '#### N' after the worked solution: keep N, without thousands separators (1,234;
+    not 2,3: two numbers). A number followed by one unit word loses the word (18 dollars; not 3 million, not
+    2 Samuel), in a '####' answer or a plain one: no boxed answer carries it. A plain gold keeps its commas, as it
+    always did (the run's dataset fingerprint hashes the golds: a run could not --resume over a new reading)."""
     text = str(answer).strip()
     match = GSM8K_ANSWER.search(text)
-    gold = match.group(1).strip() if match else text
-    return without_thousands_separators(number_without_words(gold))
+    if not match:
+        return number_without_words(text)
+    return without_thousands_separators(number_without_words(match.group(1).strip()))
 
 
 def _text_field(value, name: str, where: str, *, answer: bool) -> str:
