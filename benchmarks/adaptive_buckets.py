@@ -37,6 +37,9 @@ from tlt.sampling import SamplingParams  # noqa: E402
 from tlt.tasks import ArithmeticTask, ChatTask  # noqa: E402
 
 
+MIN_SD_STEPS = 10  # SD steps in a bucket for its ratio to count as "where the policy turns SD on"
+
+
 def bucket_of(batch: int) -> int:
     """The graph runner's batch bucket (past its largest: the batch itself)."""
     return batch_bucket(batch, BATCH_BUCKETS[-1]) or batch
@@ -74,7 +77,8 @@ def compare(plain_steps, adaptive_steps) -> dict:
         by_bucket[str(bucket)] = row
     below = [f"bucket {b}: x{row['ratio']:.2f} ({row['sd_steps']} SD steps)" for b, row in by_bucket.items()
              if row.get("ratio", 1.0) < 1.0]
-    ratios = [row["ratio"] for row in by_bucket.values() if "ratio" in row]
+    # buckets where the policy speculated, not where it only explored (a few SD steps a priced-out arm gets: review)
+    ratios = [row["ratio"] for row in by_bucket.values() if "ratio" in row and row["sd_steps"] >= MIN_SD_STEPS]
     return {"by_bucket": by_bucket, "sd_below_plain_where_on": below,
             "min_ratio_where_on": min(ratios) if ratios else None}  # what gpu_targets.py judges
 

@@ -281,7 +281,7 @@ def test_speculative_refuses_a_bad_profile_request_before_loading_the_model(want
     assert "--profile takes BATCH:ARM" in error or f"--profile {wanted}: strategy must look like" in error
 
 
-def test_adaptive_buckets_compare_each_buckets_speculative_steps_with_plain_ones():
+def test_adaptive_buckets_compare_each_buckets_speculative_steps_with_plain_ones(monkeypatch):
     """adaptive_buckets.py (#13: SD never below plain where the policy turns it on): per graph bucket, the
     adaptive run's SD steps against the plain run's steps; a bucket where SD ran slower is listed."""
     import adaptive_buckets
@@ -304,7 +304,9 @@ def test_adaptive_buckets_compare_each_buckets_speculative_steps_with_plain_ones
     assert result["by_bucket"]["4"] == {"plain_steps": 2, "sd_steps": 1, "plain_tok_s": pytest.approx(3000.0),
                                         "sd_tok_s": pytest.approx(2000.0), "ratio": pytest.approx(2 / 3)}
     assert result["sd_below_plain_where_on"] == ["bucket 4: x0.67 (1 SD steps)"]
-    assert result["min_ratio_where_on"] == pytest.approx(2 / 3)  # gpu_targets.py's #13 row
+    assert result["min_ratio_where_on"] is None  # 1 SD step at bucket 4, 2 at bucket 1: explorations, not "on"
+    monkeypatch.setattr(adaptive_buckets, "MIN_SD_STEPS", 1)
+    assert adaptive_buckets.compare(plain, adaptive)["min_ratio_where_on"] == pytest.approx(2 / 3)
 
 
 def test_the_speculative_benchmark_bounds_tau_over_its_prompts_at_batch_1():

@@ -179,7 +179,7 @@ class DistributedGRPO:
         if self.on_phase is not None:
             self.on_phase(text)
 
-    def _gather(self, futures: dict, phase: str) -> dict:
+    def _gather(self, futures: dict, phase: str, abort: bool = True) -> dict:
         """Every worker's result, taken as each finishes, so a failure is raised at once and names its worker:
         waited for in rank order, rank 0 sat in the gradient sum for a worker that had failed (30 minutes), then
         was named as the one that failed."""
@@ -191,14 +191,15 @@ class DistributedGRPO:
                     rank = pending.pop(future)[1]
                     results[rank] = self._result(future, phase, rank)
         except BaseException:
-            self.backend.abort_collectives()  # the others wait in a sum the failed worker never joins
+            if abort:  # (one worker's call: nobody waits in a sum, and a caller going on would find it broken)
+                self.backend.abort_collectives()  # the others wait in a sum the failed worker never joins
             raise
         return results
 
     def _call(self, rank: int, method: str, *args):
         """One worker's call, waited for as `_gather` waits: a worker stopped mid-save (SIGSTOP) left the driver
         silent in the checkpoint for two hours (found by a trial); now it says what it waits for."""
-        return self._gather({rank: self.backend.submit(rank, method, *args)}, method)[rank]
+        return self._gather({rank: self.backend.submit(rank, method, *args)}, method, abort=False)[rank]
 
     def _result(self, future, phase: str, rank: int):
         try:

@@ -45,6 +45,7 @@ BATCHES = (1, 2, 4, 8, 16, 32)
 CONTEXT = 256        # committed tokens per row while timing (a mid-length response)
 MEASURE_REPEATS = 3
 MEASURE_BUDGET_S = 90.0  # a start-up cost paid once per device and model: bounded even on a loaded machine
+TRUNCATED_KEPT_S = 600.0  # how long a truncated curve serves (workers starting together; not the next run)
 log = logging.getLogger(__name__)
 
 
@@ -135,16 +136,18 @@ def curve_for(engine, strategies: list[SpecStrategy], *, cache_dir: str | Path |
     with _exclusive(path.with_suffix(".lock")):  # workers starting together: one measures, the others read it
         if path.exists():
             try:
-                return CostCurve.from_dict(json.loads(path.read_text()))
+                cached = CostCurve.from_dict(json.loads(path.read_text()))
+                # a curve cut by its time budget (a loaded machine) serves the workers starting with it, not later
+                # runs: it would cap their gate at its last batch for good (found by review)
+                if not cached.notes.get("truncated") or time.time() - path.stat().st_mtime < TRUNCATED_KEPT_S:
+                    return cached
             except (ValueError, KeyError, TypeError):
                 pass  # a damaged cache file is measured again and replaced
         curve = measure(engine, strategies, batches)
         if curve.notes.get("truncated"):
-            # cut by its time budget (a loaded machine): cached, it would cap the gate at its last batch for every
-            # later run on this device (found by review); the next run measures again
-            log.warning("the cost curve was cut after batch %d by its %g s budget (a busy machine?): not cached",
-                        max(curve.batches, default=0), MEASURE_BUDGET_S)
-            return curve
+            log.warning("the cost curve was cut after batch %d by its %g s budget (a busy machine?): a run that "
+                        "starts after %g min measures it again", max(curve.batches, default=0), MEASURE_BUDGET_S,
+                        TRUNCATED_KEPT_S / 60)
         staged = path.with_suffix(".tmp")
         staged.write_text(json.dumps(curve.to_dict(), indent=1))
         staged.replace(path)
