@@ -277,7 +277,9 @@ def test_math_verify_logs_a_long_text_shortened(caplog):
     """math-verify logs a timeout with the whole text it parsed: one 100,000-character line per sample (a trial)."""
     import logging
 
-    import tlt.rl.math_check  # noqa: F401 - installs the filter
+    from tlt.rl.math_check import _Shortened  # importing it installs the filter
+
+    assert any(isinstance(f, _Shortened) for f in logging.getLogger("math_verify.parser").filters)
 
     with caplog.at_level("WARNING", logger="math_verify.parser"):
         logging.getLogger("math_verify.parser").warning(f"Timeout during parsing: {'x' * 100_000}")
