@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from tlt.threads import cpu_model
+
 # Chat prompts whose natural answers range from one word to several paragraphs: a mixed-length rollout.
 MIXED_PROMPTS = [
     "What is the capital of France? Answer with one word.",
@@ -33,15 +35,7 @@ MIXED_PROMPTS = [
 
 
 def environment() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
            "python": platform.python_version(), "device": "cuda" if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name()

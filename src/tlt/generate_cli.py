@@ -49,7 +49,7 @@ def run_generate(args, *, demo: bool) -> int:
         raise TltError(f"--kernels {args.kernels}: the Triton kernels run on CUDA, and this machine has none")
     if args.kernels == "triton" and args.compile != "off":
         raise TltError("--kernels triton and --compile are alternatives (Inductor fuses its own kernels): pick one")
-    if getattr(args, "json", None):  # before the work, whose results would be lost at its end
+    if args.json:  # before the work, whose results would be lost at its end
         check_writable(args.json, "--json")
     pick_threads(args.threads)  # a negative count is refused here, before the model loads
     with console.status("loading model (first run: fetches and converts SmolLM2-135M-Instruct, ~1 min)"):
@@ -73,7 +73,7 @@ def run_generate(args, *, demo: bool) -> int:
     _print_trace(console, result)
     if speculation is not None:
         _print_speculation(console, speculation, result)
-    if getattr(args, "json", None):
+    if args.json:
         _write_json(args.json, loaded, params, prompts, result)
         console.print(f"wrote {args.json}")
     return 0

@@ -7,8 +7,11 @@ with 1 under load). So a command takes the cores that are idle now, not all core
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import platform
+from pathlib import Path
 
 from tlt.errors import TltError
 
@@ -51,3 +54,13 @@ def add_threads(parser) -> None:
     """The --threads flag of a single-process command (an argparse parser), read by `pick_threads`."""
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0 = the cores idle now: a busy "
                         "core shared by torch's threads slows every op)")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), for cost curves' cache keys ("cpu x2" on another machine that shares the
+    cache directory is another curve) and the benchmarks' environment."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()

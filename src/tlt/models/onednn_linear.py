@@ -57,8 +57,7 @@ class PackedOneDNNLinear:
         padded = padded_rows(rows)
         if padded == rows:
             return _onednn_linear(x, self._packed(weight), bias)
-        flat = x.new_zeros(padded, x.shape[-1])
-        flat[:rows] = x.reshape(rows, x.shape[-1])
+        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))  # zero rows below the input's
         return _onednn_linear(flat, self._packed(weight), bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from tlt.rollout.model_runner import sampler_of
 from tlt.sampling import RowSampling, SamplingParams, sample_next
 from tlt.speculative.decoder import SpeculativeDecoder
 from tlt.speculative.strategy import SpecStrategy
+from tlt.threads import cpu_model
 
 EXPECTED_TAU = 2.5   # what a warmed drafter reaches at T = 1 with q-sampling (τ 2.3-2.5, docs/benchmarks.md): an
                      # optimistic bound on purpose, since the bandit then prunes arms with the τ it measures
@@ -114,16 +114,6 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu x{torch.get_num_threads()}"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), for the cache key: "cpu x2" on another machine that shares the cache
-    directory (a shared home) is another curve."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def curve_for(engine, strategies: list[SpecStrategy], *, cache_dir: str | Path | None = None,
